@@ -1,0 +1,186 @@
+"""Analysis: fingerprints, attribution, prediction and the differential table. Data only, no drawing."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .case import Case
+from .plan import GROUP, TILE_ENTRIES, GroupedPlan, mask_m_tile_bits, unattended_tokens
+from .routes import ROUTES, RunResult
+from .routes.emulate import decode_values
+
+#: |route - reference| <= atol + rtol * |reference| (fp16 output, fp16 P, fp32 accumulation)
+TOLERANCE = {"e4m3": (2e-3, 2e-2), "e5m2": (2e-3, 2e-2), "fp16": (2e-3, 2e-2)}
+
+
+def within_tolerance(out: torch.Tensor, ref: torch.Tensor, kv_dtype: str) -> bool:
+    atol, rtol = TOLERANCE[kv_dtype]
+    o, r = out.double(), ref.double()
+    return bool(torch.isfinite(o).all()) and bool(((o - r).abs() <= atol + rtol * r.abs()).all())
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Over all elements; None when either side holds a NaN."""
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return None
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def nan_dims(out: torch.Tensor) -> list[int]:
+    """Head dims of [rows, Hq, D] with any NaN."""
+    return torch.nonzero(torch.isnan(out).flatten(0, -2).any(dim=0)).flatten().tolist()
+
+
+def _tile_fields(case: Case, plan: GroupedPlan):
+    """Per tile: active M-tile bits [G, nt], V non-finite [G, nt, 32, D], unattended [G, nt, 32]."""
+    G, cap = plan.microblocks.shape
+    nt = cap // TILE_ENTRIES
+    ps = case.geometry.page_size
+    tok = (plan.microblocks.long().unsqueeze(-1) * 4 + torch.arange(4)).view(G, nt, 32)
+    v = decode_values(case.kv_cache[tok // ps, 1, tok % ps, 0, :], case.kv_format)
+    bad = ~torch.isfinite(v)
+    dead = unattended_tokens(plan.masks).view(G, nt, 32)
+    tile_or = torch.zeros((G, nt), dtype=torch.int64)
+    for e in range(TILE_ENTRIES):
+        tile_or |= plan.masks.long().view(G, nt, TILE_ENTRIES)[:, :, e] & 0xFFFFFFFF
+    walked = torch.arange(nt) < (plan.seq_len.long() // 32).unsqueeze(1)
+    active = torch.where(walked, mask_m_tile_bits(tile_or, plan.q_heads), 0)
+    return tok, active, bad, dead
+
+
+def predict_nan(case: Case, plan: GroupedPlan, variant: str = "unfixed") -> torch.Tensor:
+    """Predicted NaN mask [rows, Hq, D] of a grouped route, from the plan and the V bytes alone.
+
+    Every score row of an M-tile that a tile activates gets NaN at every dim where one of
+    the tile's panel rows holds a non-finite V value (the fixes zero unattended rows first).
+    """
+    g = case.geometry
+    case = case.to("cpu")
+    plan = plan.to("cpu")
+    pred = torch.zeros(g.rows, g.q_heads, g.head_dim, dtype=torch.bool)
+    if not plan.groups:
+        return pred
+    _, active, bad, dead = _tile_fields(case, plan)
+    if variant != "unfixed":
+        bad = bad & ~dead.unsqueeze(-1)
+    tile_dims = bad.any(dim=2)                                            # [G, nt, D]
+    nmt = plan.m_tiles
+    hit = torch.stack([(tile_dims & ((active >> m) & 1).bool().unsqueeze(-1)).any(dim=1)
+                       for m in range(nmt)], dim=1)                       # [G, m_tiles, D]
+    rows = torch.arange(GROUP * g.q_heads)
+    per_row = hit[:, rows // 16, :].view(plan.groups, GROUP, g.q_heads, g.head_dim)
+    pred[plan.group_rows.flatten()] = per_row.reshape(-1, g.q_heads, g.head_dim)
+    return pred
+
+
+def fingerprint(result: RunResult, route: str = "grouped"):
+    """Per group x M-tile: NaN dims, whether identical across its score rows and heads,
+    and whether its M-tile belongs to a category that received padding."""
+    import pandas as pd
+
+    case, plan, out = result.case, result.plan, result.outputs[route]
+    hq = case.geometry.q_heads
+    records = []
+    pad_bits = torch.zeros(plan.groups, dtype=torch.int64)
+    for m in range(1 << plan.m_tiles):  # categories that got padding, as M-tile bits
+        padded = (plan.padding() & (plan.categories == m)).any(dim=1)
+        pad_bits |= torch.where(padded, m, 0)
+    for gi in range(plan.groups):
+        score = out[plan.group_rows[gi]].reshape(GROUP * hq, -1)          # row = query*hq + head
+        for m in range(plan.m_tiles):
+            rows = score[m * 16:(m + 1) * 16]
+            nan = torch.isnan(rows)
+            dims = torch.nonzero(nan.any(dim=0)).flatten().tolist()
+            records.append({
+                "group": gi, "m_tile": m, "score_rows": f"{m * 16}-{m * 16 + rows.shape[0] - 1}",
+                "nan_count": int(nan.sum()), "nan_dims": dims,
+                "identical_across_rows": bool((nan == nan[:1]).all()),
+                "padded_category": bool((int(pad_bits[gi]) >> m) & 1),
+            })
+    return pd.DataFrame(records)
+
+
+def attribute(result: RunResult, route: str = "grouped"):
+    """Every NaN dim of a grouped route traced to the bytes behind it: one record per
+    (group, M-tile, dim, microblock, token) whose V byte decodes to non-finite and that the
+    route read without any query attending it."""
+    import pandas as pd
+
+    case, plan = result.case.to("cpu"), result.plan
+    out = result.outputs[route]
+    if not plan.groups:
+        return pd.DataFrame(columns=["group", "m_tile", "dim", "microblock", "page", "token", "byte", "padding"])
+    tok, active, bad, dead = _tile_fields(case, plan)
+    hq = case.geometry.q_heads
+    ps = case.geometry.page_size
+    source = bad & dead.unsqueeze(-1)                                     # [G, nt, 32, D]
+    raw = case.kv_cache[:, 1, :, 0, :]
+    raw_bytes = raw.view(torch.uint8).view(raw.shape[0], ps, case.geometry.head_dim, -1)[..., 0]
+    records = []
+    for g, t, j, d in torch.nonzero(source).tolist():
+        e = t * TILE_ENTRIES + j // 4
+        for m in range(plan.m_tiles):
+            if not (int(active[g, t]) >> m) & 1:
+                continue
+            rows = out[plan.group_rows[g]].reshape(GROUP * hq, -1)[m * 16:(m + 1) * 16]
+            if not bool(torch.isnan(rows[:, d]).any()):
+                continue  # a fixed route read it and zeroed it: no NaN to attribute
+            tk = int(tok[g, t, j])
+            records.append({"group": g, "m_tile": m, "dim": d, "microblock": int(plan.microblocks[g, e]),
+                            "page": tk // ps, "token": tk % ps, "byte": int(raw_bytes[tk // ps, tk % ps, d]),
+                            "padding": int(plan.masks[g, e]) == 0})
+    df = pd.DataFrame(records, columns=["group", "m_tile", "dim", "microblock", "page", "token", "byte", "padding"])
+    return df.drop_duplicates().reset_index(drop=True)
+
+
+def group_summary(plan: GroupedPlan) -> list[dict]:
+    """CONTRACT's `groups`: rows, tiles and real/padded entries per category."""
+    out = []
+    inside, padding = plan.in_plan(), plan.padding()
+    for gi in range(plan.groups):
+        cats = {}
+        for c in sorted(set(plan.categories[gi][inside[gi]].tolist())):
+            sel = inside[gi] & (plan.categories[gi] == c)
+            cats[str(c)] = {"real": int((sel & ~padding[gi]).sum()), "padded": int((sel & padding[gi]).sum())}
+        out.append({"group": gi, "rows": plan.group_rows[gi].tolist(),
+                    "tiles": int(plan.seq_len[gi]) // (4 * TILE_ENTRIES), "categories": cats})
+    return out
+
+
+def route_table(result: RunResult):
+    """The differential table: one row per route."""
+    import pandas as pd
+
+    xqa = result.outputs.get("xqa")
+    rows = []
+    for route in [r for r in ROUTES if r in result.outputs]:
+        out = result.outputs[route]
+        rows.append({"route": route, "nan_count": int(torch.isnan(out).sum()), "nan_dims": nan_dims(out),
+                     "max_abs_diff_vs_reference": max_abs_diff(out, result.reference64),
+                     "max_abs_diff_vs_xqa": None if xqa is None else max_abs_diff(out, xqa)})
+    return pd.DataFrame(rows).set_index("route")
+
+
+def diff_json(result: RunResult) -> dict:
+    """The `qsa_lab.diff/1` document of CONTRACT.md."""
+    g = result.case.geometry
+    table = route_table(result)
+    p = result.case.poison
+
+    def num(x):
+        return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+    return {
+        "schema": "qsa_lab.diff/1",
+        "backend": result.backend,
+        "geometry": {k: getattr(g, k) for k in ("rows", "requests", "layout", "context", "topk", "page_size",
+                                                "q_heads", "head_dim", "kv_dtype", "group_rows", "seed")},
+        "poison": {"site": p["site"], "plane": p["plane"], "nan_bytes": p["nan_bytes"],
+                   "poisoned_dims": p["poisoned_dims"]},
+        "groups": group_summary(result.plan),
+        "routes": {r: {"nan_count": int(row.nan_count), "nan_dims": list(row.nan_dims),
+                       "max_abs_diff_vs_reference": num(row.max_abs_diff_vs_reference),
+                       "max_abs_diff_vs_xqa": num(row.max_abs_diff_vs_xqa)}
+                   for r, row in table.iterrows()},
+    }

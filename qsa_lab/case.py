@@ -1,0 +1,262 @@
+"""A case: the tensors the route reads (SPEC §1), built from a Geometry.
+
+    q            [rows, q_heads, head_dim] fp16
+    kv_cache     [pages, 2, page_size, 1, head_dim] uint8 codes (e4m3/e5m2) or fp16
+    block_table  [requests, max_pages] int32   logical page -> physical page (never 0)
+    seq_lens     [requests] int32
+    token_to_req [rows] int32
+    positions    [rows] int64
+    selected     [rows, topk] int32            logical 4-token block ids, -1 = unused
+
+Page 0 is the null block: never mapped, left all zero by the builder (poison.py
+writes to it). Scales are per-tensor: value = decode(code) * scale.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import fp8
+
+KV_DTYPES = ("e4m3", "e5m2", "fp16")
+LAYOUTS = ("contiguous", "scatter")
+GROUPINGS = ("consecutive", "request")
+SINK_BLOCKS = 4      # leading blocks every row keeps (attention sink)
+WINDOW_BLOCKS = 128  # trailing complete blocks every row keeps (local window; topk // 4 if fewer)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of a case. Defaults are the report's decode-like geometry."""
+
+    rows: int = 19
+    requests: int = 1
+    layout: str = "contiguous"
+    context: int = 8192
+    topk: int = 512
+    page_size: int = 32
+    q_heads: int = 6
+    head_dim: int = 256
+    kv_dtype: str = "e4m3"
+    seed: int = 0
+    group_rows: str = "consecutive"
+
+    def __post_init__(self):
+        def need(ok, arg, what):
+            if not ok:
+                raise ValueError(f"{arg} must be {what}, got {getattr(self, arg)!r}")
+
+        for name in ("rows", "requests", "context", "topk", "page_size", "q_heads", "head_dim", "seed"):
+            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
+                 name, "an int")
+        need(self.rows >= 1, "rows", ">= 1")
+        need(self.requests >= 1, "requests", ">= 1")
+        need(self.rows >= self.requests, "rows", f">= requests ({self.requests})")
+        need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}")
+        need(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}")
+        need(self.group_rows in GROUPINGS, "group_rows", f"one of {GROUPINGS}")
+        need(self.page_size >= 4 and self.page_size % 4 == 0, "page_size", "a positive multiple of 4")
+        need(self.head_dim >= 16 and self.head_dim % 16 == 0, "head_dim", "a positive multiple of 16")
+        need(1 <= self.q_heads <= 16, "q_heads", "in 1..16")
+        need(self.topk >= 1, "topk", ">= 1")
+        need(self.seed >= 0, "seed", ">= 0")
+        rows_per_req = -(-self.rows // self.requests)
+        need(self.context - self.requests + 1 >= rows_per_req + 4, "context",
+             f">= rows per request + requests + 3 ({rows_per_req + self.requests + 3})")
+        need(self.context <= 1 << 20, "context", "<= 1048576")
+
+    @property
+    def m_tiles(self) -> int:
+        """16-row M-tiles of one group's 8*q_heads score rows."""
+        return -(-8 * self.q_heads // 16)
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **kw) -> "Geometry":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class Case:
+    geometry: Geometry
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    k_scale: float
+    v_scale: float
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    token_to_req: torch.Tensor
+    positions: torch.Tensor
+    selected: torch.Tensor
+    poison: dict = field(default_factory=lambda: {"site": "none", "plane": "v", "nan_bytes": 0,
+                                                  "poisoned_dims": []})
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def kv_format(self) -> str:
+        return self.geometry.kv_dtype
+
+    @property
+    def sm_scale(self) -> float:
+        return self.geometry.sm_scale
+
+    def to(self, device) -> "Case":
+        moved = {f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                 else getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Case(**moved)
+
+    def clone(self) -> "Case":
+        return dataclasses.replace(self, kv_cache=self.kv_cache.clone(), poison=dict(self.poison))
+
+    def decoded_plane(self, plane: int) -> torch.Tensor:
+        """[pages, page_size, head_dim] float32 values (scale applied) of plane 0=K or 1=V."""
+        raw = self.kv_cache[:, plane, :, 0, :]
+        scale = self.k_scale if plane == 0 else self.v_scale
+        if self.kv_format == "fp16":
+            return raw.float() * scale
+        return fp8.decode(raw, self.kv_format) * scale
+
+    def describe(self) -> str:
+        g = self.geometry
+        return (f"rows {g.rows}, {g.requests} req, {g.layout}, ctx {g.context}, topk {g.topk}, "
+                f"page {g.page_size}, Hq {g.q_heads}, D {g.head_dim}, {g.kv_dtype}, seed {g.seed}; "
+                f"poison {self.poison['site']}/{self.poison['plane']}")
+
+
+def visible_tokens(case: Case) -> torch.Tensor:
+    """[rows] int64: tokens each row may see, min(position + 1, seq_len)."""
+    return torch.minimum(case.positions + 1, case.seq_lens.long()[case.token_to_req.long()])
+
+
+def _selections(visible: torch.Tensor, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """[rows, topk] int32: sink + local window + random complete blocks, -1 padded, sorted."""
+    rows = visible.numel()
+    complete = (visible // 4).tolist()
+    out = torch.full((rows, topk), -1, dtype=torch.int32)
+    for r, nb in enumerate(complete):  # one vector op per row, not per element
+        if nb <= topk:
+            out[r, :nb] = torch.arange(nb, dtype=torch.int32)
+            continue
+        sink = torch.arange(min(SINK_BLOCKS, topk))
+        window = torch.arange(nb - min(WINDOW_BLOCKS, max(topk // 4, 1), topk - sink.numel()), nb)
+        middle_lo, middle_hi = sink.numel(), nb - window.numel()
+        n_rand = topk - sink.numel() - window.numel()
+        rand = middle_lo + torch.randperm(middle_hi - middle_lo, generator=gen)[:n_rand]
+        out[r] = torch.cat([sink, rand, window]).sort().values.to(torch.int32)
+    return out
+
+
+def build_case(geometry: Geometry | None = None, device: str | torch.device = "cpu", **overrides) -> Case:
+    """Build a case from a Geometry (or keyword overrides of the defaults).
+
+    Each request r holds seq_len = context - r tokens (so requests differ in their
+    partial last microblock); its rows are its last positions (decode-like, causal
+    among themselves). K/V ~ N(0, 1) written through the saturating encoder with
+    scale amax / max_finite; page 0 (the null block) stays zero.
+    """
+    g = geometry if geometry is not None else Geometry()
+    if overrides:
+        g = g.replace(**overrides)
+    gen = torch.Generator().manual_seed(g.seed)
+
+    seq_lens = torch.tensor([g.context - r for r in range(g.requests)], dtype=torch.int32)
+    per_req = [g.rows // g.requests + (1 if r < g.rows % g.requests else 0) for r in range(g.requests)]
+    token_to_req = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(per_req)])
+    positions = torch.cat([torch.arange(int(seq_lens[r]) - n, int(seq_lens[r]), dtype=torch.int64)
+                           for r, n in enumerate(per_req)])
+
+    pages_per_req = [-(-int(s) // g.page_size) for s in seq_lens]
+    max_pages = max(pages_per_req)
+    total = sum(pages_per_req)
+    physical = torch.arange(1, total + 1, dtype=torch.int32)  # page 0 is the null block
+    if g.layout == "scatter":
+        physical = physical[torch.randperm(total, generator=gen)]
+    block_table = torch.zeros((g.requests, max_pages), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(pages_per_req):
+        block_table[r, :n] = physical[start:start + n]
+        start += n
+
+    q = torch.randn((g.rows, g.q_heads, g.head_dim), generator=gen).to(torch.float16)
+    kv = torch.randn((total + 1, 2, g.page_size, 1, g.head_dim), generator=gen)
+    kv[0] = 0.0
+    # tokens at or past seq_len were never written: leave them zero (poison may write them)
+    tok = torch.arange(g.page_size)
+    for r, n in enumerate(pages_per_req):
+        last = int(block_table[r, n - 1])
+        written = int(seq_lens[r]) - (n - 1) * g.page_size
+        kv[last, :, tok >= written] = 0.0
+    if g.kv_dtype == "fp16":
+        k_scale = v_scale = 1.0
+        kv_cache = kv.to(torch.float16)
+    else:
+        mx = fp8.MAX_FINITE[g.kv_dtype]
+        k_scale = float(kv[:, 0].abs().max()) / mx
+        v_scale = float(kv[:, 1].abs().max()) / mx
+        kv_cache = torch.stack([fp8.encode(kv[:, 0] / k_scale, g.kv_dtype),
+                                fp8.encode(kv[:, 1] / v_scale, g.kv_dtype)], dim=1)
+
+    visible = torch.minimum(positions + 1, seq_lens.long()[token_to_req.long()])
+    selected = _selections(visible, g.topk, gen)
+    case = Case(g, q, kv_cache.contiguous(), k_scale, v_scale, block_table, seq_lens,
+                token_to_req, positions, selected)
+    return case.to(device) if str(device) != "cpu" else case
+
+
+def geometry_from_json(text: str) -> Geometry:
+    return Geometry(**json.loads(text))
+
+
+def validate_case(case: Case) -> Case:
+    """Raise ValueError naming the argument when a tensor has the wrong shape, dtype or range."""
+    g = case.geometry
+    rows, hq, d = g.rows, g.q_heads, g.head_dim
+
+    def need(ok, arg, what):
+        if not ok:
+            raise ValueError(f"{arg}: expected {what}")
+
+    need(tuple(case.q.shape) == (rows, hq, d) and case.q.dtype == torch.float16,
+         "q", f"[rows={rows}, q_heads={hq}, head_dim={d}] float16, got {list(case.q.shape)} {case.q.dtype}")
+    kv_dt = torch.float16 if g.kv_dtype == "fp16" else torch.uint8
+    kv = case.kv_cache
+    need(kv.dim() == 5 and tuple(kv.shape[1:]) == (2, g.page_size, 1, d) and kv.dtype == kv_dt,
+         "kv_cache", f"[pages, 2, page_size={g.page_size}, 1, head_dim={d}] {kv_dt}, "
+         f"got {list(kv.shape)} {kv.dtype}")
+    for name in ("k_scale", "v_scale"):
+        s = getattr(case, name)
+        need(isinstance(s, float) and math.isfinite(s) and s > 0, name, f"a finite float > 0, got {s!r}")
+    reqs = g.requests
+    need(tuple(case.seq_lens.shape) == (reqs,) and case.seq_lens.dtype == torch.int32, "seq_lens",
+         f"[requests={reqs}] int32")
+    need(case.block_table.dim() == 2 and case.block_table.shape[0] == reqs
+         and case.block_table.dtype == torch.int32, "block_table", f"[requests={reqs}, max_pages] int32")
+    need(case.block_table.numel() == 0 or (0 <= int(case.block_table.min())
+                                           and int(case.block_table.max()) < kv.shape[0]),
+         "block_table", f"physical pages in [0, {kv.shape[0]})")
+    need(int(case.seq_lens.max()) <= case.block_table.shape[1] * g.page_size and int(case.seq_lens.min()) >= 1,
+         "seq_lens", "in [1, max_pages * page_size]")
+    need(tuple(case.token_to_req.shape) == (rows,) and case.token_to_req.dtype == torch.int32
+         and 0 <= int(case.token_to_req.min()) and int(case.token_to_req.max()) < reqs,
+         "token_to_req", f"[rows={rows}] int32 in [0, {reqs})")
+    need(tuple(case.positions.shape) == (rows,) and case.positions.dtype == torch.int64
+         and int(case.positions.min()) >= 0, "positions", f"[rows={rows}] int64 >= 0")
+    sel = case.selected
+    need(tuple(sel.shape) == (rows, g.topk) and sel.dtype == torch.int32, "selected",
+         f"[rows={rows}, topk={g.topk}] int32")
+    complete = (visible_tokens(case) // 4).unsqueeze(1)
+    need(bool(((sel == -1) | ((sel >= 0) & (sel < complete))).all()), "selected",
+         "-1 or a fully visible logical block id (< visible // 4)")
+    return case

@@ -1,0 +1,208 @@
+"""`qsa-lab` command line: diff, repro, bench, doctor (CONTRACT.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_BAD_ARGS = 2
+
+
+class UsageError(Exception):
+    """Bad arguments: one line on stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming the argument, not the usage block
+        raise UsageError(message)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_case_args(p):
+    from .case import GROUPINGS, KV_DTYPES, LAYOUTS
+    from .poison import PLANES, SITES
+    from .routes import BACKENDS
+
+    g = p.add_argument_group("geometry")
+    g.add_argument("geometry", nargs="?", choices=["decode", "causal3"], default=None,
+                   help="preset: decode = the report's 19 decode-like rows; causal3 = 24 rows of 3 requests, scatter")
+    g.add_argument("--rows", type=int)
+    g.add_argument("--requests", type=int)
+    g.add_argument("--layout", choices=LAYOUTS)
+    g.add_argument("--context", type=int, help="tokens per request (8192)")
+    g.add_argument("--topk", type=int, help="selected blocks per row (512)")
+    g.add_argument("--page-size", type=int)
+    g.add_argument("--q-heads", type=int)
+    g.add_argument("--head-dim", type=int)
+    g.add_argument("--kv-dtype", choices=KV_DTYPES)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--grouping", choices=GROUPINGS, help="consecutive rows (default) or request-aligned groups")
+    q = p.add_argument_group("poison")
+    q.add_argument("--poison", choices=SITES, default="none")
+    q.add_argument("--dims", type=_int_list, help="head dims for targeted / stale-tail (102,152,168,170,230)")
+    q.add_argument("--plane", choices=tuple(PLANES), default="v")
+    q.add_argument("--poison-seed", type=int, default=0)
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
+
+
+def _geometry(args):
+    from .case import Geometry
+    from .repro import CAUSAL3, DECODE
+
+    base = {"decode": DECODE, "causal3": CAUSAL3, None: Geometry()}[args.geometry]
+    names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed"]
+    over = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.grouping:
+        over["group_rows"] = args.grouping
+    return base.replace(**over)
+
+
+def _print_table(result, out=sys.stdout):
+    import pandas as pd
+
+    from .analysis import route_table
+
+    t = route_table(result)
+    t["nan_dims"] = t["nan_dims"].map(lambda d: ",".join(map(str, d[:12])) + (" ..." if len(d) > 12 else ""))
+    with pd.option_context("display.width", 200, "display.max_columns", 10, "display.float_format", "{:.3g}".format):
+        print(t.to_string(), file=out)
+
+
+def cmd_diff(args) -> int:
+    import torch
+
+    from . import io
+    from .analysis import diff_json
+    from .case import build_case
+    from .poison import apply_poison
+    from .routes import run_routes
+
+    if args.load:
+        case, _, saved, _ = io.load(args.load)
+        result = run_routes(case, routes=list(saved) or None, backend=args.backend)
+        same = {r: torch.equal(saved[r].view(torch.int16), result.outputs[r].view(torch.int16)) for r in saved}
+        replay = "bit-identical" if all(same.values()) else f"DIFFERS on {[r for r, s in same.items() if not s]}"
+    else:
+        if args.save and Path(args.save).exists() and not args.force:
+            raise UsageError(f"argument --save: {args.save} exists (add --force to overwrite)")
+        case = apply_poison(build_case(_geometry(args)), args.poison, plane=args.plane, dims=args.dims,
+                            seed=args.poison_seed)
+        result = run_routes(case, backend=args.backend)
+        replay = None
+    doc = diff_json(result)
+    if args.json == "-":
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"# {case.describe()}  [backend: {result.backend}]")
+        p = case.poison
+        print(f"# poison: {p.get('nan_bytes', 0)} NaN bytes, dims {p.get('poisoned_dims', [])}")
+        _print_table(result)
+        if replay:
+            print(f"# replay of {args.load}: {replay}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.save:
+        io.save(result, args.save, overwrite=args.force)
+        if args.json != "-":
+            print(f"# saved {args.save}")
+    return 0 if replay is None or replay == "bit-identical" else 1
+
+
+def cmd_repro(args) -> int:
+    from .repro import run_repro
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table, results = run_repro(backend=args.backend, progress=not args.quiet)
+    backend = results[0].backend if results else args.backend
+    print(f"# backend: {backend}")
+    show = ["case", "nan_bytes", "nan[xqa]", "nan[grouped]", "nan[grouped+kernel_fix]", "nan[grouped+pad_fix]",
+            "nan[grouped+masked_load]", "max|grouped+kernel_fix-xqa|", "report_grouped_nan"]
+    print(table[show].to_string(index=False))
+    table.to_csv(out / "repro.csv", index=False)
+    (out / "repro.json").write_text(json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
+                                                "cases": json.loads(table.to_json(orient="records"))}, indent=2))
+    written = [out / "repro.csv", out / "repro.json"]
+    if not args.no_figures:
+        from .figures import write_repro_figures
+
+        written += write_repro_figures(results, args.figures)
+    for w in written:
+        print(f"# wrote {w}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("qsa-lab bench: no CUDA GPU visible; timings need one (committed H200 numbers: data/bench_h200.json)",
+              file=sys.stderr)
+        return 1
+    from .kernels.bench import run_bench
+
+    run_bench(json_path=args.json)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    import platform
+
+    import torch
+
+    from . import __version__, kernels
+
+    info = {"qsa_lab": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+            "arch_list": torch.cuda.get_arch_list() if torch.cuda.is_available() else []}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = "sm_%d%d" % torch.cuda.get_device_capability()
+    info.update({f"kernels.{k}": v for k, v in kernels.status().items()})
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v}")
+    backend = "cuda (compiled kernels)" if kernels.available() else "emulate (PyTorch emulation)"
+    print(f"{'backend auto':<{width}}  {backend}")
+    return 0
+
+
+def build_parser():
+    p = _Parser(prog="qsa-lab", description="Reproduce, fingerprint and fix the grouped page4 null-block NaN.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    d = sub.add_parser("diff", help="one case through every route; prints a table")
+    _add_case_args(d)
+    d.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.diff/1 document (- for stdout)")
+    d.add_argument("--save", metavar="PATH", help="save case, plan and outputs (safetensors)")
+    d.add_argument("--load", metavar="PATH", help="replay a saved case")
+    d.add_argument("--force", action="store_true", help="allow --save to overwrite")
+    r = sub.add_parser("repro", help="the report's verification table plus extra cases; CSV, JSON, figures")
+    r.add_argument("--out", default="results")
+    r.add_argument("--figures", default="figures")
+    r.add_argument("--backend", choices=("auto", "emulate", "cuda"), default="auto")
+    r.add_argument("--no-figures", action="store_true")
+    r.add_argument("--quiet", action="store_true")
+    b = sub.add_parser("bench", help="GPU timings of every route and fix")
+    b.add_argument("--json", metavar="PATH")
+    sub.add_parser("doctor", help="what this machine can do")
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return {"diff": cmd_diff, "repro": cmd_repro, "bench": cmd_bench, "doctor": cmd_doctor}[args.cmd](args)
+    except (UsageError, ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"qsa-lab: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

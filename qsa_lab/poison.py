@@ -1,0 +1,114 @@
+"""Poison sites (SPEC §5): write foreign bytes where the grouped route reads but nobody attends.
+
+Every site works on the raw bytes of the cache. For an fp8 cache one element is
+one byte, so a NaN code is a NaN element. For an fp16 cache the same byte lands
+in the low byte of an fp16 element and reads back as a finite value: that is why
+the bug hides with fp16 KV.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import fp8
+from .case import Case
+
+SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail")
+PLANES = {"k": (0,), "v": (1,), "kv": (0, 1)}
+REPORT_DIMS = (102, 152, 168, 170, 230)
+DIM_SITES = ("targeted", "stale-tail")  # sites that write chosen head dims only
+NAN_BYTE = 0x7F  # NaN in both e4m3 and e5m2
+
+
+def check_site(site: str, plane: str) -> None:
+    if site not in SITES:
+        raise ValueError(f"site must be one of {SITES}, got {site!r}")
+    if plane not in PLANES:
+        raise ValueError(f"plane must be one of {tuple(PLANES)}, got {plane!r}")
+
+
+def default_dims(head_dim: int) -> list[int]:
+    return sorted({d % head_dim for d in REPORT_DIMS})
+
+
+def stale_tokens(case: Case) -> list[tuple[int, int]]:
+    """(physical page, token in page) of every never-written token inside a request's
+    last partial microblock: positions seq_len .. round_up(seq_len, 4) - 1."""
+    ps = case.geometry.page_size
+    out = []
+    for r, s in enumerate(case.seq_lens.tolist()):
+        for pos in range(s, -(-s // 4) * 4):
+            out.append((int(case.block_table[r, pos // ps]), pos % ps))
+    return out
+
+
+def _element_nan(raw: torch.Tensor, kv_format: str) -> torch.Tensor:
+    return torch.isnan(raw.float()) if kv_format == "fp16" else fp8.is_nan_code(raw, kv_format)
+
+
+def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None, seed: int = 0) -> Case:
+    """Return a copy of `case` with the site written; `case.poison` records what it wrote:
+    site, plane, bytes_written, nan_bytes (written elements that decode to NaN on the
+    poisoned planes) and poisoned_dims (head dims holding one)."""
+    check_site(site, plane)
+    g = case.geometry
+    if site in DIM_SITES:
+        dims = default_dims(g.head_dim) if dims is None else [int(d) for d in dims]
+        if not dims or any(not 0 <= d < g.head_dim for d in dims):
+            raise ValueError(f"dims must be a non-empty list of head dims in [0, {g.head_dim}), got {dims}")
+    elif dims is not None:
+        raise ValueError(f"dims only applies to sites {DIM_SITES}, not {site!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+
+    out = case.clone()
+    kv = out.kv_cache  # [pages, 2, page_size, 1, D]
+    gen = torch.Generator().manual_seed(seed)
+    planes = PLANES[plane]
+    region = torch.zeros(kv.shape[:3] + (g.head_dim,), dtype=torch.bool)  # [pages, 2, ps, D] elements written
+    cells = kv.view(torch.uint8).view(kv.shape[0], 2, g.page_size, g.head_dim, -1)  # [..., D, bytes/elem]
+    nbytes = cells.shape[-1]
+    if site == "zeros":
+        cells[0] = 0
+        region[0] = True
+    elif site == "targeted":
+        for p in planes:  # page 0 tokens 0..3 = the null block's microblock
+            region[0, p, :4, dims] = True
+    elif site == "stale-tail":
+        if not stale_tokens(out):
+            raise ValueError("site 'stale-tail' needs a request whose seq_len is not a multiple of 4 "
+                             f"(seq_lens {out.seq_lens.tolist()}): use requests >= 2 or a context not divisible by 4")
+        for page, tok in stale_tokens(out):
+            for p in planes:
+                region[page, p, tok, dims] = True
+    elif site in ("random", "fp16-state"):
+        for p in planes:
+            region[0, p] = True
+    if site in ("targeted", "stale-tail"):
+        low = cells[..., 0]
+        low[region.to(kv.device)] = NAN_BYTE
+    elif site in ("random", "fp16-state"):
+        for p in planes:
+            n = g.page_size * g.head_dim * nbytes
+            if site == "random":
+                data = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int64).to(torch.uint8)
+            else:  # recurrent state: fp16 activations of unit-ish scale, laid byte by byte
+                data = (torch.randn(n // 2 + 1, generator=gen) * 0.5).to(torch.float16).view(torch.uint8)[:n]
+            cells[0, p] = data.view(g.page_size, g.head_dim, nbytes).to(kv.device)
+    if site == "none":
+        written = torch.zeros(0, dtype=torch.bool)
+        nan_here = torch.zeros_like(region)
+    else:
+        raw = kv[:, :, :, 0, :]
+        nan_here = _element_nan(raw, g.kv_dtype).cpu() & region
+        for p in (0, 1):
+            if p not in planes:
+                nan_here[:, p] = False
+        written = region
+    out.poison = {
+        "site": site, "plane": plane, "seed": seed,
+        "dims": list(dims) if site in DIM_SITES else [],
+        "bytes_written": int(written.sum()) * nbytes,
+        "nan_bytes": int(nan_here.sum()),
+        "poisoned_dims": sorted(set(torch.nonzero(nan_here)[:, 3].tolist())),
+    }
+    return out
