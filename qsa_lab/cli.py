@@ -155,17 +155,9 @@ def cmd_bench(args) -> int:
 def cmd_doctor(args) -> int:
     import platform
 
-    import torch
-
     from . import __version__, kernels
 
-    info = {"qsa_lab": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-            "arch_list": torch.cuda.get_arch_list() if torch.cuda.is_available() else []}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["capability"] = "sm_%d%d" % torch.cuda.get_device_capability()
-    info.update({f"kernels.{k}": v for k, v in kernels.status().items()})
+    info = {"qsa_lab": __version__, "python": platform.python_version(), **kernels.status()}
     width = max(map(len, info))
     for k, v in info.items():
         print(f"{k:<{width}}  {v}")
