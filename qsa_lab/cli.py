@@ -133,7 +133,7 @@ def cmd_repro(args) -> int:
     if not args.no_figures:
         from .figures import write_repro_figures
 
-        written += write_repro_figures(results, args.figures)
+        written += write_repro_figures(results, args.figures, table=table)
     for w in written:
         print(f"# wrote {w}")
     return 0

@@ -1,0 +1,73 @@
+"""Export a figure for a bug report: PNG, SVG and PDF with the case, backend, GPU and
+qsa_lab version embedded in each file's own metadata. Never overwrites silently."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+FORMATS = ("png", "svg", "pdf")
+META_KEYS = ("case", "backend", "gpu", "qsa_lab_version")
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - a broken CUDA install still lets the figure be saved
+        pass
+    return "none (CPU)"
+
+
+def full_meta(meta: dict | None) -> dict:
+    """meta plus defaults for the four required keys (gpu and version filled in here)."""
+    from . import __version__
+
+    out = {"case": "", "backend": "", "gpu": gpu_name(), "qsa_lab_version": __version__}
+    out.update({k: str(v) for k, v in (meta or {}).items()})
+    return out
+
+
+def _paths(out_dir: Path, name: str, suffix: int | None) -> dict:
+    stem = name if suffix is None else f"{name}-{suffix}"
+    return {f: out_dir / f"{stem}.{f}" for f in FORMATS}
+
+
+def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", overwrite: bool = False,
+                  dpi: int = 150) -> list[Path]:
+    """Write `fig` as out_dir/name.{png,svg,pdf} -> [png, svg, pdf] paths.
+
+    meta: {"case", "backend", ...}; "gpu" and "qsa_lab_version" are filled in when absent.
+    If any of the three files exists and overwrite is False, the first free numbered
+    stem name-1, name-2, ... is used instead (all three files share it).
+    """
+    if not name or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
+        raise ValueError(f"name must be a plain file stem ([A-Za-z0-9_.+-]), got {name!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = _paths(out_dir, name, None)
+    n = 0
+    while not overwrite and any(p.exists() for p in paths.values()):
+        n += 1
+        paths = _paths(out_dir, name, n)
+    m = full_meta(meta)
+    blob = json.dumps(m, sort_keys=True)
+    title = f"qsa_lab {name}"
+    fig.savefig(paths["png"], dpi=dpi, metadata={"Title": title, "Description": blob, "Software": "qsa_lab",
+                                                 **{f"qsa_lab:{k}": v for k, v in m.items()}})
+    fig.savefig(paths["svg"], metadata={"Title": title, "Description": blob, "Creator": "qsa_lab",
+                                        "Keywords": [f"{k}={v}" for k, v in m.items()]})
+    fig.savefig(paths["pdf"], metadata={"Title": title, "Subject": blob, "Creator": "qsa_lab",
+                                        "Keywords": "; ".join(f"{k}={v}" for k, v in m.items())})
+    return [paths[f] for f in FORMATS]
+
+
+def read_png_meta(path) -> dict:
+    """The qsa_lab metadata embedded in a PNG written by export_figure."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        text = dict(im.text)
+    return json.loads(text["Description"])

@@ -1,0 +1,196 @@
+"""Data for figures: pure functions from cases and results to what plotting.py draws.
+
+No drawing here (that is plotting.py) and no analysis the analysis module already
+does: these only reshape a Case / RunResult / bench JSON into small dicts and
+DataFrames, one per figure, so a figure can be redrawn from its data alone.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .case import Case, Geometry, build_case
+from .plan import GROUP, GroupedPlan
+from .poison import DIM_SITES, SITES, apply_poison, stale_tokens
+from .routes import ROUTES, RunResult
+from .routes.emulate import decode_values
+
+PLANE_INDEX = {"k": 0, "v": 1}
+BENCH_JSON = Path(__file__).resolve().parent.parent / "data" / "bench_h200.json"
+
+
+def case_title(case: Case, backend: str | None = None) -> str:
+    """One line naming the case (and backend) for figure titles."""
+    g = case.geometry
+    p = case.poison
+    s = (f"rows {g.rows}, {g.requests} req {g.layout}, ctx {g.context}, topk {g.topk}, {g.kv_dtype}"
+         f" | poison {p['site']}/{p['plane']}")
+    return s + (f" | backend {backend}" if backend else "")
+
+
+def page_bytes(case: Case, plane: str = "v", page: int | None = None) -> dict:
+    """The bytes of one page of one plane: codes [page_size, head_dim] uint8 (low byte for
+    fp16 KV) and nan [page_size, head_dim] bool (element decodes to NaN).
+
+    page None -> page 0 (the null block), or for 'stale-tail' the page holding the first
+    stale token (that site leaves page 0 alone)."""
+    if plane not in PLANE_INDEX:
+        raise ValueError(f"plane must be 'k' or 'v' for a byte map, got {plane!r}")
+    if page is None:
+        stale = stale_tokens(case) if case.poison["site"] == "stale-tail" else []
+        page = stale[0][0] if stale else 0
+    raw = case.kv_cache[page, PLANE_INDEX[plane], :, 0, :].cpu()           # [page_size, D]
+    codes = raw.view(torch.uint8).view(raw.shape[0], raw.shape[1], -1)[..., 0]
+    nan = torch.isnan(decode_values(raw, case.kv_format))
+    return {"codes": codes.numpy(), "nan": nan.numpy(), "page": int(page), "plane": plane,
+            "site": case.poison["site"], "kv_dtype": case.kv_format, "nan_bytes": int(nan.sum()),
+            "nan_dims": sorted(set(torch.nonzero(nan)[:, 1].tolist()))}
+
+
+def page_byte_maps(geometry: Geometry | None = None, sites=SITES, plane: str = "v", seed: int = 0,
+                   dims=None) -> list[dict]:
+    """page_bytes of the poisoned plane for every site, on one small case."""
+    g = geometry or Geometry(rows=8, requests=2, context=256, topk=16)
+    base = build_case(g)
+    out = []
+    for site in sites:
+        case = apply_poison(base, site, plane=plane, dims=dims if site in DIM_SITES else None, seed=seed)
+        out.append(page_bytes(case, "v" if plane == "kv" else plane))
+    return out
+
+
+def fp16_state_rates(n: int = 1 << 20, seed: int = 0, fmt: str = "e4m3") -> dict:
+    """Measured E4M3 NaN-code rates of the low, high and all bytes of fp16 recurrent-state-like
+    values (N(0, 0.5) as poison 'fp16-state' writes them) and of uniform random bytes."""
+    from . import fp8
+
+    gen = torch.Generator().manual_seed(seed)
+    state = (torch.randn(n, generator=gen) * 0.5).to(torch.float16)
+    uniform = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int64).to(torch.uint8)
+    u = uniform.reshape(-1, 2)
+    return {
+        "fp16 state N(0, 0.5)": fp8.fp16_byte_nan_rates(state, fmt),
+        "uniform random bytes": {"low": fp8.nan_byte_fraction(u[:, 0], fmt),
+                                 "high": fp8.nan_byte_fraction(u[:, 1], fmt),
+                                 "all": fp8.nan_byte_fraction(uniform, fmt)},
+    }
+
+
+def plan_table(plan: GroupedPlan):
+    """One row per (group, category): real and padded entries. -> DataFrame."""
+    import pandas as pd
+
+    inside, padding = plan.in_plan(), plan.padding()
+    rows = []
+    for gi in range(plan.groups):
+        for c in range(1, 1 << plan.m_tiles):
+            sel = inside[gi] & (plan.categories[gi] == c)
+            rows.append({"group": gi, "category": c, "real": int((sel & ~padding[gi]).sum()),
+                         "padded": int((sel & padding[gi]).sum())})
+    df = pd.DataFrame(rows, columns=["group", "category", "real", "padded"])
+    df.attrs["m_tiles"] = plan.m_tiles
+    return df
+
+
+def nan_map(result: RunResult, route: str = "grouped") -> dict:
+    """Score rows x head dims of one route: values [groups*8*Hq + xqa_rows*Hq, D] float32 with NaN.
+
+    Rows of group g are g's 8 queries x Hq heads in score-row order (query*Hq + head),
+    so M-tile m of group g is rows g*8*Hq + 16m .. +15; the XQA remainder rows follow."""
+    if route not in result.outputs:
+        raise ValueError(f"route {route!r} was not run; have {list(result.outputs)}")
+    out = result.outputs[route].float()
+    plan = result.plan
+    hq, D = out.shape[1], out.shape[2]
+    parts = [out[plan.group_rows.flatten()].reshape(-1, D)] if plan.groups else []
+    if plan.xqa_rows.numel():
+        parts.append(out[plan.xqa_rows].reshape(-1, D))
+    values = torch.cat(parts) if parts else torch.zeros(0, D)
+    return {"values": values.numpy(), "groups": plan.groups, "q_heads": hq, "m_tiles": plan.m_tiles,
+            "xqa_rows": plan.xqa_rows.tolist(), "route": route,
+            "nan_count": int(torch.isnan(out).sum()),
+            "title": f"{route}: {case_title(result.case, result.backend)}"}
+
+
+def route_nans(result: RunResult, routes=None) -> dict:
+    """Per route: NaN elements per head dim [routes, D] and the route table."""
+    from .analysis import route_table
+
+    routes = [r for r in (routes or ROUTES) if r in result.outputs]
+    per_dim = torch.stack([torch.isnan(result.outputs[r]).flatten(0, 1).sum(0) for r in routes])
+    return {"routes": routes, "per_dim": per_dim.numpy(), "table": route_table(result).loc[routes],
+            "title": case_title(result.case, result.backend)}
+
+
+def attribution_map(result: RunResult, route: str = "grouped") -> dict:
+    """page_bytes of the null block's V plane plus the route's NaN dims: which byte is behind
+    which NaN dim (analysis.attribute has the record-level table)."""
+    from .analysis import nan_dims
+
+    d = page_bytes(result.case, "v", page=0)
+    d["output_nan_dims"] = nan_dims(result.outputs[route])
+    d["route"] = route
+    return d
+
+
+def bench_frame(doc, source: str = ""):
+    """A bench document -> (DataFrame of records, meta dict). Accepts a list of records or
+    {"gpu": ..., "records"|"results"|"timings": [...], ...}; a record names its route ('route'
+    or 'variant') and 'median_ms', and optionally 'context', 'rows', 'ratio_to_unfixed', 'gbps'."""
+    import pandas as pd
+
+    if isinstance(doc, list):
+        records, meta = doc, {}
+    else:
+        key = next((k for k in ("records", "results", "timings", "rows") if isinstance(doc.get(k), list)), None)
+        if key is None:
+            raise ValueError(f"{source or 'bench'}: no list of records under records/results/timings")
+        records, meta = doc[key], {k: v for k, v in doc.items() if k != key}
+    df = pd.DataFrame(records)
+    if "route" not in df.columns and "variant" in df.columns:
+        df = df.rename(columns={"variant": "route"})
+    missing = {"route", "median_ms"} - set(df.columns)
+    if missing:
+        raise ValueError(f"{source or 'bench'}: records lack {sorted(missing)}")
+    if "gpu" not in meta:
+        meta["gpu"] = str(df["gpu"].iloc[0]) if "gpu" in df.columns and len(df) else "unknown GPU"
+    meta.setdefault("source", source)
+    return df, meta
+
+
+def load_bench(path: str | Path = BENCH_JSON):
+    """The committed bench JSON -> (DataFrame, meta); see bench_frame."""
+    return bench_frame(json.loads(Path(path).read_text()), str(Path(path).name))
+
+
+def bench_data(live: bool, path: str | Path = BENCH_JSON):
+    """(DataFrame, meta) of route/fix timings: measured now when `live` (needs a GPU and
+    qsa_lab.kernels.bench), else read from `path`; None when neither is available."""
+    if live:
+        from .kernels.bench import run_bench
+
+        doc = run_bench()
+        df, meta = bench_frame(doc, "measured live")
+        meta["live"] = True
+        return df, meta
+    if not Path(path).exists():
+        return None
+    df, meta = load_bench(path)
+    meta["live"] = False
+    return df, meta
+
+
+def group_row_labels(groups: int, q_heads: int, m_tiles: int, xqa_rows: list) -> list[tuple[float, str]]:
+    """(y centre, label) of every group x M-tile block of a nan_map, plus the XQA block."""
+    R = GROUP * q_heads
+    out = []
+    for g in range(groups):
+        for m in range(m_tiles):
+            lo, hi = g * R + 16 * m, min(g * R + 16 * (m + 1), (g + 1) * R)
+            out.append(((lo + hi - 1) / 2, f"g{g} m{m} (score rows {16 * m}-{hi - g * R - 1})"))
+    if xqa_rows:
+        lo = groups * R
+        out.append((lo + len(xqa_rows) * q_heads / 2 - 0.5, f"XQA rows {xqa_rows[0]}-{xqa_rows[-1]}"))
+    return out

@@ -1,0 +1,147 @@
+"""Figure functions draw what their data says (NaN where the data has NaN, in NAN_COLOR),
+return their Axes, and the exporter writes PNG/SVG/PDF with metadata without overwriting."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.colors as mcolors  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+import qsa_lab as q  # noqa: E402
+from qsa_lab import figdata, fp8, plotting  # noqa: E402
+from qsa_lab.export import export_figure, read_png_meta  # noqa: E402
+
+SMALL = q.Geometry(context=512, topk=32)
+
+
+@pytest.fixture(scope="module")
+def result():
+    return q.run_routes(q.apply_poison(q.build_case(SMALL), "targeted"), backend="emulate")
+
+
+def new_ax():
+    return Figure(figsize=(8, 4)).add_subplot()
+
+
+def nan_rgba():
+    return np.array(mcolors.to_rgba(plotting.NAN_COLOR))
+
+
+def image_nan_columns(ax):
+    """Columns of the Axes' first image whose every pixel... any pixel is NAN_COLOR."""
+    im = ax.get_images()[0]
+    rgba = im.to_rgba(im.get_array())
+    is_nan = np.all(np.isclose(rgba, nan_rgba(), atol=1e-3), axis=-1)
+    return sorted(set(np.nonzero(is_nan)[1].tolist())), is_nan
+
+
+def test_nan_map_marks_exactly_the_nan_cells(result):
+    data = figdata.nan_map(result, "grouped")
+    ax = plotting.plot_nan_map(data, ax=new_ax())
+    cols, is_nan = image_nan_columns(ax)
+    assert cols == [102, 152, 168, 170, 230]
+    assert np.array_equal(is_nan, np.isnan(data["values"]))
+    assert data["values"].shape[0] == 19 * 6 and is_nan.sum() == 480
+    assert "backend emulate" in ax.get_title() and ax.get_xlabel() == "head dim"
+    assert len(ax.get_xticks()) >= 8                     # readable ticks at 256 dims: every 32
+
+
+def test_nan_map_of_fixed_route_is_clean(result):
+    ax = plotting.plot_nan_map(figdata.nan_map(result, "grouped+kernel_fix"), ax=new_ax())
+    assert image_nan_columns(ax)[0] == []
+
+
+def test_route_comparison_marks_only_grouped(result):
+    data = figdata.route_nans(result)
+    ax = plotting.plot_route_comparison(data, ax=new_ax())
+    _, is_nan = image_nan_columns(ax)
+    assert [r for r, row in zip(data["routes"], is_nan) if row.any()] == ["grouped"]
+
+
+def test_page_bytes_and_attribution(result):
+    d = figdata.page_bytes(result.case, "v")
+    assert d["nan_bytes"] == 20 and d["nan_dims"] == [102, 152, 168, 170, 230]
+    ax = plotting.plot_page_bytes(d, ax=new_ax())
+    assert image_nan_columns(ax)[0] == [102, 152, 168, 170, 230]
+    ax = plotting.plot_attribution(figdata.attribution_map(result), ax=new_ax())
+    assert "identical" in ax.get_title()
+
+
+def test_page_byte_maps_every_site():
+    maps = figdata.page_byte_maps()
+    assert [m["site"] for m in maps] == list(q.poison.SITES)
+    by = {m["site"]: m for m in maps}
+    assert by["zeros"]["nan_bytes"] == 0 and by["targeted"]["nan_bytes"] == 20
+    assert by["stale-tail"]["page"] != 0 and by["stale-tail"]["nan_bytes"] > 0
+
+
+def test_code_table_marks_nan_codes():
+    ax = plotting.plot_code_table(fp8.code_table("e4m3"), ax=new_ax())
+    _, is_nan = image_nan_columns(ax)
+    assert sorted((np.nonzero(is_nan.flatten())[0]).tolist()) == [0x7F, 0xFF]
+    assert sum(t.get_text() == "NaN" for t in ax.texts) == 2
+
+
+def test_byte_rates_and_plan(result):
+    rates = figdata.fp16_state_rates(n=1 << 16)
+    ax = plotting.plot_byte_nan_rates(rates, ax=new_ax())
+    assert len(ax.patches) == 6 and "%" in ax.get_ylabel()
+    table = figdata.plan_table(result.plan)
+    assert int(table.padded.sum()) == int(result.plan.padding().sum())
+    ax = plotting.plot_plan(table, ax=new_ax())
+    assert str(int(table.padded.sum())) in ax.get_title()
+
+
+def test_repro_table_and_bench_figures():
+    import pandas as pd
+
+    from qsa_lab.repro import REPRO_CASES, run_repro
+
+    table, _ = run_repro(backend="emulate", cases=REPRO_CASES[:1], progress=False, repeat=False,
+                         geometry_overrides=dict(context=512, topk=32))
+    ax = plotting.plot_repro_table(table, ax=new_ax())
+    assert ax.tables and "480" in [c.get_text().get_text() for c in ax.tables[0].get_celld().values()]
+    df, meta = figdata.bench_frame([{"variant": "grouped", "context": 8192, "rows": 16, "median_ms": 0.19,
+                                     "ratio_to_unfixed": 1.0},
+                                    {"variant": "grouped+kernel_fix", "context": 8192, "rows": 16,
+                                     "median_ms": 0.23, "ratio_to_unfixed": 1.23}], "test")
+    ax = plotting.plot_bench((df, {**meta, "gpu": "Tesla V100"}), ax=new_ax())
+    assert len(ax.patches) == 2 and "Tesla V100" in ax.get_title()
+    assert isinstance(df, pd.DataFrame)
+
+
+def test_export_metadata_and_no_silent_overwrite(tmp_path):
+    fig = Figure()
+    fig.add_subplot().plot([0, 1])
+    meta = {"case": "rows 19 test", "backend": "emulate"}
+    first = export_figure(fig, "demo", meta, out_dir=tmp_path)
+    assert [p.name for p in first] == ["demo.png", "demo.svg", "demo.pdf"]
+    m = read_png_meta(first[0])
+    assert m["case"] == "rows 19 test" and m["backend"] == "emulate" and m["gpu"] and \
+        m["qsa_lab_version"] == q.__version__
+    assert "rows 19 test" in first[1].read_text() and b"rows 19 test" in first[2].read_bytes()
+    second = export_figure(fig, "demo", meta, out_dir=tmp_path)
+    assert [p.name for p in second] == ["demo-1.png", "demo-1.svg", "demo-1.pdf"]
+    before = first[0].stat().st_mtime_ns
+    third = export_figure(fig, "demo", meta, out_dir=tmp_path, overwrite=True)
+    assert third == first and first[0].stat().st_mtime_ns >= before
+    with pytest.raises(ValueError, match="name"):
+        export_figure(fig, "../evil", meta, out_dir=tmp_path)
+
+
+def test_write_repro_figures(tmp_path):
+    from qsa_lab.figures import write_repro_figures
+    from qsa_lab.repro import REPRO_CASES, run_repro
+
+    cases = [c for c in REPRO_CASES if c.report_key == "rows19-targeted" or c.poison.get("site") == "stale-tail"]
+    table, results = run_repro(backend="emulate", cases=cases, progress=False, repeat=False,
+                               geometry_overrides=dict(context=512, topk=32))
+    paths = write_repro_figures(results, tmp_path, table=table)
+    stems = {p.stem for p in paths}
+    assert {"01_e4m3_code_table", "01_fp16_byte_nan_rates", "01_page0_byte_maps", "02_plan", "02_nan_maps",
+            "02_attribution", "02_routes", "03_playground_default", "04_repro_table",
+            "04_stale_tail_routes"} <= stems
+    assert all(p.exists() for p in paths) and len(paths) == 3 * len(stems)
