@@ -1,0 +1,364 @@
+"""The poison playground as a user sees it: JupyterLab in headless Chromium.
+
+Headless execution (nbclient) cannot see a widget front-end that fails to
+render, a figure that never appears or an Export button that does nothing.
+This test opens notebooks/03_poison_playground.ipynb in a real JupyterLab,
+runs all cells from the Run menu, and then works the controls by hand:
+
+  1. every code cell ran, no traceback and no widget error is shown, and the
+     playground's controls, NaN-map image and route table are on screen;
+  2. site -> none: the image changes and the grouped route shows 0 NaN
+     (screenshot playground-before-poison.png);
+  3. site -> targeted, then new dims typed: the image changes again and the
+     route table's grouped row lists exactly the new dims
+     (playground-after-poison.png);
+  4. unticking the pad_fix toggle redraws and drops its route from the table
+     (playground-after-fix.png);
+  5. dims "999" shows a visible "⚠ dims" message and keeps the figure;
+  6. Export writes PNG, SVG and PDF into $QSA_LAB_FIGURES (the PNG carrying
+     the case and backend metadata) and says so in the message line.
+
+After every step the page is searched for tracebacks and widget errors.
+Screenshots go to results/e2e/ (failure-<step>.png too when a step fails).
+Fixtures: tests/e2e/conftest.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+NOTEBOOK = "03_poison_playground.ipynb"
+
+# How the playground's controls are found: by the description a user reads.
+# (qsa_lab/widgets.py, class Playground, promises these descriptions.)
+SITE_LABEL = re.compile(r"\bsite\b")
+DIMS_LABEL = re.compile(r"\bdims\b")
+FIX_LABEL = re.compile(r"\bpad_fix\b")
+FIX_ROUTE = "grouped+pad_fix"   # the route table row that the pad_fix toggle adds
+UNFIXED_ROUTE = "grouped"       # the route whose NaN dims follow the poisoned dims
+EXPORT_LABEL = re.compile(r"\bExport\b")
+NEW_DIMS = "5,21,44"  # small enough for every geometry preset's head_dim
+
+RUN_ALL_TIMEOUT_S = 180
+WIDGET_TIMEOUT_S = 30
+REDRAW_TIMEOUT_S = 30
+EXPORT_TIMEOUT_S = 30
+
+# What a broken widget set-up shows in JupyterLab: a model the front-end cannot
+# load (e.g. an ipywidgets 7 front-end for an ipywidgets 8 kernel), a view that
+# failed, or a Python exception rendered in an output.
+ERROR_PATTERNS = [
+    re.compile(p) for p in (
+        r"Error displaying widget",
+        r"Failed to load model",
+        r"Failed to create view",
+        r"Could not (?:find|create) (?:model|view)",
+        r"Traceback \(most recent call last\)",
+        r"(?m)^\w*(?:Error|Exception)\s+Traceback",   # IPython's error header
+        r"(?m)^(?:\w+\.)*\w*(?:Error|Exception): ",  # the last line of a traceback
+    )
+]
+# What a notebook shows instead of a widget when no widget front-end is loaded.
+UNRENDERED_WIDGET = re.compile(r"^(?:VBox|HBox|Tab|Box|GridBox|AppLayout|Output)\(|Loading widget\.\.\.", re.M)
+
+
+class Failure(AssertionError):
+    pass
+
+
+@contextmanager
+def step(name: str, page, results_dir: Path, console: list[str]):
+    """Run one step; on failure save a screenshot and say what the page showed."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        shot = results_dir / f"failure-{name}.png"
+        try:
+            page.screenshot(path=str(shot))
+        except Exception:  # noqa: BLE001 - a dead page must not hide the real error
+            shot = None
+        outputs = output_texts(page, limit=3000)
+        raise Failure(
+            f"e2e step '{name}' failed: {exc}\n"
+            f"--- notebook outputs (text) ---\n{outputs or '(none)'}\n"
+            f"--- browser console errors ---\n" + ("\n".join(console[-15:]) or "(none)") +
+            (f"\n--- screenshot: {shot}" if shot else "")
+        ) from None
+
+
+TOP_OUTPUTS = ".jp-Cell-outputArea > .jp-OutputArea-child > .jp-OutputArea-output"
+ALL_OUTPUTS = ".jp-OutputArea-output"  # nested ones too (inside Output widgets)
+
+
+def outputs(page, selector: str = TOP_OUTPUTS) -> list[str]:
+    try:
+        texts = page.eval_on_selector_all(selector, "els => els.map(e => e.innerText)")
+    except Exception:  # noqa: BLE001 - a dead page must not hide the real error
+        return ["(page unavailable)"]
+    return [t.strip() for t in texts if t.strip()]
+
+
+def output_texts(page, limit: int = 100_000) -> str:
+    return "\n".join(outputs(page))[:limit]
+
+
+def assert_no_widget_error(page) -> None:
+    """Raise with the offending output if any shows an error; else None."""
+    for text in outputs(page, ALL_OUTPUTS):
+        for pattern in ERROR_PATTERNS:
+            if pattern.search(text):
+                lines = text.splitlines()
+                last = next((ln for ln in reversed(lines) if ERROR_PATTERNS[-1].search(ln)), "")
+                raise AssertionError(
+                    f"the notebook shows an error ({pattern.pattern!r})"
+                    + (f": {last.strip()}" if last else "") + "\n  output ends:\n    "
+                    + "\n    ".join(lines[-12:]))
+    broken = page.locator(".jupyter-widgets.jp-mod-error, .widget-error, .jupyter-widgets-error-widget")
+    if broken.count():
+        raise AssertionError(f"{broken.count()} widget(s) in the error state: "
+                             f"{broken.first.inner_text()[:500]!r}")
+
+
+def wait_until(what: str, predicate, timeout_s: float, interval_s: float = 0.25):
+    """Poll predicate() until truthy; raise with `what` and the last value otherwise."""
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what}: not within {timeout_s:.0f} s (last seen: {value!r})")
+
+
+def no_dialog(page) -> bool:
+    """False when no dialog is open; raises with its text when one is (fail fast:
+    nobody will click it)."""
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count():
+        raise AssertionError(f"JupyterLab opened a dialog: {dialog.first.inner_text()[:500]!r}")
+    return False
+
+
+def kernel_state(server, notebook: str) -> str | None:
+    for session in server.api("sessions"):
+        if session.get("path", "").endswith(notebook) and session.get("kernel"):
+            return session["kernel"].get("execution_state")
+    return None
+
+
+def code_prompts(page) -> list[str]:
+    return page.eval_on_selector_all(
+        ".jp-CodeCell .jp-InputPrompt", "els => els.map(e => e.textContent.trim())")
+
+
+def image_signature(root) -> str:
+    """A digest of every image the playground's outputs show (data URIs)."""
+    srcs = root.locator(".widget-output img").evaluate_all("els => els.map(e => e.src)")
+    return hashlib.sha256("\n".join(srcs).encode()).hexdigest() if srcs else ""
+
+
+def route_rows(root) -> dict[str, list[str]]:
+    """The route table as {route: [cells...]} (first cell of each body row is the route)."""
+    rows = root.locator(".widget-output table").evaluate_all(
+        "ts => ts.flatMap(t => Array.from(t.querySelectorAll('tbody tr')).map("
+        "r => Array.from(r.children).map(c => c.innerText.trim())))")
+    return {r[0]: r[1:] for r in rows if r}
+
+
+def labelled(scope, widget_class: str, label: re.Pattern):
+    """The ipywidget of class `widget_class` inside `scope` (a page or a locator)
+    whose description matches `label`."""
+    page = scope if not hasattr(scope, "page") else scope.page
+    return scope.locator(f".{widget_class}").filter(
+        has=page.locator(".widget-label", has_text=label))
+
+
+def wait_redraw(root, what: str, previous: str, check) -> tuple[str, dict]:
+    """Wait until the figure differs from `previous` and check(route_rows) holds."""
+    state = {}
+
+    def done():
+        sig, rows = image_signature(root), route_rows(root)
+        state.update(sig=sig, rows=rows)
+        return bool(sig) and sig != previous and check(rows)
+
+    try:
+        wait_until(what, done, REDRAW_TIMEOUT_S)
+    except TimeoutError as exc:
+        same = "the figure did not change" if state.get("sig") == previous else "the figure changed"
+        raise TimeoutError(f"{exc}; {same}; route table: {state.get('rows')}") from None
+    return state["sig"], state["rows"]
+
+
+def nan_dims(rows: dict, route: str) -> str | None:
+    """The route's nan_dims cell ('' when none), by the table's column order."""
+    row = rows.get(route)
+    return None if row is None else row[1].replace(" ", "")
+
+
+def output_area(root):
+    """The playground cell's outputs (controls, figure, table), without its source."""
+    area = root.locator(".jp-Cell-outputArea")
+    area.scroll_into_view_if_needed()
+    return area
+
+
+def nan_map_shot(root) -> bytes:
+    return root.locator(".widget-output img").first.screenshot()
+
+
+def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    page = browser_context.new_page()
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text[:300]}")
+            if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+    page.set_default_timeout(30_000)
+
+    def mark(name):
+        timings[name] = round(time.monotonic() - t0, 1)
+
+    assert (lab_server.root_dir / NOTEBOOK).is_file(), f"{NOTEBOOK} is not in notebooks/"
+
+    with step("open", page, results_dir, console):
+        page.goto(lab_server.url(f"lab/tree/{NOTEBOOK}?reset"))
+        page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=60_000)
+        # Run All only once the server reports the notebook's kernel started and idle.
+        wait_until("the notebook's kernel started and idle (GET /api/sessions)",
+                   lambda: no_dialog(page) or kernel_state(lab_server, NOTEBOOK) == "idle", 60)
+        mark("opened")
+
+    with step("run-all", page, results_dir, console):
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        n_code = len(code_prompts(page))
+        assert n_code, "the notebook shows no code cell"
+        # Fail fast on an error output: Run All stops at it and the rest never runs.
+        wait_until(f"all {n_code} code cells executed (prompts [n]:)",
+                   lambda: no_dialog(page) or assert_no_widget_error(page) or
+                   all(re.fullmatch(r"\[\d+\]:", p) for p in code_prompts(page)),
+                   RUN_ALL_TIMEOUT_S)
+        mark("ran all cells")
+
+    with step("widgets-render", page, results_dir, console):
+        assert_no_widget_error(page)
+        dims_input = labelled(page, "widget-text", DIMS_LABEL).locator("input")
+
+        def rendered():
+            if dims_input.count() and dims_input.first.is_visible():
+                return True
+            # A widget repr printed as text never turns into a widget: fail now.
+            if UNRENDERED_WIDGET.search(output_texts(page)):
+                raise AssertionError(
+                    "the outputs hold widget reprs (text), not widgets: is the ipywidgets "
+                    "front-end (jupyterlab_widgets) installed, enabled and matching ipywidgets?")
+            assert_no_widget_error(page)
+            return False
+
+        wait_until(f"a text control labelled {DIMS_LABEL.pattern!r} rendered", rendered,
+                   WIDGET_TIMEOUT_S)
+        assert dims_input.count() == 1, f"{dims_input.count()} dims controls, expected 1"
+        # The playground: the cell whose output holds the dims control.
+        root = page.locator(".jp-CodeCell").filter(has=dims_input)
+        site = labelled(root, "widget-dropdown", SITE_LABEL).locator("select")
+        assert site.count() == 1, f"{site.count()} site dropdowns, expected 1"
+        wait_until("the NaN-map image drawn in the playground's Output widget",
+                   lambda: image_signature(root), WIDGET_TIMEOUT_S)
+        rows = wait_until("a route table shown", lambda: route_rows(root), WIDGET_TIMEOUT_S)
+        for route in (UNFIXED_ROUTE, FIX_ROUTE):
+            assert route in rows, f"route table lacks {route!r}: {list(rows)}"
+        assert_no_widget_error(page)
+        sig, shot0 = image_signature(root), nan_map_shot(root)
+        mark("widgets rendered")
+
+    with step("unpoison", page, results_dir, console):
+        site.select_option("none")
+        sig, rows = wait_redraw(root, "the figure redrawn for site 'none' with 0 NaN on grouped",
+                                sig, lambda r: r.get(UNFIXED_ROUTE, ["?"])[0] == "0")
+        assert_no_widget_error(page)
+        output_area(root).screenshot(path=str(results_dir / "playground-before-poison.png"))
+        shot_clean = nan_map_shot(root)
+        mark("unpoisoned")
+
+    with step("poison", page, results_dir, console):
+        site.select_option("targeted")
+        old = dims_input.input_value().replace(" ", "")
+        sig, rows = wait_redraw(root, f"the figure redrawn for site 'targeted', dims {old}",
+                                sig, lambda r: nan_dims(r, UNFIXED_ROUTE) == old)
+        new = NEW_DIMS if old != NEW_DIMS else "9,30"
+        dims_input.fill(new)
+        dims_input.press("Enter")  # commits a continuous_update=False Text
+        sig, rows = wait_redraw(root, f"the figure redrawn after dims {old} -> {new}, "
+                                f"{UNFIXED_ROUTE!r} NaN on exactly those dims",
+                                sig, lambda r: nan_dims(r, UNFIXED_ROUTE) == new)
+        assert int(rows[UNFIXED_ROUTE][0]) > 0, rows[UNFIXED_ROUTE]
+        assert_no_widget_error(page)
+        output_area(root).screenshot(path=str(results_dir / "playground-after-poison.png"))
+        shot_poisoned = nan_map_shot(root)
+        assert shot_poisoned not in (shot0, shot_clean), "the rendered NaN map did not change"
+        mark("poisoned")
+
+    with step("toggle-fix", page, results_dir, console):
+        # A Checkbox's description sits beside its input, not in a .widget-label.
+        toggle = root.locator(".widget-checkbox", has_text=FIX_LABEL).locator("input[type=checkbox]")
+        assert toggle.count() == 1, f"{toggle.count()} toggles labelled {FIX_LABEL.pattern!r}"
+        was_on = toggle.is_checked()
+        toggle.click()
+        sig, rows = wait_redraw(
+            root, f"the figure redrawn after {'un' if was_on else ''}ticking the fix, "
+            f"{FIX_ROUTE!r} {'gone from' if was_on else 'added to'} the route table",
+            sig, lambda r: (FIX_ROUTE in r) != was_on)
+        assert toggle.is_checked() != was_on
+        assert_no_widget_error(page)
+        output_area(root).screenshot(path=str(results_dir / "playground-after-fix.png"))
+        mark("fix toggled")
+
+    with step("bad-input", page, results_dir, console):
+        # A bad value shows a message (not a traceback) and keeps the figure.
+        message = root.locator(".widget-html", has_text=re.compile("backend|⚠|exported"))
+        dims_input.fill("999")
+        dims_input.press("Enter")
+        wait_until("a visible '⚠ dims' message after typing dims 999",
+                   lambda: "⚠" in (t := " ".join(message.all_inner_texts())) and "dims" in t,
+                   REDRAW_TIMEOUT_S)
+        assert image_signature(root) == sig, "the figure changed after a bad dims value"
+        assert_no_widget_error(page)
+        mark("bad input")
+
+    with step("export", page, results_dir, console):
+        figures = lab_server.figures_dir
+        before = {p.name for p in figures.rglob("*") if p.is_file()}
+        root.locator("button", has_text=EXPORT_LABEL).first.click()
+        # The message names the files once all three are written.
+        shown = wait_until("an 'exported: ...' message after clicking Export",
+                           lambda: "exported" in (t := " ".join(message.all_inner_texts())) and t,
+                           EXPORT_TIMEOUT_S)
+        new_files = [p for p in figures.rglob("*") if p.is_file() and p.name not in before]
+        files = {p.suffix.lower(): p for p in new_files}
+        assert {".png", ".svg", ".pdf"} <= files.keys(), \
+            f"Export wrote {sorted(p.name for p in new_files)} to QSA_LAB_FIGURES={figures}; " \
+            f"expected a PNG, an SVG and a PDF (message: {shown!r})"
+        assert all(files[e].name in shown for e in (".png", ".svg", ".pdf")), shown
+        assert files[".png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", files[".png"]
+        assert files[".pdf"].read_bytes()[:5] == b"%PDF-", files[".pdf"]
+        assert b"<svg" in files[".svg"].read_bytes()[:4000], files[".svg"]
+        from qsa_lab.export import read_png_meta
+
+        meta = read_png_meta(files[".png"])
+        assert meta.get("backend") in ("emulate", "cuda") and "targeted" in meta.get("case", ""), meta
+        assert_no_widget_error(page)
+        mark("exported")
+
+    print(f"\ne2e timings (s since test start): {timings}; "
+          f"exported: {sorted(p.name for p in files.values())}")
