@@ -135,6 +135,18 @@ def attribution_map(result: RunResult, route: str = "grouped") -> dict:
     return d
 
 
+def _bench_records(doc) -> list[dict]:
+    """Flatten `qsa-lab bench` JSON (qsa_lab.bench/1): one record per (sweep point, route)."""
+    out = []
+    for point in doc["sweep"]:
+        g = point["geometry"]
+        for route, ms in point["ms"].items():
+            out.append({"route": route, "context": g["context"], "rows": g["rows"], "median_ms": ms,
+                        "ratio_to_unfixed": point["ratio_to_unfixed"].get(route),
+                        "gbps": point.get("gbps", {}).get(route)})
+    return out
+
+
 def bench_frame(doc, source: str = ""):
     """A bench document -> (DataFrame of records, meta dict). Accepts a list of records or
     {"gpu": ..., "records"|"results"|"timings": [...], ...}; a record names its route ('route'
@@ -143,6 +155,8 @@ def bench_frame(doc, source: str = ""):
 
     if isinstance(doc, list):
         records, meta = doc, {}
+    elif doc.get("schema") == "qsa_lab.bench/1":
+        records, meta = _bench_records(doc), {k: v for k, v in doc.items() if k not in ("sweep", "report_geometry")}
     else:
         key = next((k for k in ("records", "results", "timings", "rows") if isinstance(doc.get(k), list)), None)
         if key is None:

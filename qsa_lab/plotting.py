@@ -322,7 +322,7 @@ def plot_bench(data, ax=None):
     labels = []
     for key, _ in groups:
         key = key if isinstance(key, tuple) else (key,)
-        labels.append(", ".join(f"{k} {v}" for k, v in zip(keys, key)) or "all")
+        labels.append("\n".join(f"{k} {v}" for k, v in zip(keys, key)) or "all")
     ax.set_xticks(range(len(groups)), labels, fontsize=8)
     ax.set_ylabel("median time per call (ms)")
     ax.set_ylim(0, float(df["median_ms"].max()) * 1.3)

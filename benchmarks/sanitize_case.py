@@ -1,0 +1,45 @@
+"""A small poisoned case through the compiled kernels, for compute-sanitizer (sanitize.sh).
+
+    python benchmarks/sanitize_case.py --variants unfixed,kernel_fix --kv e4m3 [--trials N]
+
+Runs each grouped variant once (plus XQA and decode_panel), prints NaN counts. With
+--trials N it also reruns each variant N times and counts runs whose output has a NaN
+on a route that should be clean (the leak test for fix A without its leading barrier).
+"""
+import argparse
+
+import torch
+
+from qsa_lab import kernels
+from qsa_lab.case import Geometry, build_case
+from qsa_lab.plan import plan_groups, xqa_tokens
+from qsa_lab.poison import apply_poison
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--variants", default="unfixed,kernel_fix,masked_load,kernel_fix_no_leading_barrier")
+ap.add_argument("--kv", default="e4m3")
+ap.add_argument("--site", default="random")
+ap.add_argument("--context", type=int, default=1030)
+ap.add_argument("--trials", type=int, default=0)
+a = ap.parse_args()
+
+g = Geometry(rows=19, requests=2, layout="scatter", context=a.context, topk=64, kv_dtype=a.kv)
+case = apply_poison(build_case(g), a.site, plane="kv").to("cuda")
+plan = plan_groups(case)
+args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks, plan.masks,
+        plan.seq_len)
+kw = dict(kv_format=a.kv, sm_scale=case.sm_scale)
+for v in a.variants.split(","):
+    out = kernels.grouped_forward(*args, variant=v, **kw)
+    torch.cuda.synchronize()
+    line = f"variant {v:32s} nan {int(torch.isnan(out).sum())}"
+    if a.trials:
+        leaks = sum(bool(torch.isnan(kernels.grouped_forward(*args, variant=v, **kw)).any()) for _ in range(a.trials))
+        line += f"  runs with NaN: {leaks}/{a.trials}"
+    print(line, flush=True)
+rows = torch.arange(g.rows, device="cuda")
+ti, tc = xqa_tokens(case, rows)
+x = kernels.xqa_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, ti, tc, **kw)
+p = kernels.decode_panel(case.kv_cache, plan.microblocks[0], plane=1, kv_format=a.kv)
+torch.cuda.synchronize()
+print(f"xqa nan {int(torch.isnan(x).sum())}; decode_panel rows {p.shape[0]}", flush=True)

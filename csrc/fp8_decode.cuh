@@ -1,0 +1,140 @@
+// KV-cache code -> fp16 decoding, as the SM70 grouped page4 route does it (SPEC §4).
+//
+// Device code only: no torch headers, so NVRTC can compile it for compute_70
+// (tests/test_nvrtc_sm70.py). The scale is NOT applied here: the kernels fold
+// k_scale into the score scale and v_scale into the output, like the real route.
+#pragma once
+#include <cuda_fp16.h>
+
+namespace qsa {
+
+// Storage formats of kv_cache. The numbers are part of the binding's interface.
+enum KvFormat : int { kE4M3 = 0, kE5M2 = 1, kFP16 = 2 };
+
+// Bytes of one stored element.
+template <int FMT>
+struct KvTraits {
+  static_assert(FMT == kE4M3 || FMT == kE5M2 || FMT == kFP16, "unknown KV format");
+  static constexpr int kBytes = (FMT == kFP16) ? 2 : 1;
+  static constexpr int kElemsPer16B = 16 / kBytes;  // elements in one 16-byte load
+};
+
+// E4M3 (fn variant) codes -> fp16, branch-free: the panel loader decodes 64 codes per
+// thread per tile, and a per-code if/else cost 11% of the whole grouped kernel on an
+// H200 (1.265 -> 1.127 ms on the report's geometry). Every E4M3 value is exact in fp16:
+//   magnitude m = code & 0x7F placed at fp16 bits m << 7 reads as 2^-8 times the E4M3
+//   value, normals and subnormals alike (fp16 keeps subnormals), so one exact fp16
+//   multiply by 256 rebiases it; NaN 0x7F / 0xFF becomes fp16 0x7E00 / 0xFE00, the
+//   real route's NaN; the sign bit moves from bit 7 to bit 15.
+__device__ __forceinline__ unsigned int e4m3_to_half_bits(unsigned int code) {
+  const unsigned int mag = code & 0x7Fu;
+  const __half scaled = __hmul(__ushort_as_half((unsigned short)(mag << 7)), __ushort_as_half(0x5C00));  // x 256
+  const unsigned int bits = mag == 0x7Fu ? 0x7E00u : (unsigned int)__half_as_ushort(scaled);
+  return bits | ((code & 0x80u) << 8);
+}
+
+__device__ __forceinline__ __half2 bits_to_half2(unsigned int bits) {
+  __half2 h;
+  *reinterpret_cast<unsigned int*>(&h) = bits;
+  return h;
+}
+
+__device__ __forceinline__ unsigned int half2_to_bits(__half2 h) { return *reinterpret_cast<unsigned int*>(&h); }
+
+// Two E4M3 codes, one in the low byte of each 16-bit lane of `pair`, -> two fp16 (packed).
+__device__ __forceinline__ unsigned int e4m3x2_to_half2_bits(unsigned int pair) {
+  const unsigned int mag = pair & 0x007F007Fu;
+  unsigned int bits = half2_to_bits(__hmul2(bits_to_half2(mag << 7), bits_to_half2(0x5C005C00u)));  // x 256
+  // NaN lanes (magnitude 0x7F): select 0x7E00 lane-wise without a branch.
+  const unsigned int nan_lo = (mag & 0xFFFFu) == 0x7Fu ? 0x0000FFFFu : 0u;
+  const unsigned int nan_hi = (mag >> 16) == 0x7Fu ? 0xFFFF0000u : 0u;
+  const unsigned int nan = nan_lo | nan_hi;
+  bits = (bits & ~nan) | (0x7E007E00u & nan);
+  return bits | ((pair & 0x00800080u) << 8);
+}
+
+// E5M2 is the high byte of an fp16: Inf and NaN codes stay Inf and NaN.
+__device__ __forceinline__ unsigned int e5m2_to_half_bits(unsigned int code) {
+  return (code & 0xFFu) << 8;
+}
+
+// One stored element (1 byte for fp8, 2 for fp16) -> fp16 bits.
+template <int FMT>
+__device__ __forceinline__ unsigned int decode_bits(unsigned int raw) {
+  if (FMT == kE4M3) return e4m3_to_half_bits(raw & 0xFFu);
+  if (FMT == kE5M2) return e5m2_to_half_bits(raw);
+  return raw & 0xFFFFu;
+}
+
+// Four fp8 codes packed little-endian in a word -> two words of fp16 pairs.
+template <int FMT>
+__device__ __forceinline__ void decode_word(unsigned int w, unsigned int& lo, unsigned int& hi) {
+  const unsigned int even = (w & 0xFFu) | ((w & 0xFF00u) << 8);           // codes 0, 1 -> lanes
+  const unsigned int odd = ((w >> 16) & 0xFFu) | ((w >> 8) & 0x00FF0000u);  // codes 2, 3 -> lanes
+  if (FMT == kE4M3) {
+    lo = e4m3x2_to_half2_bits(even);
+    hi = e4m3x2_to_half2_bits(odd);
+  } else {  // E5M2: each code becomes the high byte of its lane
+    lo = even << 8;
+    hi = odd << 8;
+  }
+}
+
+// One 16-byte load of stored elements -> fp16 at dst (32 bytes for fp8, 16 for
+// fp16). dst must be 16-byte aligned. This is the decoder every kernel and the
+// decode_panel debug binding share.
+template <int FMT>
+__device__ __forceinline__ void store_decoded_16B(__half* dst, uint4 raw) {
+  uint4* out = reinterpret_cast<uint4*>(dst);
+  if (FMT == kFP16) {
+    out[0] = raw;
+    return;
+  }
+  uint4 a, b;
+  decode_word<FMT>(raw.x, a.x, a.y);
+  decode_word<FMT>(raw.y, a.z, a.w);
+  decode_word<FMT>(raw.z, b.x, b.y);
+  decode_word<FMT>(raw.w, b.z, b.w);
+  out[0] = a;
+  out[1] = b;
+}
+
+// One element at p (a byte for fp8, an fp16 for fp16) -> float. Used by XQA.
+template <int FMT>
+__device__ __forceinline__ float decode_to_float(const unsigned char* p) {
+  unsigned int raw;
+  if (FMT == kFP16) {
+    raw = *reinterpret_cast<const unsigned short*>(p);
+  } else {
+    raw = *p;
+  }
+  return __half2float(__ushort_as_half((unsigned short)decode_bits<FMT>(raw)));
+}
+
+// Debug kernel: decode whole microblocks (4 tokens each) of one plane with the
+// same store_decoded_16B the forward kernels use.
+//   kv:          [pages, 2, page_size, 1, head_dim] stored elements
+//   microblocks: [n] physical microblock ids (checked by the binding)
+//   out:         [n * 4, head_dim] fp16
+template <int FMT>
+__global__ void decode_panel_kernel(const unsigned char* __restrict__ kv,
+                                    const int* __restrict__ microblocks, int n, int plane,
+                                    int page_size, int head_dim, __half* __restrict__ out) {
+  const int per_row = head_dim / KvTraits<FMT>::kElemsPer16B;
+  const long long total = (long long)n * 4 * per_row;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / per_row;  // output row = microblock * 4 + token
+    const int chunk = (int)(i % per_row);
+    const long long token = (long long)microblocks[row / 4] * 4 + (row % 4);
+    const long long page = token / page_size;
+    const long long in_page = token % page_size;
+    const size_t row_bytes = (size_t)head_dim * KvTraits<FMT>::kBytes;
+    const unsigned char* src =
+        kv + ((size_t)(page * 2 + plane) * page_size + in_page) * row_bytes + (size_t)chunk * 16;
+    store_decoded_16B<FMT>(out + row * head_dim + (long long)chunk * KvTraits<FMT>::kElemsPer16B,
+                           *reinterpret_cast<const uint4*>(src));
+  }
+}
+
+}  // namespace qsa
