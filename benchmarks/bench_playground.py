@@ -9,6 +9,8 @@ toggle re-runs one route at most; cached ones only redraw. Writes JSON with --js
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import platform
 import statistics
@@ -39,7 +41,8 @@ def main(argv=None) -> int:
     from qsa_lab.widgets import Playground, RunCache
 
     t0 = time.perf_counter()
-    pg = Playground(cache=RunCache(size=64))
+    with contextlib.redirect_stdout(io.StringIO()):
+        pg = Playground(cache=RunCache(size=64))
     first = time.perf_counter() - t0
     results = {}
     for label, steps in CHANGES:
@@ -50,7 +53,8 @@ def main(argv=None) -> int:
                     pg.cache.results.clear()
                     pg.cache.poisoned.clear()
                 t = time.perf_counter()
-                pg.set(**step)
+                with contextlib.redirect_stdout(io.StringIO()):  # outside a kernel, Output echoes reprs
+                    pg.set(**step)
                 times.append(time.perf_counter() - t)
         results[label] = {"median_s": statistics.median(times), "max_s": max(times), "n": len(times)}
     all_t = [r["median_s"] for r in results.values()]
