@@ -6,7 +6,7 @@ import math
 import torch
 
 from .case import Case
-from .plan import GROUP, TILE_ENTRIES, GroupedPlan, mask_m_tile_bits, unattended_tokens
+from .plan import GROUP, TILE_ENTRIES, GroupedPlan, tile_active_m_tiles, unattended_tokens
 from .routes import ROUTES, RunResult
 from .routes.emulate import decode_values
 
@@ -41,12 +41,7 @@ def _tile_fields(case: Case, plan: GroupedPlan):
     v = decode_values(case.kv_cache[tok // ps, 1, tok % ps, 0, :], case.kv_format)
     bad = ~torch.isfinite(v)
     dead = unattended_tokens(plan.masks).view(G, nt, 32)
-    tile_or = torch.zeros((G, nt), dtype=torch.int64)
-    for e in range(TILE_ENTRIES):
-        tile_or |= plan.masks.long().view(G, nt, TILE_ENTRIES)[:, :, e] & 0xFFFFFFFF
-    walked = torch.arange(nt) < (plan.seq_len.long() // 32).unsqueeze(1)
-    active = torch.where(walked, mask_m_tile_bits(tile_or, plan.q_heads), 0)
-    return tok, active, bad, dead
+    return tok, tile_active_m_tiles(plan.masks, plan.seq_len, plan.q_heads), bad, dead
 
 
 def predict_nan(case: Case, plan: GroupedPlan, variant: str = "unfixed") -> torch.Tensor:

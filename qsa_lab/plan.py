@@ -218,6 +218,18 @@ def tile_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(x.shape[0], -1, TILE_ENTRIES)
 
 
+def tile_active_m_tiles(masks: torch.Tensor, seq_len: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """[groups, cap] masks -> [groups, tiles] int64 bits of the M-tiles each 32-token tile
+    activates: those touched by any query in the OR of its 8 masks; 0 past seq_len (never walked)."""
+    G, cap = masks.shape
+    m = masks.long().view(G, cap // TILE_ENTRIES, TILE_ENTRIES) & 0xFFFFFFFF
+    tile_or = m[:, :, 0]
+    for e in range(1, TILE_ENTRIES):
+        tile_or = tile_or | m[:, :, e]
+    walked = torch.arange(cap // TILE_ENTRIES, device=masks.device) < (seq_len.long() // 32).unsqueeze(1)
+    return torch.where(walked, mask_m_tile_bits(tile_or, q_heads), 0)
+
+
 def unattended_tokens(masks: torch.Tensor) -> torch.Tensor:
     """[..., entries] int32 masks -> [..., entries, 4] bool: token no query attends."""
     t = torch.arange(4, device=masks.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import fp8
-from ..plan import GROUP, TILE_ENTRIES, m_tiles, mask_m_tile_bits, unattended_tokens
+from ..plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
 
 VARIANTS = ("unfixed", "kernel_fix", "masked_load")
 MASKED_SCORE = -1e30
@@ -62,12 +62,7 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks
         K = torch.where(dead, 0.0, K)
         V = torch.where(dead, 0.0, V)
     # 2. active M-tiles of each tile (tiles past seq_len are never walked)
-    tile_mask = masks.long().view(G, nt, TILE_ENTRIES) & 0xFFFFFFFF
-    tile_or = torch.zeros((G, nt), dtype=torch.int64, device=dev)
-    for e in range(TILE_ENTRIES):
-        tile_or |= tile_mask[:, :, e]
-    walked = torch.arange(nt, device=dev) < (seq_len.long() // 32).unsqueeze(1)
-    mt_bits = torch.where(walked, mask_m_tile_bits(tile_or, hq), 0)
+    mt_bits = tile_active_m_tiles(masks, seq_len, hq)
     row_tile = torch.arange(R, device=dev) // 16
     active = ((mt_bits.unsqueeze(-1) >> row_tile) & 1).bool()                  # [G, nt, R]
     # 3. S = Q K^T (fp16 values, fp32 accumulate), then scale; select masking
