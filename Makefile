@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[lab,test]"
 	@touch $@
 
+# demo regenerates results/ and figures/ (--force: it replaces its own earlier outputs)
 demo: setup
 	$(PY) -m qsa_lab doctor
-	$(PY) -m qsa_lab repro --out results --figures figures
+	$(PY) -m qsa_lab repro --out results --figures figures --force
 
 test: setup
 	bash scripts/setup_test_extras.sh "$(PY)"

@@ -256,7 +256,12 @@ def validate_case(case: Case) -> Case:
     sel = case.selected
     need(tuple(sel.shape) == (rows, g.topk) and sel.dtype == torch.int32, "selected",
          f"[rows={rows}, topk={g.topk}] int32")
+    need(bool((case.token_to_req[1:] >= case.token_to_req[:-1]).all()), "token_to_req",
+         "non-decreasing (each request's rows together, in order)")
     complete = (visible_tokens(case) // 4).unsqueeze(1)
     need(bool(((sel == -1) | ((sel >= 0) & (sel < complete))).all()), "selected",
          "-1 or a fully visible logical block id (< visible // 4)")
+    srt = sel.sort(dim=1).values
+    need(not bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()), "selected",
+         "no block id twice in one row")
     return case

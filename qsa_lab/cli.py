@@ -75,23 +75,57 @@ def _print_table(result, out=sys.stdout):
         print(t.to_string(), file=out)
 
 
-def cmd_diff(args) -> int:
+def _writable(arg: str, path, force: bool) -> Path:
+    """Check an output path before any work: never replace a file without --force."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"argument {arg}: {path} is a directory")
+    if not path.parent.is_dir():
+        raise UsageError(f"argument {arg}: folder {path.parent} does not exist")
+    if path.exists() and not force:
+        raise UsageError(f"argument {arg}: {path} exists (add --force to overwrite)")
+    return path
+
+
+def _replay(args):
+    """--load: the saved case through the saved routes; compares plan and outputs bit for bit."""
     import torch
 
+    from . import io
+    from .plan import plan_groups
+    from .routes import run_routes
+
+    given = [f"--{k.replace('_', '-')}" for k in ("geometry", "rows", "requests", "layout", "context", "topk",
+                                                   "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
+                                                   "grouping", "dims")
+             if getattr(args, k) is not None]
+    given += [f"--{k.replace('_', '-')}" for k, d in (("poison", "none"), ("plane", "v"), ("poison_seed", 0))
+              if getattr(args, k) != d]
+    if given:
+        raise UsageError(f"argument --load: replays the saved case; drop {', '.join(given)}")
+    case, saved_plan, saved, _ = io.load(args.load)
+    result = run_routes(case, routes=list(saved) or None, backend=args.backend)
+    plan = plan_groups(case)
+    differs = [f"plan.{k}" for k in ("microblocks", "masks", "seq_len")
+               if not torch.equal(getattr(plan, k), getattr(saved_plan, k))]
+    differs += [r for r in saved if not torch.equal(saved[r].view(torch.int16), result.outputs[r].view(torch.int16))]
+    return case, result, "bit-identical" if not differs else f"DIFFERS on {differs}"
+
+
+def cmd_diff(args) -> int:
     from . import io
     from .analysis import diff_json
     from .case import build_case
     from .poison import apply_poison
     from .routes import run_routes
 
+    if args.save:
+        _writable("--save", args.save, args.force)
+    if args.json and args.json != "-":
+        _writable("--json", args.json, args.force)
     if args.load:
-        case, _, saved, _ = io.load(args.load)
-        result = run_routes(case, routes=list(saved) or None, backend=args.backend)
-        same = {r: torch.equal(saved[r].view(torch.int16), result.outputs[r].view(torch.int16)) for r in saved}
-        replay = "bit-identical" if all(same.values()) else f"DIFFERS on {[r for r, s in same.items() if not s]}"
+        case, result, replay = _replay(args)
     else:
-        if args.save and Path(args.save).exists() and not args.force:
-            raise UsageError(f"argument --save: {args.save} exists (add --force to overwrite)")
         case = apply_poison(build_case(_geometry(args)), args.poison, plane=args.plane, dims=args.dims,
                             seed=args.poison_seed)
         result = run_routes(case, backend=args.backend)
@@ -102,7 +136,8 @@ def cmd_diff(args) -> int:
     else:
         print(f"# {case.describe()}  [backend: {result.backend}]")
         p = case.poison
-        print(f"# poison: {p.get('nan_bytes', 0)} NaN bytes, dims {p.get('poisoned_dims', [])}")
+        print(f"# poison: {p.get('nan_bytes', 0)} NaN bytes, dims {p.get('poisoned_dims', [])}"
+              + (f"; {p['inf_bytes']} Inf bytes (0 * Inf = NaN too)" if p.get("inf_bytes") else ""))
         _print_table(result)
         if replay:
             print(f"# replay of {args.load}: {replay}")
@@ -120,20 +155,24 @@ def cmd_repro(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    csv_path = _writable("--out", out / "repro.csv", args.force)
+    json_path = _writable("--out", out / "repro.json", args.force)
     table, results = run_repro(backend=args.backend, progress=not args.quiet)
     backend = results[0].backend if results else args.backend
     print(f"# backend: {backend}")
     show = ["case", "nan_bytes", "nan[xqa]", "nan[grouped]", "nan[grouped+kernel_fix]", "nan[grouped+pad_fix]",
             "nan[grouped+masked_load]", "max|grouped+kernel_fix-xqa|", "report_grouped_nan"]
     print(table[show].to_string(index=False))
-    table.to_csv(out / "repro.csv", index=False)
-    (out / "repro.json").write_text(json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
-                                                "cases": json.loads(table.to_json(orient="records"))}, indent=2))
-    written = [out / "repro.csv", out / "repro.json"]
+    print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
+    table.to_csv(csv_path, index=False)
+    json_path.write_text(json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
+                                     "cases": json.loads(table.to_json(orient="records"))}, indent=2))
+    written = [csv_path, json_path]
     if not args.no_figures:
         from .figures import write_repro_figures
 
-        written += write_repro_figures(results, args.figures, table=table)
+        # without --force an existing figure is kept and the new one numbered (export_figure)
+        written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
     for w in written:
         print(f"# wrote {w}")
     return 0
@@ -174,12 +213,13 @@ def build_parser():
     d.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.diff/1 document (- for stdout)")
     d.add_argument("--save", metavar="PATH", help="save case, plan and outputs (safetensors)")
     d.add_argument("--load", metavar="PATH", help="replay a saved case")
-    d.add_argument("--force", action="store_true", help="allow --save to overwrite")
+    d.add_argument("--force", action="store_true", help="allow --save / --json to overwrite a file")
     r = sub.add_parser("repro", help="the report's verification table plus extra cases; CSV, JSON, figures")
     r.add_argument("--out", default="results")
     r.add_argument("--figures", default="figures")
     r.add_argument("--backend", choices=("auto", "emulate", "cuda"), default="auto")
     r.add_argument("--no-figures", action="store_true")
+    r.add_argument("--force", action="store_true", help="replace earlier results and figures")
     r.add_argument("--quiet", action="store_true")
     b = sub.add_parser("bench", help="GPU timings of every route and fix")
     b.add_argument("--json", metavar="PATH")

@@ -28,12 +28,12 @@ def _pick(results, rows: int, site: str, plane: str = "v", kv_dtype: str = "e4m3
     return None
 
 
-def write_repro_figures(results, out_dir="figures", table=None, overwrite: bool = True) -> list[Path]:
+def write_repro_figures(results, out_dir="figures", table=None, overwrite: bool = False) -> list[Path]:
     """results: the list[RunResult] of repro.run_repro; table: its DataFrame (recomputed from
     the results' route tables when absent). -> paths written (3 per figure).
 
-    overwrite defaults to True here: these are the canonical figures of one repro run, and
-    `make demo` re-running should refresh them rather than pile up numbered copies.
+    Without overwrite an existing figure is kept and the new one numbered (export_figure);
+    `make demo` passes --force to refresh its own figures.
     """
     from matplotlib.figure import Figure
 

@@ -41,8 +41,8 @@ def stale_tokens(case: Case) -> list[tuple[int, int]]:
     return out
 
 
-def _element_nan(raw: torch.Tensor, kv_format: str) -> torch.Tensor:
-    return torch.isnan(raw.float()) if kv_format == "fp16" else fp8.is_nan_code(raw, kv_format)
+def _element_values(raw: torch.Tensor, kv_format: str) -> torch.Tensor:
+    return raw.float() if kv_format == "fp16" else fp8.decode(raw, kv_format)
 
 
 def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None, seed: int = 0) -> Case:
@@ -68,8 +68,9 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
     cells = kv.view(torch.uint8).view(kv.shape[0], 2, g.page_size, g.head_dim, -1)  # [..., D, bytes/elem]
     nbytes = cells.shape[-1]
     if site == "zeros":
-        cells[0] = 0
-        region[0] = True
+        for p in planes:
+            cells[0, p] = 0
+            region[0, p] = True
     elif site == "targeted":
         for p in planes:  # page 0 tokens 0..3 = the null block's microblock
             region[0, p, :4, dims] = True
@@ -94,21 +95,16 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
             else:  # recurrent state: fp16 activations of unit-ish scale, laid byte by byte
                 data = (torch.randn(n // 2 + 1, generator=gen) * 0.5).to(torch.float16).view(torch.uint8)[:n]
             cells[0, p] = data.view(g.page_size, g.head_dim, nbytes).to(kv.device)
-    if site == "none":
-        written = torch.zeros(0, dtype=torch.bool)
-        nan_here = torch.zeros_like(region)
-    else:
-        raw = kv[:, :, :, 0, :]
-        nan_here = _element_nan(raw, g.kv_dtype).cpu() & region
-        for p in (0, 1):
-            if p not in planes:
-                nan_here[:, p] = False
-        written = region
+    values = _element_values(kv[:, :, :, 0, :], g.kv_dtype).cpu()
+    nan_here = torch.isnan(values) & region          # region is empty for 'none'
+    inf_here = torch.isinf(values) & region          # E5M2 Inf: 0 * Inf = NaN leaks the same way
     out.poison = {
         "site": site, "plane": plane, "seed": seed,
         "dims": list(dims) if site in DIM_SITES else [],
-        "bytes_written": int(written.sum()) * nbytes,
+        "bytes_written": int(region.sum()) * nbytes,
         "nan_bytes": int(nan_here.sum()),
         "poisoned_dims": sorted(set(torch.nonzero(nan_here)[:, 3].tolist())),
+        "inf_bytes": int(inf_here.sum()),
+        "nonfinite_dims": sorted(set(torch.nonzero(nan_here | inf_here)[:, 3].tolist())),
     }
     return out

@@ -38,6 +38,16 @@ def test_bad_case_tensors_are_refused_before_any_route(field, value, arg):
         run_routes(bad, backend="emulate")
 
 
+def test_duplicate_selection_and_unsorted_rows_are_refused():
+    sel = CASE.selected.clone()
+    sel[0, 1] = sel[0, 0]              # would add a mask nibble twice and corrupt the next query's bits
+    with pytest.raises(ValueError, match="selected"):
+        run_routes(dataclasses.replace(CASE, selected=sel), backend="emulate")
+    two = build_case(Geometry(**{**SMALL, "requests": 2}))
+    with pytest.raises(ValueError, match="token_to_req"):
+        run_routes(dataclasses.replace(two, token_to_req=two.token_to_req.flip(0)), backend="emulate")
+
+
 def test_bad_poison_and_route_arguments():
     with pytest.raises(ValueError, match="dims"):
         apply_poison(CASE, "targeted", dims=[32])
@@ -59,6 +69,8 @@ def test_bad_poison_and_route_arguments():
     (["diff", "--poison", "nowhere"], "--poison"), (["diff", "--rows", "x"], "--rows"),
     (["diff", "--backend", "tpu"], "--backend"), (["diff", "--dims", "1,a"], "--dims"),
     (["frobnicate"], "frobnicate"),
+    (["diff", "--json", "/nonexistent-folder/x.json"], "--json"), (["diff", "--save", "/"], "--save"),
+    (["diff", "--load", "x.safetensors", "--rows", "3"], "--load"),
 ])
 def test_cli_exits_2_with_one_line(argv, needle, capsys):
     assert main(argv) == 2

@@ -44,10 +44,23 @@ def test_save_then_load_replays_bit_identically(tmp_path, capsys):
     capsys.readouterr()
     assert main(["diff", "--load", str(path), "--backend", "emulate"]) == 0
     assert "bit-identical" in capsys.readouterr().out
-    # a saved file is never overwritten without asking
+    # a saved file is never overwritten without asking, nor a JSON report
     before = path.read_bytes()
     assert main(ARGS + ["--save", str(path)]) == 2
     assert path.read_bytes() == before
+    report = tmp_path / "r.json"
+    report.write_text("mine")
+    assert main(ARGS + ["--json", str(report)]) == 2 and report.read_text() == "mine"
+    # a replay whose saved outputs were tampered with is reported, exit 1
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(path))
+    tensors["out.grouped"] = torch.zeros_like(tensors["out.grouped"])
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    save_file(tensors, str(tmp_path / "tampered.safetensors"), metadata=meta)
+    capsys.readouterr()
+    assert main(["diff", "--load", str(tmp_path / "tampered.safetensors"), "--backend", "emulate"]) == 1
+    assert "DIFFERS on ['grouped']" in capsys.readouterr().out
 
 
 def test_load_refuses_a_foreign_file(tmp_path):

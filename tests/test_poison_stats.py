@@ -40,3 +40,14 @@ def test_poison_does_not_touch_the_input_case():
 def test_cache_write_path_never_produces_nan():
     c = build_case(Geometry(rows=8, context=256, topk=16, kv_dtype="e4m3"))
     assert not fp8.is_nan_code(c.kv_cache, "e4m3").any()
+
+
+def test_e5m2_inf_codes_are_recorded_beside_nan():
+    """0 * Inf = NaN leaks like NaN: Inf codes are counted and their dims listed."""
+    c = build_case(Geometry(rows=8, context=64, topk=16, kv_dtype="e5m2"))
+    for seed in range(8):
+        p = apply_poison(c, "random", plane="v", seed=seed).poison
+        vals = fp8.decode(apply_poison(c, "random", plane="v", seed=seed).kv_cache[0, 1, :, 0, :], "e5m2")
+        assert p["inf_bytes"] == int(torch.isinf(vals).sum()) and p["nan_bytes"] == int(torch.isnan(vals).sum())
+        bad = torch.nonzero(~torch.isfinite(vals))[:, 1].unique().tolist()
+        assert p["nonfinite_dims"] == sorted(bad)

@@ -45,18 +45,36 @@ def check_routes(routes) -> tuple:
     return routes
 
 
-def resolve_backend(backend: str) -> str:
-    """'auto' -> 'cuda' when a GPU is visible and the kernels load, else 'emulate'."""
+def kernel_limits_violation(geometry) -> str | None:
+    """Why the compiled kernels cannot run this geometry (None when they can)."""
+    from .. import kernels
+
+    if not 1 <= geometry.q_heads <= kernels.MAX_Q_HEADS:
+        return f"q_heads: the compiled kernels take 1..{kernels.MAX_Q_HEADS}, got {geometry.q_heads}"
+    if geometry.head_dim > kernels.MAX_HEAD_DIM:
+        return f"head_dim: the compiled kernels take at most {kernels.MAX_HEAD_DIM}, got {geometry.head_dim}"
+    return None
+
+
+def resolve_backend(backend: str, geometry=None) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, the kernels load and take this geometry,
+    else 'emulate'. 'cuda' raises ValueError naming what stands in the way."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "emulate":
         return backend
     from .. import kernels
 
-    if backend == "cuda":
-        kernels.load()  # raises with a readable reason
-        return "cuda"
-    return "cuda" if kernels.available() else "emulate"
+    limit = kernel_limits_violation(geometry) if geometry is not None else None
+    if backend == "auto":
+        return "cuda" if limit is None and kernels.available() else "emulate"
+    if limit:
+        raise ValueError(f"{limit} (use backend 'emulate')")
+    try:
+        kernels.load()
+    except RuntimeError as e:
+        raise ValueError(f"backend 'cuda' is unavailable: {str(e).splitlines()[0]}") from e
+    return "cuda"
 
 
 def backend_module(backend: str):
@@ -91,7 +109,7 @@ def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | N
     """Run `case` through `routes` (default all). Outputs come back on the CPU."""
     routes = check_routes(routes)
     validate_case(case)
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, case.geometry)
     impl = backend_module(backend)
     dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
     run_case = case.to(dev)
