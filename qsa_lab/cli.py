@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -234,6 +235,9 @@ def main(argv=None) -> int:
     except (UsageError, ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"qsa-lab: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_BAD_ARGS
+    except BrokenPipeError:  # output piped into `head` and closed early: not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":
