@@ -5,10 +5,9 @@ import math
 
 import torch
 
-from .case import Case
+from .case import Case, token_values
 from .plan import GROUP, TILE_ENTRIES, GroupedPlan, tile_active_m_tiles, unattended_tokens
 from .routes import ROUTES, RunResult
-from .routes.emulate import decode_values
 
 #: |route - reference| <= atol + rtol * |reference| (fp16 output, fp16 P, fp32 accumulation)
 TOLERANCE = {"e4m3": (2e-3, 2e-2), "e5m2": (2e-3, 2e-2), "fp16": (2e-3, 2e-2)}
@@ -36,9 +35,8 @@ def _tile_fields(case: Case, plan: GroupedPlan):
     """Per tile: active M-tile bits [G, nt], V non-finite [G, nt, 32, D], unattended [G, nt, 32]."""
     G, cap = plan.microblocks.shape
     nt = cap // TILE_ENTRIES
-    ps = case.geometry.page_size
     tok = (plan.microblocks.long().unsqueeze(-1) * 4 + torch.arange(4)).view(G, nt, 32)
-    v = decode_values(case.kv_cache[tok // ps, 1, tok % ps, 0, :], case.kv_format)
+    v = token_values(case.kv_cache, tok, 1, case.kv_format)
     bad = ~torch.isfinite(v)
     dead = unattended_tokens(plan.masks).view(G, nt, 32)
     return tok, tile_active_m_tiles(plan.masks, plan.seq_len, plan.q_heads), bad, dead

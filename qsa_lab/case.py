@@ -122,17 +122,25 @@ class Case:
 
     def decoded_plane(self, plane: int) -> torch.Tensor:
         """[pages, page_size, head_dim] float32 values (scale applied) of plane 0=K or 1=V."""
-        raw = self.kv_cache[:, plane, :, 0, :]
         scale = self.k_scale if plane == 0 else self.v_scale
-        if self.kv_format == "fp16":
-            return raw.float() * scale
-        return fp8.decode(raw, self.kv_format) * scale
+        return kv_values(self.kv_cache[:, plane, :, 0, :], self.kv_format) * scale
 
     def describe(self) -> str:
         g = self.geometry
         return (f"rows {g.rows}, {g.requests} req, {g.layout}, ctx {g.context}, topk {g.topk}, "
                 f"page {g.page_size}, Hq {g.q_heads}, D {g.head_dim}, {g.kv_dtype}, seed {g.seed}; "
                 f"poison {self.poison['site']}/{self.poison['plane']}")
+
+
+def kv_values(raw: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """Cache elements (fp8 codes or fp16) -> float32 values as the kernel's fp16 panel holds them (no scale)."""
+    return raw.float() if kv_dtype == "fp16" else fp8.decode(raw, kv_dtype)
+
+
+def token_values(kv_cache: torch.Tensor, tokens: torch.Tensor, plane: int, kv_dtype: str) -> torch.Tensor:
+    """Physical token ids (page * page_size + token, any shape) -> [..., head_dim] float32 of one plane."""
+    ps = kv_cache.shape[2]
+    return kv_values(kv_cache[tokens // ps, plane, tokens % ps, 0, :], kv_dtype)
 
 
 def visible_tokens(case: Case) -> torch.Tensor:

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .case import Case, Geometry, build_case
+from .case import Case, Geometry, build_case, kv_values
 from .plan import GROUP, GroupedPlan
 from .poison import DIM_SITES, SITES, apply_poison, stale_tokens
 from .routes import ROUTES, RunResult
-from .routes.emulate import decode_values
 
 PLANE_INDEX = {"k": 0, "v": 1}
 BENCH_JSON = Path(__file__).resolve().parent.parent / "data" / "bench_h200.json"
@@ -43,7 +42,7 @@ def page_bytes(case: Case, plane: str = "v", page: int | None = None) -> dict:
         page = stale[0][0] if stale else 0
     raw = case.kv_cache[page, PLANE_INDEX[plane], :, 0, :].cpu()           # [page_size, D]
     codes = raw.view(torch.uint8).view(raw.shape[0], raw.shape[1], -1)[..., 0]
-    nan = torch.isnan(decode_values(raw, case.kv_format))
+    nan = torch.isnan(kv_values(raw, case.kv_format))
     return {"codes": codes.numpy(), "nan": nan.numpy(), "page": int(page), "plane": plane,
             "site": case.poison["site"], "kv_dtype": case.kv_format, "nan_bytes": int(nan.sum()),
             "nan_dims": sorted(set(torch.nonzero(nan)[:, 1].tolist()))}

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8
-from .case import Case
+from .case import Case, kv_values
 
 SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail")
 PLANES = {"k": (0,), "v": (1,), "kv": (0, 1)}
@@ -39,10 +38,6 @@ def stale_tokens(case: Case) -> list[tuple[int, int]]:
         for pos in range(s, -(-s // 4) * 4):
             out.append((int(case.block_table[r, pos // ps]), pos % ps))
     return out
-
-
-def _element_values(raw: torch.Tensor, kv_format: str) -> torch.Tensor:
-    return raw.float() if kv_format == "fp16" else fp8.decode(raw, kv_format)
 
 
 def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None, seed: int = 0) -> Case:
@@ -95,7 +90,7 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
             else:  # recurrent state: fp16 activations of unit-ish scale, laid byte by byte
                 data = (torch.randn(n // 2 + 1, generator=gen) * 0.5).to(torch.float16).view(torch.uint8)[:n]
             cells[0, p] = data.view(g.page_size, g.head_dim, nbytes).to(kv.device)
-    values = _element_values(kv[:, :, :, 0, :], g.kv_dtype).cpu()
+    values = kv_values(kv[:, :, :, 0, :], g.kv_dtype).cpu()
     nan_here = torch.isnan(values) & region          # region is empty for 'none'
     inf_here = torch.isinf(values) & region          # E5M2 Inf: 0 * Inf = NaN leaks the same way
     out.poison = {

@@ -2,7 +2,6 @@
 import dataclasses
 
 import pytest
-import torch
 
 from qsa_lab.case import Geometry, build_case
 from qsa_lab.cli import main

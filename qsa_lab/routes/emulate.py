@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import fp8
+from ..case import token_values
 from ..plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
 
 VARIANTS = ("unfixed", "kernel_fix", "masked_load")
@@ -24,19 +24,10 @@ XQA_PARTITION = 256
 _CHUNK_ELEMS = 1 << 24  # panel elements per group chunk: bounds memory on long contexts
 
 
-def decode_values(raw: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """Codes (or fp16) -> float32 values as the kernel's fp16 panel holds them (no scale)."""
-    if kv_format == "fp16":
-        return raw.float()
-    return fp8.decode(raw, kv_format)
-
-
 def decode_panel(kv_cache, microblocks, *, plane, kv_format):
     """[n] microblock ids -> [n*4, head_dim] fp16: their tokens decoded, no scale."""
-    ps = kv_cache.shape[2]
     tok = (microblocks.long().unsqueeze(1) * 4 + torch.arange(4, device=kv_cache.device)).flatten()
-    raw = kv_cache[tok // ps, plane, tok % ps, 0, :]
-    return decode_values(raw, kv_format).to(torch.float16)
+    return token_values(kv_cache, tok, plane, kv_format).to(torch.float16)
 
 
 def _check_variant(variant):
@@ -48,14 +39,13 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks
                    kv_format, sm_scale, variant):
     G, cap = microblocks.shape
     _, hq, D = q.shape
-    ps = kv_cache.shape[2]
     nt = cap // TILE_ENTRIES
     R = GROUP * hq
     dev = q.device
     # 1. panels [G, nt, 32, D]: token j of a tile is entry j//4, token j%4
     tok = (microblocks.long().unsqueeze(-1) * 4 + torch.arange(4, device=dev)).view(G, nt, 32)
-    K = decode_values(kv_cache[tok // ps, 0, tok % ps, 0, :], kv_format)
-    V = decode_values(kv_cache[tok // ps, 1, tok % ps, 0, :], kv_format)
+    K = token_values(kv_cache, tok, 0, kv_format)
+    V = token_values(kv_cache, tok, 1, kv_format)
     if variant != "unfixed":
         # fix A zeroes unattended rows after the load, fix C never loads them: same panel
         dead = unattended_tokens(masks).view(G, nt, 32, 1)
@@ -115,11 +105,10 @@ def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, mask
 def gather_tokens(kv_cache, token_index, token_count, kv_format):
     """Decoded K and V [n, T, D] float32 of each row's real tokens; unused slots are 0 and
     never read from the cache (a real XQA never touches them)."""
-    ps = kv_cache.shape[2]
     valid = torch.arange(token_index.shape[1], device=token_index.device) < token_count.long().unsqueeze(1)
     tok = torch.where(valid, token_index, 0)
-    K = decode_values(kv_cache[tok // ps, 0, tok % ps, 0, :], kv_format)
-    V = decode_values(kv_cache[tok // ps, 1, tok % ps, 0, :], kv_format)
+    K = token_values(kv_cache, tok, 0, kv_format)
+    V = token_values(kv_cache, tok, 1, kv_format)
     keep = valid.unsqueeze(-1)
     return torch.where(keep, K, 0.0), torch.where(keep, V, 0.0), valid
 

@@ -17,7 +17,7 @@ from qsa_lab import kernels  # noqa: E402
 from qsa_lab.case import Geometry, build_case  # noqa: E402
 from qsa_lab.plan import pad_fix, plan_groups  # noqa: E402
 from qsa_lab.poison import SITES, apply_poison  # noqa: E402
-from qsa_lab.routes import GROUPED, emulate, run_routes  # noqa: E402
+from qsa_lab.routes import emulate, run_routes  # noqa: E402
 
 ATOL, RTOL = 4e-3, 1e-2          # CUDA vs emulation
 REF_ATOL, REF_RTOL = 1e-2, 2e-2  # fixed routes vs the float64 reference
