@@ -14,7 +14,6 @@ NAN_COLOR = "#ff0055"
 CLEAN_COLOR = "#2b8a3e"
 DIM_MAJOR = 32   # head-dim tick spacing: readable at 256 dims
 DIM_MINOR = 8
-MAX_DIM_LABELS = 24
 
 
 def _ax(ax, figsize):
@@ -31,20 +30,55 @@ def _cmap(name: str):
     return matplotlib.colormaps[name].with_extremes(bad=NAN_COLOR)
 
 
-def _dim_axis(ax, head_dim: int, nan_dims=()):
-    """Head dims on x: majors every 32, minors every 8; NaN dims named on the top axis."""
+def dim_label_groups(dims, min_gap: float) -> list[tuple[float, str]]:
+    """Sorted NaN dims -> (x, label) with labels at least `min_gap` dims apart: dims closer than
+    that share one label ("168,170", or "a-b (n)" for more than three)."""
+    out, run = [], []
+    for d in sorted(set(int(x) for x in dims)):
+        if run and d - run[-1] < min_gap:
+            run.append(d)
+            continue
+        if run:
+            out.append(run)
+        run = [d]
+    if run:
+        out.append(run)
+    # a label sits at its run's centre; runs are >= min_gap apart end to end, but centres of
+    # long runs must also be: merge neighbours until they are
+    def centre(r):
+        return (r[0] + r[-1]) / 2
+
+    merged = out
+    while True:
+        i = next((i for i in range(1, len(merged)) if centre(merged[i]) - centre(merged[i - 1]) < min_gap), None)
+        if i is None:
+            break
+        merged = merged[:i - 1] + [merged[i - 1] + merged[i]] + merged[i + 1:]
+    return [((r[0] + r[-1]) / 2, ",".join(map(str, r)) if len(r) <= 3 else f"{r[0]}-{r[-1]} ({len(r)})")
+            for r in merged]
+
+
+def _dim_axis(ax, head_dim: int, nan_dims=(), minor: bool = True, fontsize: float = 7):
+    """Head dims on x: majors every 32, minors every 8; NaN dims marked on the top axis, their
+    labels grouped so that none overlaps (dims closer than a label's height share one)."""
     ax.set_xticks(np.arange(0, head_dim, DIM_MAJOR if head_dim >= 64 else 8))
-    ax.set_xticks(np.arange(0, head_dim, DIM_MINOR if head_dim >= 64 else 1), minor=True)
+    if minor:
+        ax.set_xticks(np.arange(0, head_dim, DIM_MINOR if head_dim >= 64 else 1), minor=True)
     ax.set_xlabel("head dim")
-    nan_dims = list(nan_dims)
+    nan_dims = sorted(set(nan_dims))
     if nan_dims:
         top = ax.secondary_xaxis("top")
-        shown = nan_dims if len(nan_dims) <= MAX_DIM_LABELS else nan_dims[:MAX_DIM_LABELS]
-        top.set_xticks(shown)
-        top.set_xticklabels([str(d) for d in shown], rotation=90, fontsize=7, color=NAN_COLOR)
-        top.tick_params(axis="x", colors=NAN_COLOR, length=6, width=1.5)
-        more = "" if len(nan_dims) <= MAX_DIM_LABELS else f" (first {MAX_DIM_LABELS} of {len(nan_dims)})"
-        top.set_xlabel(f"NaN dims{more}", color=NAN_COLOR, fontsize=8)
+        top.xaxis.remove_overlapping_locs = False  # a label (minor) often sits on its dim's mark (major)
+        top.set_xticks(nan_dims, [""] * len(nan_dims))
+        top.tick_params(axis="x", which="major", colors=NAN_COLOR, length=6, width=1.5)
+        fig = ax.figure
+        width_pt = ax.get_position().width * fig.get_figwidth() * 72
+        gap = 1.6 * fontsize / max(width_pt / max(head_dim, 1), 1e-6)   # dims per label height, with air
+        groups = dim_label_groups(nan_dims, gap)
+        top.set_xticks([x for x, _ in groups], [t for _, t in groups], minor=True)
+        top.tick_params(axis="x", which="minor", length=0, labelsize=fontsize, labelcolor=NAN_COLOR,
+                        labelrotation=90, pad=8)
+        top.set_xlabel(f"NaN dims ({len(nan_dims)})", color=NAN_COLOR, fontsize=8)
 
 
 def _nan_legend(ax, label="NaN"):
@@ -182,7 +216,8 @@ def plot_plan(table, ax=None):
         for k, (col, color) in enumerate((("real", "#8c9fb5"), ("padded", NAN_COLOR))):
             x = np.arange(len(cats)) + (2 * gi + k - len(groups) + 0.5) * width
             vals = t[col].to_numpy()
-            ax.bar(x, np.maximum(vals, 0.8), width, color=color, edgecolor="black", lw=0.4,
+            # log scale: a count of 0 gets no bar (there is no log 0), only its "0" label
+            ax.bar(x, np.where(vals > 0, vals, np.nan), width, color=color, edgecolor="black", lw=0.4,
                    hatch="//" if col == "padded" and gi % 2 else None,
                    alpha=1.0 if col == "padded" else 0.5 + 0.5 * (gi % 2),
                    label=f"g{g} {col}")
@@ -201,7 +236,7 @@ def plot_plan(table, ax=None):
     return ax
 
 
-def plot_nan_map(data: dict, ax=None):
+def plot_nan_map(data: dict, ax=None, minor: bool = True):
     """data: figdata.nan_map. Score rows (group x M-tile blocks, then XQA rows) x head dims:
     |output| in grey, NaN in NAN_COLOR; lines between M-tiles (thin) and groups (thick)."""
     from .figdata import group_row_labels
@@ -219,13 +254,13 @@ def plot_nan_map(data: dict, ax=None):
     labels = group_row_labels(data["groups"], data["q_heads"], data["m_tiles"], data["xqa_rows"])
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
     dims = sorted(set(np.nonzero(np.isnan(vals).any(axis=0))[0].tolist()))
-    _dim_axis(ax, vals.shape[1], dims)
+    _dim_axis(ax, vals.shape[1], dims, minor=minor)
     ax.set_title(f"{data['title']}\n{data['nan_count']} NaN on {len(dims)} dims", fontsize=9)
     _nan_legend(ax)
     return ax
 
 
-def plot_route_comparison(data: dict, ax=None):
+def plot_route_comparison(data: dict, ax=None, minor: bool = True):
     """data: figdata.route_nans. One strip per route over head dims (NaN dims in NAN_COLOR),
     with the route's NaN count and max |route - xqa| on the right."""
     ax = _ax(ax, (11, 0.42 * len(data["routes"]) + 1.6))
@@ -245,7 +280,7 @@ def plot_route_comparison(data: dict, ax=None):
     for y in range(len(data["routes"]) - 1):
         ax.axhline(y + 0.5, color="white", lw=1)
     dims = sorted(set(np.nonzero(per_dim.sum(axis=0))[0].tolist()))
-    _dim_axis(ax, per_dim.shape[1], dims)
+    _dim_axis(ax, per_dim.shape[1], dims, minor=minor)
     ax.set_title(f"routes side by side: {data['title']}", fontsize=9)
     return ax
 

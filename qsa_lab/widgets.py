@@ -1,38 +1,65 @@
 """The poison playground: wiring only (mpl-interactions style).
 
     controls --(read_params)--> Params --(playground_data)--> data --(render_playground)--> Figure
-                                                                                  \\-> Output widget
+                                                                            \\-> PNG in an Image widget
 
-`playground_data` and `render_playground` are pure (the data function caches built
-cases and route outputs, which changes only its speed) and usable without widgets;
-`Playground` only wires ipywidgets controls to them. `Playground.last_data` is the
-data the render function last received, so tests can observe each redraw.
+`playground_data` and `render_playground` are pure (the data function caches what it
+computed, which changes only its speed) and usable without widgets; `Playground` only
+wires ipywidgets controls to them. `Playground.last_data` is the data the figure on
+screen was drawn from, so tests can observe each redraw.
+
+Why a redraw is fast: `RunCache` keeps, per geometry, the clean case, its plans and the
+set of KV tokens each route can read; a new poison re-runs only the routes that read a
+byte the poison changed (usually the unfixed grouped route alone) and takes every other
+route's output from the clean case, which is bit-identical because those routes never
+read the changed bytes.
 """
 from __future__ import annotations
 
+import html
 import io
 import os
+import platform
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from .case import KV_DTYPES, Geometry, build_case
+import torch
+
+from .case import KV_DTYPES, Case, Geometry, build_case
+from .plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from .poison import DIM_SITES, PLANES, REPORT_DIMS, SITES, apply_poison
-from .routes import BACKENDS, ROUTES, run_routes
+from .routes import BACKENDS, GROUPED, ROUTES, RunResult, backend_module, grouped_output, resolve_backend, \
+    xqa_output
+from .routes.reference import reference_forward
 
 #: geometry presets; the first is the default (the report's decode-like case at a shorter
-#: context: same groups, M-tiles, padding and 480-NaN fingerprint, redraws in well under 0.5 s)
+#: context: same groups, M-tiles, padding and 480-NaN fingerprint). Presets marked
+#: "partial tail" have a request whose seq_len is not a multiple of 4: site stale-tail needs one.
 PRESETS = OrderedDict([
     ("decode-like, 19 rows, ctx 2048", Geometry(context=2048, topk=128)),
     ("decode-like, 19 rows, ctx 8192 (report)", Geometry()),
-    ("3-req scatter causal, 24 rows, ctx 2048", Geometry(rows=24, requests=3, layout="scatter", context=2048, topk=128)),
-    ("3-req scatter causal, 24 rows, ctx 8192 (report)", Geometry(rows=24, requests=3, layout="scatter")),
+    # 16 rows: the last group holds the last row, so the grouped route reads the partial microblock
+    ("decode-like, 16 rows, ctx 2046 (partial tail)", Geometry(rows=16, context=2046, topk=128)),
+    ("3-req scatter causal, 24 rows, ctx 2048 (partial tail)",
+     Geometry(rows=24, requests=3, layout="scatter", context=2048, topk=128)),
+    ("3-req scatter causal, 24 rows, ctx 8192 (report, partial tail)", Geometry(rows=24, requests=3, layout="scatter")),
 ])
 #: fix toggle label -> route it adds (reference, xqa and grouped always run)
 FIX_TOGGLES = OrderedDict([("kernel_fix", "grouped+kernel_fix"), ("pad_fix", "grouped+pad_fix"),
                            ("both_fixes", "grouped+both_fixes"), ("masked_load", "grouped+masked_load")])
 BASE_ROUTES = ("reference", "xqa", "grouped")
 FIGURES_ENV = "QSA_LAB_FIGURES"
+REMAINDER = "xqa remainder"  # cache entry: the grouped routes' XQA rows, shared by all of them
+SEED_MAX = 2**63 - 1          # torch.Generator.manual_seed takes at most a signed 64-bit seed
+UNSEEDED_SITES = ("none", "zeros", "targeted", "stale-tail")  # sites whose bytes do not depend on the seed
+FIGSIZE, DPI = (12.0, 8.4), 110  # 1320 px wide: sharp at the full width of a JupyterLab cell
+
+
+def has_partial_tail(g: Geometry) -> bool:
+    """Request r holds context - r tokens: some request ends inside a 4-token microblock."""
+    return any((g.context - r) % 4 for r in range(g.requests))
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,12 @@ class Params:
     def routes(self) -> tuple:
         return tuple(r for r in ROUTES if r in BASE_ROUTES or r in {FIX_TOGGLES[f] for f in self.fixes})
 
+    @property
+    def poison_key(self) -> tuple:
+        """What the poisoned bytes depend on: dims only for dim sites, the seed only for seeded ones."""
+        return (self.site, self.plane, self.dims if self.site in DIM_SITES else None,
+                None if self.site in UNSEEDED_SITES else self.seed)
+
 
 def parse_dims(text: str, head_dim: int) -> tuple:
     """'102, 152 168' -> (102, 152, 168); ValueError naming 'dims' otherwise."""
@@ -72,51 +105,174 @@ def parse_dims(text: str, head_dim: int) -> tuple:
     return tuple(sorted(set(dims)))
 
 
+def parse_seed(text) -> int:
+    """'7' -> 7; ValueError naming 'seed' (and the value) otherwise."""
+    s = str(text).strip()
+    try:
+        seed = int(s)
+    except ValueError:
+        raise ValueError(f"seed: {s[:40]!r} is not an integer") from None
+    if not 0 <= seed <= SEED_MAX:
+        shown = s if len(s) <= 24 else f"{s[:12]}...({len(s)} digits)"
+        raise ValueError(f"seed: {shown} is outside [0, 2**63 - 1]")
+    return seed
+
+
 def check_params(p: Params) -> Params:
     """Raise ValueError naming the bad control."""
     for name, value, allowed in (("site", p.site, SITES), ("plane", p.plane, tuple(PLANES)),
                                  ("kv_dtype", p.kv_dtype, KV_DTYPES), ("geometry", p.preset, tuple(PRESETS)),
                                  ("backend", p.backend, BACKENDS)):
-        if value not in allowed:
+        if not isinstance(value, str) or value not in allowed:
             raise ValueError(f"{name}: {value!r} is not one of {allowed}")
-    if not isinstance(p.seed, int) or p.seed < 0:
-        raise ValueError(f"seed: must be an int >= 0, got {p.seed!r}")
+    if isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed <= SEED_MAX:
+        raise ValueError(f"seed: must be an int in [0, 2**63 - 1], got {p.seed!r}")
+    if p.site in DIM_SITES:
+        if not p.dims or any(isinstance(d, bool) or not isinstance(d, int) for d in p.dims):
+            raise ValueError(f"dims: must be a non-empty tuple of ints, got {p.dims!r}")
+        parse_dims(",".join(map(str, p.dims)), p.geometry.head_dim)
+    bad_fix = [f for f in p.fixes if f not in FIX_TOGGLES]
+    if bad_fix:
+        raise ValueError(f"fixes: {bad_fix} not among {tuple(FIX_TOGGLES)}")
     if p.nan_map not in p.routes:
         raise ValueError(f"nan_map: route {p.nan_map!r} is not toggled on")
+    if p.site == "stale-tail" and not has_partial_tail(p.geometry):
+        tails = [name for name, g in PRESETS.items() if has_partial_tail(g)]
+        raise ValueError(f"site: 'stale-tail' writes the unwritten tokens of a partial last microblock, and "
+                         f"geometry {p.preset!r} has none; pick a geometry marked 'partial tail' ({tails[0]!r}, ...)")
     return p
 
 
+# -- what a redraw computes ------------------------------------------------------------------------
+
+@dataclass
+class _Base:
+    """One geometry, unpoisoned: the case, both plans and what each route reads."""
+    case: Case
+    plan: GroupedPlan
+    fixed_plan: GroupedPlan
+    reads: dict = field(default_factory=dict)   # route -> [pages * page_size] bool
+
+
+def route_reads(case: Case, plan: GroupedPlan, fixed_plan: GroupedPlan) -> dict:
+    """route -> [pages * page_size] bool: the physical tokens whose bytes can change its output.
+
+    Every route uses the tokens some row attends. The unfixed grouped kernel also uses
+    every token of every microblock in its plan, padding included: mask 0 gives such a
+    token probability 0, but 0 * NaN = NaN. Fix A zeroes unattended panel rows and fix C
+    never loads them, so those variants use attended tokens only."""
+    n = case.kv_cache.shape[0] * case.geometry.page_size
+    index, count = xqa_tokens(case)
+    valid = torch.arange(index.shape[1]) < count.long().unsqueeze(1)
+    attended = torch.zeros(n, dtype=torch.bool)
+    attended[index[valid]] = True
+
+    def loaded(pl: GroupedPlan) -> torch.Tensor:
+        m = attended.clone()
+        m[(pl.microblocks.long().unsqueeze(-1) * 4 + torch.arange(4)).flatten()] = True
+        return m
+
+    reads = {"reference": attended, "xqa": attended, REMAINDER: attended}
+    for route, (variant, fixed) in GROUPED.items():
+        reads[route] = loaded(fixed_plan if fixed else plan) if variant == "unfixed" else attended
+    return reads
+
+
+def changed_tokens(clean: Case, poisoned: Case) -> torch.Tensor:
+    """[pages * page_size] bool: tokens where any byte of K or V differs."""
+    a, b = clean.kv_cache.view(torch.uint8), poisoned.kv_cache.view(torch.uint8)
+    return (a != b).any(dim=-1).any(dim=-1).any(dim=1).flatten()
+
+
+def compute_route(case: Case, base: _Base, route: str, backend: str) -> torch.Tensor:
+    """One route of `case` with the geometry's cached plans; exactly what run_routes computes
+    (reference: its float64 output; a grouped route: its groups only, see `remainder`)."""
+    if route == "reference":
+        return reference_forward(case)
+    impl = backend_module(backend)
+    dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
+    run_case = case.to(dev)
+    if route == "xqa":
+        return xqa_output(run_case, torch.arange(case.geometry.rows, device=dev), impl).cpu()
+    if route == REMAINDER:  # rows outside every group go through XQA in every grouped route
+        return xqa_output(run_case, base.plan.xqa_rows.to(dev), impl).cpu()
+    variant, fixed = GROUPED[route]
+    plan = (base.fixed_plan if fixed else base.plan).to(dev)
+    out = grouped_output(run_case, replace(plan, xqa_rows=plan.xqa_rows[:0]), variant, impl)
+    return out.cpu()
+
+
 class RunCache:
-    """Built cases per geometry, poisoned cases per poison, route outputs per (poison, backend).
+    """Cases, plans and route outputs a redraw can reuse (least recently used first out).
 
-    A redraw re-runs only what changed: a fix toggle runs one route, a new dims list
-    re-poisons and re-runs the toggled routes, a new preset builds one case."""
+    bases:    geometry -> clean case, plans, route read sets
+    poisoned: (geometry, poison) -> poisoned case and the tokens the poison changed
+    outputs:  (geometry, poison or None for clean, backend, route) -> output
+    A route whose read set misses every changed token takes the clean output."""
 
-    def __init__(self, size: int = 6):
+    def __init__(self, size: int = 8):
         self.size = size
-        self.cases, self.poisoned, self.results = OrderedDict(), OrderedDict(), OrderedDict()
+        self.bases, self.poisoned, self.outputs = OrderedDict(), OrderedDict(), OrderedDict()
+        self.computed = []  # (geometry, poison key or None, backend, route) of each route actually run
 
-    def _get(self, store, key, make):
+    def _get(self, store, key, make, size=None):
         if key in store:
             store.move_to_end(key)
             return store[key]
         store[key] = value = make()
-        while len(store) > self.size:
+        while len(store) > (size or self.size):
             store.popitem(last=False)
         return value
 
-    def result(self, p: Params):
-        g = p.geometry
-        pkey = (g, p.site, p.plane, p.dims if p.site in DIM_SITES else None, p.seed)
-        case = self._get(self.poisoned, pkey, lambda: apply_poison(
-            self._get(self.cases, g, lambda: build_case(g)), p.site, plane=p.plane,
-            dims=list(p.dims) if p.site in DIM_SITES else None, seed=p.seed))
-        res = self._get(self.results, (pkey, p.backend), lambda: run_routes(case, routes=p.routes,
-                                                                             backend=p.backend))
-        missing = [r for r in p.routes if r not in res.outputs]
-        if missing:  # a fix toggled on later: run just that route
-            res.outputs.update(run_routes(case, routes=missing, backend=p.backend).outputs)
-        return res
+    def base(self, g: Geometry) -> _Base:
+        def make():
+            case = build_case(g)
+            plan = plan_groups(case)
+            fixed = pad_fix(plan)
+            return _Base(case, plan, fixed, route_reads(case, plan, fixed))
+        return self._get(self.bases, g, make)
+
+    def poisoned_case(self, p: Params):
+        g, base = p.geometry, self.base(p.geometry)
+
+        def make():
+            case = apply_poison(base.case, p.site, plane=p.plane,
+                                dims=list(p.dims) if p.site in DIM_SITES else None, seed=p.seed)
+            return case, changed_tokens(base.case, case)
+        return self._get(self.poisoned, (g, p.poison_key), make)
+
+    def output(self, p: Params, route: str, backend: str) -> torch.Tensor:
+        base = self.base(p.geometry)
+        case, changed = self.poisoned_case(p)
+        clean = not bool((changed & base.reads[route]).any())
+        key = (p.geometry, None if clean else p.poison_key, backend, route)
+
+        def make():
+            self.computed.append(key)
+            return compute_route(base.case if clean else case, base, route, backend)
+        return self._get(self.outputs, key, make, size=8 * self.size * len(ROUTES))
+
+    def result(self, p: Params) -> RunResult:
+        """The poisoned case through the shown routes, as a RunResult (outputs fp16, reference64)."""
+        backend = resolve_backend(p.backend, p.geometry)
+        base = self.base(p.geometry)
+        case, _ = self.poisoned_case(p)
+        ref = self.output(p, "reference", backend)
+        outputs = {"reference": ref.to(torch.float16)}
+        rest = base.plan.xqa_rows
+        for r in p.routes:
+            if r in GROUPED:  # grouped rows from the route, remainder rows from the shared XQA entry
+                out = self.output(p, r, backend).clone()
+                if rest.numel():
+                    out[rest] = self.output(p, REMAINDER, backend)
+                outputs[r] = out
+            elif r != "reference":
+                outputs[r] = self.output(p, r, backend)
+        return RunResult(case, backend, base.plan, outputs, ref)
+
+    def clear(self):
+        for store in (self.bases, self.poisoned, self.outputs):
+            store.clear()
 
 
 _CACHE = RunCache()
@@ -125,16 +281,14 @@ _CACHE = RunCache()
 def playground_data(p: Params, cache: RunCache | None = None) -> dict:
     """Params -> everything render_playground draws: the chosen route's NaN map, the routes
     side by side, the route table, and the case/backend for titles and export metadata."""
-    from dataclasses import replace as dc_replace
-
     from . import figdata
 
     check_params(p)
     res = (cache or _CACHE).result(p)
-    view = dc_replace(res, outputs={r: res.outputs[r] for r in p.routes})  # only the toggled routes
-    routes = figdata.route_nans(view, p.routes)
+    routes = figdata.route_nans(res, p.routes)
     return {"params": p, "backend": res.backend, "case": res.case.describe(), "poison": dict(res.case.poison),
-            "nan_map": figdata.nan_map(view, p.nan_map), "routes": routes, "table": routes["table"]}
+            "geometry": p.geometry.to_dict(), "nan_map": figdata.nan_map(res, p.nan_map), "routes": routes,
+            "table": routes["table"]}
 
 
 def render_playground(data: dict, fig=None):
@@ -145,30 +299,95 @@ def render_playground(data: dict, fig=None):
     from . import plotting
 
     if fig is None:
-        fig = Figure(figsize=(11, 7.8))
+        fig = Figure(figsize=FIGSIZE, dpi=DPI)
     else:
         fig.clear()
     # fixed margins, not constrained layout: layout solving was a third of the redraw time
     top, bottom = fig.subplots(2, 1, height_ratios=[2.6, 1.2],
-                               gridspec_kw=dict(left=0.2, right=0.8, top=0.87, bottom=0.07, hspace=0.55))
-    plotting.plot_nan_map(data["nan_map"], ax=top)
-    plotting.plot_route_comparison(data["routes"], ax=bottom)
+                               gridspec_kw=dict(left=0.17, right=0.79, top=0.86, bottom=0.07, hspace=0.6))
+    # no minor ticks: each is an artist to build and draw, and the majors every 32 dims suffice here
+    plotting.plot_nan_map(data["nan_map"], ax=top, minor=False)
+    plotting.plot_route_comparison(data["routes"], ax=bottom, minor=False)
     return fig
 
 
-def figure_png(fig, dpi: int = 72) -> bytes:
+def figure_png(fig) -> bytes:
+    """The figure as PNG bytes at its own dpi; fast zlib level: on screen the size matters less
+    than the time."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3]).save(buf, format="png", compress_level=1)
     return buf.getvalue()
 
 
+def figures_dir() -> Path:
+    """Where Export writes: $QSA_LAB_FIGURES, else the checkout's figures/ (beside pyproject.toml),
+    else ./figures for an installed package. Always absolute."""
+    env = os.environ.get(FIGURES_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    repo = Path(__file__).resolve().parent.parent
+    return (repo if (repo / "pyproject.toml").is_file() else Path.cwd()).resolve() / "figures"
+
+
+def export_meta(data: dict) -> dict:
+    """Everything needed to redraw an exported figure: geometry with its seed, poison site,
+    plane, dims and seed, the fixes shown, backend and versions (export adds the GPU)."""
+    import matplotlib
+
+    from . import __version__
+
+    p = data["params"]
+    return {"case": data["case"], "backend": data["backend"], "preset": p.preset,
+            "geometry": ", ".join(f"{k}={v}" for k, v in data["geometry"].items()),
+            "geometry_seed": str(data["geometry"]["seed"]),
+            "site": p.site, "plane": p.plane,
+            "dims": ",".join(map(str, p.dims)) if p.site in DIM_SITES else "",
+            "poison_seed": str(p.seed), "fixes": ",".join(p.fixes) or "none", "routes": ",".join(p.routes),
+            "nan_map_route": p.nan_map,
+            "versions": f"qsa_lab {__version__}, torch {torch.__version__}, matplotlib {matplotlib.__version__}, "
+                        f"python {platform.python_version()}"}
+
+
+_FIX_CODES = {"kernel_fix": "A", "pad_fix": "B", "both_fixes": "AB", "masked_load": "C"}
+
+
+def export_name(data: dict) -> str:
+    """A file stem that says what the figure shows, e.g.
+    playground_targeted-v_d102-152-168-170-230_ps0_r19x1-ctx2048-k128-e4m3-gs0_fixA+B+AB+C_emulate."""
+    p, g = data["params"], data["geometry"]
+    dims = ""
+    if p.site in DIM_SITES:
+        d = list(p.dims)
+        dims = "_d" + ("-".join(map(str, d)) if len(d) <= 8 else f"{d[0]}-to-{d[-1]}-n{len(d)}")
+    fixes = "+".join(_FIX_CODES[f] for f in p.fixes) or "none"
+    return (f"playground_{p.site}-{p.plane}{dims}_ps{p.seed}_r{g['rows']}x{g['requests']}-ctx{g['context']}"
+            f"-k{g['topk']}-{g['kv_dtype']}-gs{g['seed']}_fix{fixes}_{data['backend']}")
+
+
+CSS = """<style>
+.qsa-playground .qsa-figure { width: 100%; height: auto; transition: opacity .15s; }
+.qsa-playground.qsa-busy .qsa-figure, .qsa-playground.qsa-busy .qsa-table { opacity: .35; }
+.qsa-playground .qsa-table table { border-collapse: collapse; font-size: 12px; }
+.qsa-playground .qsa-table td, .qsa-playground .qsa-table th { padding: 1px 8px; text-align: right; }
+</style>"""
+
+
 class Playground:
-    """ipywidgets controls -> playground_data -> render_playground -> Output.
+    """ipywidgets controls -> playground_data -> render_playground -> Image widget.
 
     Controls (descriptions are stable: the browser test finds them by these labels):
     site, plane, dims, seed, kv_dtype, geometry, backend, nan_map, one checkbox per fix
-    (kernel_fix, pad_fix, both_fixes, masked_load), and an Export button. `message` (HTML)
-    shows errors and export paths; bad input leaves last_data and the figure unchanged.
+    (kernel_fix, pad_fix, both_fixes, masked_load), and an Export button.
+    `status` (HTML) describes the case on screen and nothing else; `message` (HTML) shows
+    "computing...", errors and export paths. While a redraw runs the controls are disabled
+    and the figure dimmed; bad input leaves last_data, the figure and the status unchanged.
+    The figure is an Image widget whose value is replaced, so the page never jumps.
     """
 
     def __init__(self, params: Params | None = None, cache: RunCache | None = None, out_dir: str | None = None):
@@ -183,16 +402,19 @@ class Playground:
         self.redraws = 0
         self.last_ok = False
         self.last_redraw_s = None
+        self.busy = False
+        self.busy_seen = 0          # redraws that showed the busy state (tests observe it)
         style = {"description_width": "70px"}
         self.controls = {
             "site": W.Dropdown(options=SITES, value=p.site, description="site", style=style),
             "plane": W.Dropdown(options=tuple(PLANES), value=p.plane, description="plane", style=style),
             "dims": W.Text(value=",".join(map(str, p.dims)), description="dims", continuous_update=False,
                            placeholder="102,152,168,170,230", style=style),
-            "seed": W.IntText(value=p.seed, description="seed", style=style),
+            "seed": W.Text(value=str(p.seed), description="seed", continuous_update=False, placeholder="0",
+                           tooltip="poison seed (random, fp16-state)", style=style, layout=W.Layout(width="190px")),
             "kv_dtype": W.Dropdown(options=KV_DTYPES, value=p.kv_dtype, description="kv_dtype", style=style),
             "geometry": W.Dropdown(options=list(PRESETS), value=p.preset, description="geometry",
-                                   layout=W.Layout(width="420px"), style=style),
+                                   layout=W.Layout(width="520px"), style=style),
             "backend": W.Dropdown(options=BACKENDS, value=p.backend, description="backend", style=style),
             "nan_map": W.Dropdown(options=list(p.routes), value=p.nan_map, description="nan_map",
                                   layout=W.Layout(width="320px"), style=style),
@@ -200,19 +422,27 @@ class Playground:
         self.toggles = {name: W.Checkbox(value=name in p.fixes, description=name, indent=False,
                                          layout=W.Layout(width="130px")) for name in FIX_TOGGLES}
         self.export_button = W.Button(description="Export", icon="download", button_style="primary",
-                                      tooltip="write PNG, SVG and PDF of the figure")
+                                      tooltip="write PNG, SVG and PDF of the figure, with what it shows in their metadata")
+        self.status = W.HTML(value="")
+        self.status.add_class("qsa-status")
         self.message = W.HTML(value="")
-        self.out = W.Output()
+        self.message.add_class("qsa-message")
+        self.image = W.Image(format="png", layout=W.Layout(width="100%", height="auto"))
+        self.image.add_class("qsa-figure")
+        self.table = W.HTML(value="")
+        self.table.add_class("qsa-table")
         for w in list(self.controls.values()) + list(self.toggles.values()):
             w.observe(self._on_change, names="value")
         self.export_button.on_click(lambda _: self.export())
         c = self.controls
         self.widget = W.VBox([
+            W.HTML(CSS),
             W.HBox([c["site"], c["plane"], c["dims"], c["seed"]]),
             W.HBox([c["kv_dtype"], c["geometry"], c["backend"]]),
             W.HBox([W.Label("fixes:")] + list(self.toggles.values()) + [c["nan_map"], self.export_button]),
-            self.message, self.out,
-        ])
+            self.status, self.message, self.image, self.table,
+        ], layout=W.Layout(width="100%"))
+        self.widget.add_class("qsa-playground")
         self.params = None
         self.redraw()
 
@@ -220,17 +450,20 @@ class Playground:
     def read_params(self) -> Params:
         """The controls' values as Params (ValueError naming the control when invalid)."""
         c = self.controls
-        g = PRESETS.get(c["geometry"].value, Geometry())
+        preset = c["geometry"].value
+        if preset not in PRESETS:
+            raise ValueError(f"geometry: {preset!r} is not one of {tuple(PRESETS)}")
+        g = PRESETS[preset]
         site = c["site"].value
         dims = parse_dims(c["dims"].value, g.head_dim) if site in DIM_SITES else \
             (self.params.dims if self.params else tuple(REPORT_DIMS))
         fixes = tuple(n for n, t in self.toggles.items() if t.value)
         nan_map = c["nan_map"].value
-        p = Params(site=site, plane=c["plane"].value, dims=dims, seed=c["seed"].value,
-                   kv_dtype=c["kv_dtype"].value, preset=c["geometry"].value, fixes=fixes,
+        p = Params(site=site, plane=c["plane"].value, dims=dims, seed=parse_seed(c["seed"].value),
+                   kv_dtype=c["kv_dtype"].value, preset=preset, fixes=fixes,
                    backend=c["backend"].value, nan_map=nan_map if nan_map else "grouped")
         if p.nan_map not in p.routes:  # its route was toggled off: fall back to the unfixed route
-            p = Params(**{**p.__dict__, "nan_map": "grouped"})
+            p = replace(p, nan_map="grouped")
         return check_params(p)
 
     def _on_change(self, change):
@@ -246,73 +479,108 @@ class Playground:
         finally:
             self._syncing = False
 
-    def redraw(self) -> bool:
-        """Read controls, compute, render into the Output. False (and a visible message, the
-        previous figure and data kept) when the input is invalid or the run fails."""
-        from IPython.display import HTML, Image, clear_output, display
+    def _set_busy(self, busy: bool):
+        """Disable every control and dim the figure while a redraw runs."""
+        self.busy = busy
+        for w in list(self.controls.values()) + list(self.toggles.values()) + [self.export_button]:
+            w.disabled = busy
+        if busy:
+            self.widget.add_class("qsa-busy")
+            self.message.value = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
+            self.busy_seen += 1
+        else:
+            self.widget.remove_class("qsa-busy")
 
+    def _error(self, e) -> bool:
+        self.message.value = (f"<span style='color:#c00;font-weight:bold'>&#9888; {_esc(e)}</span>"
+                              "<span style='color:#666'> (the figure shows the last good case)</span>")
+        self.last_ok = False
+        return False
+
+    def redraw(self) -> bool:
+        """Read controls, compute, render into the Image. False (and a visible message, the
+        previous figure, data and status kept) when the input is invalid or the run fails."""
         t0 = time.perf_counter()
         try:
             p = self.read_params()
-            data = playground_data(p, self.cache)
         except Exception as e:  # noqa: BLE001 - any failure becomes a message, never a traceback
-            self.message.value = (f"<span style='color:#c00;font-weight:bold'>&#9888; {_esc(e)}</span>"
-                                  "<span style='color:#666'> (previous result kept)</span>")
-            self.last_ok = False
-            return False
-        fig = render_playground(data)
-        png = figure_png(fig)
+            return self._error(e)
+        self._set_busy(True)
+        try:
+            data = playground_data(p, self.cache)
+            fig = render_playground(data, self.figure)
+            png = figure_png(fig)
+        except Exception as e:  # noqa: BLE001
+            if self.last_data is not None and self.figure is not None:
+                render_playground(self.last_data, self.figure)  # the figure object matches the screen again
+            self._set_busy(False)
+            return self._error(e)
         self.params, self.last_data, self.figure = p, data, fig
         self._sync_nan_map(p)
-        with self.out:
-            clear_output(wait=True)
-            display(Image(data=png, format="png"))
-            display(HTML(_table_html(data["table"])))
+        # image, table and status change together: the status always describes the figure shown
+        self.image.value = png
+        self.table.value = _table_html(data["table"])
         self.redraws += 1
         self.last_ok = True
         self.last_redraw_s = time.perf_counter() - t0
-        self.message.value = (f"<span style='color:#2b8a3e'>backend <b>{data['backend']}</b> | {_esc(data['case'])}"
-                              f" | redraw {self.last_redraw_s:.2f} s</span>")
+        self.status.value = (f"<span style='color:#2b8a3e'>backend <b>{data['backend']}</b> | {_esc(data['case'])}"
+                             f" | {_esc(_poison_words(p))} | redraw {self.last_redraw_s:.2f} s</span>")
+        self.message.value = ""
+        self._set_busy(False)
         return True
 
     def set(self, **values) -> bool:
         """Change controls programmatically (names as in `controls` or a fix toggle), as a user
-        would: each change redraws. -> whether the last redraw succeeded."""
+        would: each change redraws. -> whether the last redraw succeeded. A value a control
+        cannot hold becomes a message naming the control, never a traceback."""
+        import traitlets
+
         for k, v in values.items():
             w = self.controls.get(k) or self.toggles.get(k)
             if w is None:
                 raise KeyError(f"no control {k!r}; have {list(self.controls) + list(self.toggles)}")
-            w.value = v
+            if k in ("seed", "dims") and not isinstance(v, str):
+                v = str(v) if k == "seed" else ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+            try:
+                w.value = v
+            except traitlets.TraitError:
+                return self._error(f"{k}: {v!r} is not a valid value "
+                                   f"({'one of ' + str(tuple(w.options)) if hasattr(w, 'options') else type(v).__name__})")
         return self.last_ok
 
     def export(self, name: str | None = None) -> list:
-        """Write the current figure (PNG, SVG, PDF with metadata) to $QSA_LAB_FIGURES or figures/."""
+        """Write the figure on screen (PNG, SVG, PDF) to figures_dir() (or out_dir), its name and
+        metadata saying what it shows. -> the absolute paths written."""
         from .export import export_figure
 
         if self.figure is None or self.last_data is None:
             self.message.value = "<span style='color:#c00'>nothing to export yet</span>"
             return []
-        p = self.last_data["params"]
-        out_dir = self.out_dir or os.environ.get(FIGURES_ENV, "figures")
-        name = name or f"playground_{p.site}_{p.plane}_{p.kv_dtype}"
+        out_dir = Path(self.out_dir).expanduser().resolve() if self.out_dir else figures_dir()
         try:
-            paths = export_figure(self.figure, name, {"case": self.last_data["case"],
-                                                      "backend": self.last_data["backend"]}, out_dir=out_dir)
+            paths = export_figure(self.figure, name or export_name(self.last_data), export_meta(self.last_data),
+                                  out_dir=out_dir)
         except Exception as e:  # noqa: BLE001
             self.message.value = f"<span style='color:#c00;font-weight:bold'>&#9888; export: {_esc(e)}</span>"
             return []
-        self.last_export = paths
+        self.last_export = [Path(x).resolve() for x in paths]
         self.message.value = ("<span style='color:#2b8a3e'>exported: "
-                              + ", ".join(_esc(str(x)) for x in paths) + "</span>")
-        return paths
+                              + ", ".join(_esc(str(x)) for x in self.last_export) + "</span>")
+        return self.last_export
 
     def _repr_mimebundle_(self, **kw):
         return self.widget._repr_mimebundle_(**kw)
 
 
-def _esc(x) -> str:
-    import html
+def _poison_words(p: Params) -> str:
+    """What case.describe() leaves out: dims, poison seed, fixes shown."""
+    s = f"dims {','.join(map(str, p.dims))}" if p.site in DIM_SITES else ""
+    if p.site not in UNSEEDED_SITES:
+        s += f"seed {p.seed}"
+    return (s + " | " if s else "") + f"fixes {','.join(p.fixes) or 'none'}"
 
+
+def _esc(x) -> str:
     return html.escape(str(x))
 
 

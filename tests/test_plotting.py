@@ -145,3 +145,53 @@ def test_write_repro_figures(tmp_path):
             "02_attribution", "02_routes", "03_playground_default", "04_repro_table",
             "04_stale_tail_routes"} <= stems
     assert all(p.exists() for p in paths) and len(paths) == 3 * len(stems)
+
+
+def _label_boxes(ax):
+    """Window extents of the NaN-dim labels (minor tick labels of the top secondary axis)."""
+    fig = ax.figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    r = fig.canvas.get_renderer()
+    top = [c for c in ax.child_axes]
+    assert top, "no secondary axis with NaN dims"
+    labels = [t for t in top[0].xaxis.get_ticklabels(minor=True) if t.get_text()]
+    return labels, [t.get_window_extent(r) for t in labels]
+
+
+@pytest.mark.parametrize("dims", [[102, 152, 168, 170, 230], list(range(0, 256, 3)),
+                                  [0, 1, 2, 3, 50, 52, 54, 56, 58, 60, 255]])
+def test_nan_dim_labels_never_overlap(dims):
+    values = np.zeros((96, 256), dtype=np.float32)
+    values[:, dims] = np.nan
+    data = {"values": values, "groups": 2, "q_heads": 6, "m_tiles": 3, "xqa_rows": [], "route": "grouped",
+            "nan_count": int(np.isnan(values).sum()), "title": "test"}
+    ax = plotting.plot_nan_map(data, ax=Figure(figsize=(12, 5)).add_subplot())
+    labels, boxes = _label_boxes(ax)
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            assert not boxes[i].overlaps(boxes[j]), (labels[i].get_text(), labels[j].get_text())
+    named = set()
+    for t in labels:  # every NaN dim is named by some label, singly, in a list or in a range
+        text = t.get_text()
+        if "(" in text:
+            lo, hi = map(int, text.split(" ")[0].split("-"))
+            named |= {d for d in dims if lo <= d <= hi}
+        else:
+            named |= set(map(int, text.split(",")))
+    assert named == set(dims)
+    if dims[:5] == [102, 152, 168, 170, 230]:
+        assert "168,170" in [t.get_text() for t in labels]   # the report's close pair shares a label
+
+
+def test_plan_draws_no_bar_for_zero_on_log_scale():
+    import pandas as pd
+
+    table = pd.DataFrame({"group": [0, 0, 1, 1], "category": [1, 2, 1, 2], "real": [40, 0, 12, 30],
+                          "padded": [0, 7, 4, 0]})
+    table.attrs["m_tiles"] = 2
+    ax = plotting.plot_plan(table, ax=new_ax())
+    heights = [p.get_height() for p in ax.patches if np.isfinite(p.get_height())]
+    assert sorted(heights) == [4, 7, 12, 30, 40]          # the three zeros drew nothing
+    assert sum(t.get_text() == "0" for t in ax.texts) == 3  # but are still labelled

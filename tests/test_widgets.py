@@ -1,10 +1,15 @@
 """The playground is wiring only: each control redraws through the pure data and render
-functions, the widget figure equals the static one, Export writes all three formats with
-metadata, and bad input shows a message while keeping the previous state (issue 4, acc. 2)."""
+functions, the widget figure equals the static one, a redraw re-runs only the routes that
+read the changed bytes (and still equals run_routes bit for bit), the busy state shows and
+clears, Export names and describes what it shows, and bad input shows a message while
+keeping the previous figure, data and status."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("ipywidgets")
 import matplotlib  # noqa: E402
@@ -12,9 +17,13 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 from qsa_lab import widgets as W  # noqa: E402
+from qsa_lab.case import Geometry  # noqa: E402
 from qsa_lab.export import read_png_meta  # noqa: E402
+from qsa_lab.routes import run_routes  # noqa: E402
 
 CACHE = W.RunCache(size=32)
+DEFAULT, REPORT = list(W.PRESETS)[0], list(W.PRESETS)[1]
+TAIL_3REQ = "3-req scatter causal, 24 rows, ctx 2048 (partial tail)"
 
 
 @pytest.fixture
@@ -34,9 +43,9 @@ CHANGES = [
     ("dims", "102,152", lambda p: p.dims == (102, 152)),
     ("site", "random", lambda p: p.site == "random"),
     ("plane", "k", lambda p: p.plane == "k"),
-    ("seed", 3, lambda p: p.seed == 3),
+    ("seed", "3", lambda p: p.seed == 3),
     ("kv_dtype", "fp16", lambda p: p.kv_dtype == "fp16"),
-    ("geometry", "3-req scatter causal, 24 rows, ctx 2048", lambda p: p.geometry.rows == 24),
+    ("geometry", TAIL_3REQ, lambda p: p.geometry.rows == 24),
     ("backend", "auto", lambda p: p.backend == "auto"),
     ("nan_map", "grouped+pad_fix", lambda p: p.nan_map == "grouped+pad_fix"),
     ("kernel_fix", False, lambda p: "kernel_fix" not in p.fixes),
@@ -48,11 +57,13 @@ CHANGES = [
 
 @pytest.mark.parametrize("name,value,check", CHANGES, ids=[c[0] for c in CHANGES])
 def test_each_control_redraws(pg, name, value, check):
-    before, n = pg.last_data, pg.redraws
+    before, n, png = pg.last_data, pg.redraws, pg.image.value
     assert pg.set(**{name: value}), pg.message.value
     assert pg.redraws == n + 1
     assert pg.last_data is not before and check(pg.last_data["params"])
     assert pg.last_data["params"] == pg.read_params()
+    # auto on a CPU machine draws the same case; the seed does not touch a targeted poison
+    assert bytes(pg.image.value) != bytes(png) or name in ("backend", "seed")
 
 
 def test_fix_toggle_changes_routes_drawn(pg):
@@ -78,32 +89,135 @@ def test_widget_figure_equals_static_figure(pg):
     assert np.array_equal(pixels(pg.figure), pixels(again))
 
 
+def test_figure_is_replaced_in_place_and_fills_the_width(pg):
+    """An Image widget whose value changes (no Output cleared: the page does not jump)."""
+    import ipywidgets
+
+    image = pg.image
+    pg.set(dims="9")
+    assert pg.image is image and image.layout.width == "100%"
+    assert not any(isinstance(w, ipywidgets.Output) for w in pg.widget.children)
+    from PIL import Image
+    import io
+
+    assert Image.open(io.BytesIO(image.value)).size[0] >= 1200      # sharp at a cell's full width
+
+
+def test_busy_state_shows_and_clears(pg):
+    seen = []
+    pg.controls["site"].observe(lambda c: seen.append(("disabled", c["new"])), names="disabled")
+    pg.widget.observe(lambda c: seen.append(("busy", "qsa-busy" in c["new"])), names="_dom_classes")
+    pg.message.observe(lambda c: seen.append(("message", "computing" in c["new"])), names="value")
+    assert pg.set(dims="11,12")
+    assert ("disabled", True) in seen and ("busy", True) in seen and ("message", True) in seen
+    assert seen.index(("disabled", True)) < seen.index(("disabled", False))
+    assert not pg.busy and not pg.controls["site"].disabled and "qsa-busy" not in pg.widget._dom_classes
+    assert "computing" not in pg.message.value
+
+
+def test_status_describes_only_the_case_drawn(pg):
+    pg.set(dims="5,6")
+    status = pg.status.value
+    assert "dims 5,6" in status and "rows 19" in status
+    pg.set(dims="5,999")                                           # rejected
+    assert pg.status.value == status and "5,999" not in pg.status.value
+    assert not pg.set(geometry=TAIL_3REQ)                          # dims still invalid: still rejected
+    assert pg.status.value == status
+    assert pg.set(dims="5,6")
+    assert "rows 24" in pg.status.value and "dims 5,6" in pg.status.value
+
+
 @pytest.mark.parametrize("name,bad,word", [("dims", "abc", "dims"), ("dims", "12,999", "dims"),
-                                           ("dims", "", "dims"), ("seed", -1, "seed"),
+                                           ("dims", "", "dims"), ("seed", "-1", "seed"), ("seed", "x", "seed"),
+                                           ("seed", "9" * 60, "seed: 999999999999...(60 digits)"),
+                                           ("seed", 2**64, "seed: 18446744073709551616"),
+                                           ("geometry", "no such preset", "geometry"),
+                                           ("site", "bogus", "site"), ("kv_dtype", 3, "kv_dtype"),
+                                           ("kernel_fix", "yes", "kernel_fix"),
+                                           ("site", "stale-tail", "partial tail"),
                                            ("backend", "cuda", "")])
 def test_bad_input_shows_message_and_keeps_state(pg, name, bad, word):
-    import torch
-
     if name == "backend" and torch.cuda.is_available():
         pytest.skip("cuda backend is valid here")
-    data, fig, n = pg.last_data, pg.figure, pg.redraws
-    assert not pg.set(**{name: bad})
-    assert "&#9888;" in pg.message.value and word in pg.message.value
+    data, fig, n, png, status = pg.last_data, pg.figure, pg.redraws, pg.image.value, pg.status.value
+    assert not pg.set(**{name: bad})                 # no TraitError, no traceback: a message
+    assert "&#9888;" in pg.message.value and W._esc(word) in pg.message.value, pg.message.value
     assert pg.last_data is data and pg.figure is fig and pg.redraws == n
-    assert pg.set(**{name: {"dims": "102", "seed": 0, "backend": "emulate"}[name]})  # recovers
+    assert bytes(pg.image.value) == bytes(png) and pg.status.value == status
+    assert not pg.busy and not pg.controls["site"].disabled
+    good = {"dims": "102", "seed": "0", "backend": "emulate", "geometry": DEFAULT, "site": "targeted",
+            "kv_dtype": "e4m3", "kernel_fix": True}[name]
+    if pg.controls.get(name, pg.toggles.get(name)).value == good:
+        good = {"site": "random", "kernel_fix": False, "geometry": list(W.PRESETS)[2], "kv_dtype": "e5m2"}[name]
+    assert pg.set(**{name: good}), pg.message.value  # recovers
     assert pg.last_data is not data
 
 
-def test_export_writes_three_formats_with_metadata(pg, tmp_path):
+def test_stale_tail_reachable_from_the_controls(pg):
+    tails = [name for name, g in W.PRESETS.items() if W.has_partial_tail(g)]
+    assert tails and "partial tail" in tails[0] and all("partial tail" in t for t in tails)
+    assert pg.set(geometry=tails[0], site="stale-tail"), pg.message.value
+    t = pg.last_data["table"]
+    assert t.loc["grouped", "nan_count"] > 0 and t.loc["grouped+pad_fix", "nan_count"] > 0
+    assert t.loc["grouped+kernel_fix", "nan_count"] == 0 and t.loc["grouped+masked_load", "nan_count"] == 0
+
+
+def test_poison_change_reruns_only_routes_that_read_the_changed_bytes():
+    cache = W.RunCache()
+    W.playground_data(W.Params(), cache)
+    first = list(cache.computed)
+    assert {k[3] for k in first} == set(W.ROUTES) | {W.REMAINDER}
+    W.playground_data(W.Params(dims=(1, 2, 3)), cache)
+    new = cache.computed[len(first):]
+    assert [k[3] for k in new] == ["grouped"]        # only the unfixed grouped route reads page 0
+    W.playground_data(W.Params(dims=(1, 2, 3), fixes=("kernel_fix",)), cache)
+    assert len(cache.computed) == len(first) + 1     # a fix toggled off and on again: nothing to run
+
+
+@pytest.fixture
+def tiny_preset(monkeypatch):
+    presets = dict(W.PRESETS)
+    presets["tiny"] = Geometry(rows=19, requests=3, layout="scatter", context=301, topk=40, head_dim=32)
+    monkeypatch.setattr(W, "PRESETS", presets)
+    return "tiny"
+
+
+@pytest.mark.parametrize("site", ["none", "zeros", "targeted", "random", "fp16-state", "stale-tail"])
+def test_cached_outputs_equal_run_routes_bit_for_bit(tiny_preset, site):
+    cache = W.RunCache()
+    for plane in ("v", "k", "kv"):
+        for kv in ("e4m3", "e5m2", "fp16"):
+            res = cache.result(W.Params(site=site, plane=plane, kv_dtype=kv, preset=tiny_preset, dims=(3, 17), seed=4))
+            ref = run_routes(res.case, backend="emulate")
+            assert torch.equal(ref.reference64, res.reference64)
+            for r, o in ref.outputs.items():
+                assert torch.equal(o.view(torch.int16), res.outputs[r].view(torch.int16)), (plane, kv, r)
+
+
+def test_export_name_and_metadata_say_what_is_shown(pg, tmp_path):
+    pg.set(dims="7,168,170", masked_load=False)
     paths = pg.export()
     assert [p.suffix for p in paths] == [".png", ".svg", ".pdf"] and all(p.stat().st_size > 1000 for p in paths)
+    assert all(p.is_absolute() for p in paths) and all(str(p) in pg.message.value for p in paths)
+    stem = paths[0].stem
+    assert "targeted-v" in stem and "d7-168-170" in stem and "ps0" in stem and "ctx2048" in stem
+    assert "gs0" in stem and "fixA+B+AB_" in stem and stem.endswith("emulate")
     meta = read_png_meta(paths[0])
-    assert meta["backend"] == "emulate" and "rows 19" in meta["case"] and meta["qsa_lab_version"]
-    assert meta["gpu"]
-    assert "rows 19" in paths[1].read_text() and b"qsa_lab_version" in paths[2].read_bytes()
+    assert meta["backend"] == "emulate" and "rows 19" in meta["case"] and meta["qsa_lab_version"] and meta["gpu"]
+    assert meta["dims"] == "7,168,170" and meta["poison_seed"] == "0" and meta["site"] == "targeted"
+    assert meta["plane"] == "v" and meta["geometry_seed"] == "0" and "context=2048" in meta["geometry"]
+    assert meta["fixes"] == "kernel_fix,pad_fix,both_fixes" and "torch" in meta["versions"]
+    assert "7,168,170" in paths[1].read_text() and b"poison_seed" in paths[2].read_bytes()
     again = pg.export()
     assert again[0] != paths[0] and again[0].stem.endswith("-1")       # never overwrites silently
     assert "exported" in pg.message.value
+
+
+def test_export_of_a_seeded_site_names_its_seed(pg):
+    pg.set(site="random", seed="12345")
+    paths = pg.export()
+    assert "random-v_ps12345" in paths[0].stem and read_png_meta(paths[0])["poison_seed"] == "12345"
+    assert read_png_meta(paths[0])["dims"] == ""
 
 
 def test_export_button_uses_env_dir(tmp_path, monkeypatch):
@@ -111,6 +225,13 @@ def test_export_button_uses_env_dir(tmp_path, monkeypatch):
     pg = W.Playground(cache=CACHE)
     pg.export_button.click()
     assert len(list((tmp_path / "envfigs").glob("*.png"))) == 1 and pg.last_export
+    assert str((tmp_path / "envfigs").resolve()) in pg.message.value
+
+
+def test_default_figures_dir_is_the_checkouts(monkeypatch):
+    monkeypatch.delenv("QSA_LAB_FIGURES", raising=False)
+    d = W.figures_dir()
+    assert d.is_absolute() and d == Path(W.__file__).resolve().parent.parent / "figures"
 
 
 def test_widget_descriptions_are_stable(pg):
