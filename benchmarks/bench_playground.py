@@ -1,10 +1,16 @@
-"""Playground redraw time on the emulation (issue 4, acceptance 4: <= 0.5 s for the default geometry).
+"""Playground redraw times on the CPU emulation, every geometry preset.
 
-Method: build the default Playground (first draw warms torch and fills the case cache),
-then time `redraw()` end to end (read controls -> data -> render -> PNG -> Output) after
-each of a fixed sequence of control changes, each repeated; report the median and max
-per kind of change. Changes that need new poison re-run every toggled route; a fix
-toggle re-runs one route at most; cached ones only redraw. Writes JSON with --json.
+    python benchmarks/bench_playground.py            # about 2-3 minutes; writes data/bench_playground_cpu.json
+
+Targets (issue 11): redraw median <= 1.0 s at the report's presets (context 8192), <= 0.3 s at
+the small default, first draw <= 2 s. Method, per preset: a fresh cache; `first draw` is
+Playground() from nothing (case build, plans, every route, render, PNG); then each kind of
+control change is applied `--repeat` times, end to end (controls -> data -> render -> PNG ->
+Image widget). Every timed poison change is one the cache has not seen (its poisoned entries
+are dropped first; the clean routes a session keeps stay), so nothing is free that a user
+would not also get free. The machine's 1-minute load average is recorded at the start and
+end: on a shared machine the wall times scale with it; the CPU time of each redraw
+(process_time, all threads) is recorded beside them as a load-independent measure.
 """
 from __future__ import annotations
 
@@ -12,63 +18,111 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 
-CHANGES = [
-    ("dims (new poison, all routes)", [{"dims": "102,152"}, {"dims": "102,152,168,170,230"}]),
-    ("fix toggle", [{"kernel_fix": False}, {"kernel_fix": True}]),
-    ("site (new poison)", [{"site": "random"}, {"site": "targeted"}]),
-    ("seed (new random poison)", [{"site": "random", "seed": 1}, {"seed": 2}, {"seed": 3}]),
-    ("plane", [{"plane": "k"}, {"plane": "v"}]),
-    ("nan_map route", [{"nan_map": "grouped+pad_fix"}, {"nan_map": "grouped"}]),
-]
+OUT = Path(__file__).resolve().parent.parent / "data" / "bench_playground_cpu.json"
+# kind -> control changes applied in turn (each one a redraw)
+CHANGES = {
+    "dims (new poison)": [{"dims": "1,2"}, {"dims": "102,152,168,170,230"}],
+    "site (new poison)": [{"site": "random"}, {"site": "targeted"}],
+    "seed (new random poison)": [{"site": "random", "seed": "1"}, {"seed": "2"}, {"site": "targeted"}],
+    "plane (new poison)": [{"plane": "k"}, {"plane": "v"}],
+    "fix toggle": [{"kernel_fix": False}, {"kernel_fix": True}],
+    "nan_map route": [{"nan_map": "grouped+pad_fix"}, {"nan_map": "grouped"}],
+}
+FIRST_DRAW_LIMIT_S = 2.0
+
+
+def limit_for(preset: str) -> float:
+    return 1.0 if "8192" in preset else 0.3
+
+
+def forget_poisons(cache) -> None:
+    """Drop everything that depends on a poison; keep cases, plans and clean route outputs."""
+    cache.poisoned.clear()
+    for key in [k for k in cache.outputs if k[1] is not None]:
+        del cache.outputs[key]
+
+
+def bench_preset(preset: str, repeat: int) -> dict:
+    from qsa_lab.widgets import Params, Playground, RunCache
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    with contextlib.redirect_stdout(io.StringIO()):
+        pg = Playground(Params(preset=preset), cache=RunCache(size=16))
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
+    changes = {}
+    for kind, steps in CHANGES.items():
+        times, cpu = [], []
+        for _ in range(repeat):
+            for step in steps:
+                if "poison" in kind:
+                    forget_poisons(pg.cache)
+                t, c = time.perf_counter(), time.process_time()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    ok = pg.set(**step)
+                times.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
+                if not ok:
+                    raise SystemExit(f"{preset}: {step} failed: {pg.message.value}")
+        changes[kind] = {"median_s": round(statistics.median(times), 4), "max_s": round(max(times), 4),
+                         "n": len(times), "median_cpu_s": round(statistics.median(cpu), 4)}
+    all_times = [c["median_s"] for c in changes.values()]
+    return {"geometry": pg.last_data["geometry"], "backend": pg.last_data["backend"],
+            "first_draw_s": round(first, 4), "first_draw_cpu_s": round(first_cpu, 4), "changes": changes,
+            "median_redraw_s": round(statistics.median(all_times), 4), "worst_median_s": max(all_times),
+            "limit_s": limit_for(preset), "first_draw_limit_s": FIRST_DRAW_LIMIT_S}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--limit", type=float, default=0.5)
+    ap.add_argument("--repeat", type=int, default=2, help="repeats of each change (default 2)")
+    ap.add_argument("--json", default=str(OUT), help=f"where to write the results (default {OUT}); '' for none")
+    ap.add_argument("--preset", action="append", help="only this preset (repeatable; default all)")
     args = ap.parse_args(argv)
 
-    from qsa_lab.widgets import Playground, RunCache
+    import torch
 
+    from qsa_lab import __version__
+    from qsa_lab.widgets import PRESETS
+
+    presets = args.preset or list(PRESETS)
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        ap.error(f"--preset: unknown {unknown}; choose from {list(PRESETS)}")
+    load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        pg = Playground(cache=RunCache(size=64))
-    first = time.perf_counter() - t0
     results = {}
-    for label, steps in CHANGES:
-        times = []
-        for rep in range(args.repeat):
-            for step in steps:
-                if rep:  # later repeats see a fresh poison: clear outputs so nothing is free
-                    pg.cache.results.clear()
-                    pg.cache.poisoned.clear()
-                t = time.perf_counter()
-                with contextlib.redirect_stdout(io.StringIO()):  # outside a kernel, Output echoes reprs
-                    pg.set(**step)
-                times.append(time.perf_counter() - t)
-        results[label] = {"median_s": statistics.median(times), "max_s": max(times), "n": len(times)}
-    all_t = [r["median_s"] for r in results.values()]
-    doc = {"benchmark": "playground redraw", "backend": pg.last_data["backend"], "preset": pg.params.preset,
-           "machine": platform.processor() or platform.machine(), "python": sys.version.split()[0],
-           "first_draw_s": first, "changes": results, "worst_median_s": max(all_t), "limit_s": args.limit}
-    for label, r in results.items():
-        print(f"{label:32s} median {r['median_s'] * 1000:6.0f} ms   max {r['max_s'] * 1000:6.0f} ms   (n={r['n']})")
-    print(f"first draw (cold: imports, case build) {first:.2f} s; worst median {max(all_t) * 1000:.0f} ms "
-          f"(limit {args.limit * 1000:.0f} ms) on {doc['backend']}")
+    for preset in presets:
+        r = results[preset] = bench_preset(preset, args.repeat)
+        ok = r["worst_median_s"] <= r["limit_s"] and r["first_draw_s"] <= FIRST_DRAW_LIMIT_S
+        print(f"\n{preset}: first draw {r['first_draw_s']:.2f} s, median redraw {r['median_redraw_s']:.3f} s "
+              f"(limit {r['limit_s']} s) {'ok' if ok else 'OVER'}")
+        for kind, c in r["changes"].items():
+            print(f"  {kind:28s} median {c['median_s'] * 1000:6.0f} ms   max {c['max_s'] * 1000:6.0f} ms   "
+                  f"(n={c['n']}; CPU {c['median_cpu_s'] * 1000:.0f} ms)")
+    doc = {"benchmark": "playground redraw, every preset", "backend": "emulate",
+           "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0], "torch": torch.__version__,
+           "qsa_lab": __version__, "load_avg_1min_start": round(load_start, 2),
+           "load_avg_1min_end": round(os.getloadavg()[0], 2), "total_s": round(time.perf_counter() - t0, 1),
+           "repeat": args.repeat, "presets": results}
+    print(f"\nload average (1 min) {doc['load_avg_1min_start']} -> {doc['load_avg_1min_end']} on {doc['cpus']} CPUs; "
+          f"{doc['total_s']} s in all")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-    return 0 if max(all_t) <= args.limit else 1
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {Path(args.json).resolve()}")
+    over = [p for p, r in results.items() if r["worst_median_s"] > r["limit_s"] or r["first_draw_s"] > FIRST_DRAW_LIMIT_S]
+    return 1 if over else 0
 
 
 if __name__ == "__main__":

@@ -203,6 +203,8 @@ def cmd_doctor(args) -> int:
         print(f"{k:<{width}}  {v}")
     backend = "cuda (compiled kernels)" if kernels.available() else "emulate (PyTorch emulation)"
     print(f"{'backend auto':<{width}}  {backend}")
+    from .doctor import verdict
+    print(verdict(kernels.status()))
     return 0
 
 

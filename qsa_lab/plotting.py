@@ -59,26 +59,33 @@ def dim_label_groups(dims, min_gap: float) -> list[tuple[float, str]]:
 
 
 def _dim_axis(ax, head_dim: int, nan_dims=(), minor: bool = True, fontsize: float = 7):
-    """Head dims on x: majors every 32, minors every 8; NaN dims marked on the top axis, their
-    labels grouped so that none overlaps (dims closer than a label's height share one)."""
+    """Head dims on x: majors every 32, minors every 8; NaN dims marked on a top axis (kept
+    on `ax` so set_nan_dims can change them without rebuilding the axes)."""
     ax.set_xticks(np.arange(0, head_dim, DIM_MAJOR if head_dim >= 64 else 8))
     if minor:
         ax.set_xticks(np.arange(0, head_dim, DIM_MINOR if head_dim >= 64 else 1), minor=True)
     ax.set_xlabel("head dim")
-    nan_dims = sorted(set(nan_dims))
-    if nan_dims:
-        top = ax.secondary_xaxis("top")
-        top.xaxis.remove_overlapping_locs = False  # a label (minor) often sits on its dim's mark (major)
-        top.set_xticks(nan_dims, [""] * len(nan_dims))
-        top.tick_params(axis="x", which="major", colors=NAN_COLOR, length=6, width=1.5)
-        fig = ax.figure
-        width_pt = ax.get_position().width * fig.get_figwidth() * 72
-        gap = 1.6 * fontsize / max(width_pt / max(head_dim, 1), 1e-6)   # dims per label height, with air
-        groups = dim_label_groups(nan_dims, gap)
-        top.set_xticks([x for x, _ in groups], [t for _, t in groups], minor=True)
-        top.tick_params(axis="x", which="minor", length=0, labelsize=fontsize, labelcolor=NAN_COLOR,
-                        labelrotation=90, pad=8)
-        top.set_xlabel(f"NaN dims ({len(nan_dims)})", color=NAN_COLOR, fontsize=8)
+    top = ax.secondary_xaxis("top")
+    top.xaxis.remove_overlapping_locs = False  # a label (minor) often sits on its dim's mark (major)
+    top.tick_params(axis="x", which="major", colors=NAN_COLOR, length=6, width=1.5, labelsize=fontsize)
+    top.tick_params(axis="x", which="minor", length=0, labelsize=fontsize, labelcolor=NAN_COLOR,
+                    labelrotation=90, pad=8)
+    ax.qsa_top = (top, head_dim, fontsize)
+    set_nan_dims(ax, nan_dims)
+
+
+def set_nan_dims(ax, nan_dims):
+    """Mark `nan_dims` on the top axis that _dim_axis made; labels grouped so that none overlaps
+    (dims closer than a label's height share one)."""
+    top, head_dim, fontsize = ax.qsa_top
+    nan_dims = sorted(set(int(d) for d in nan_dims))
+    top.set_xticks(nan_dims, [""] * len(nan_dims))
+    width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
+    gap = 1.6 * fontsize / max(width_pt / max(head_dim, 1), 1e-6)   # dims per label height, with air
+    groups = dim_label_groups(nan_dims, gap)
+    top.set_xticks([x for x, _ in groups], [t for _, t in groups], minor=True)
+    top.set_xlabel(f"NaN dims ({len(nan_dims)})" if nan_dims else "", color=NAN_COLOR, fontsize=8)
+    top.set_visible(bool(nan_dims))
 
 
 def _nan_legend(ax, label="NaN"):
@@ -243,9 +250,7 @@ def plot_nan_map(data: dict, ax=None, minor: bool = True):
 
     vals = data["values"]
     ax = _ax(ax, (11, max(3.0, 0.045 * vals.shape[0] + 1.2)))
-    finite = np.abs(vals[np.isfinite(vals)])
-    vmax = float(np.percentile(finite, 99)) if finite.size else 1.0
-    ax.imshow(np.abs(vals), cmap=_cmap("Greys"), vmin=0, vmax=vmax or 1.0, aspect="auto", interpolation="nearest")
+    ax.qsa_image = ax.imshow(np.zeros(vals.shape), cmap=_cmap("Greys"), aspect="auto", interpolation="nearest")
     R = 8 * data["q_heads"]
     for g in range(data["groups"]):
         for m in range(1, data["m_tiles"]):
@@ -253,10 +258,27 @@ def plot_nan_map(data: dict, ax=None, minor: bool = True):
         ax.axhline((g + 1) * R - 0.5, color="black", lw=1.6)
     labels = group_row_labels(data["groups"], data["q_heads"], data["m_tiles"], data["xqa_rows"])
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
-    dims = sorted(set(np.nonzero(np.isnan(vals).any(axis=0))[0].tolist()))
-    _dim_axis(ax, vals.shape[1], dims, minor=minor)
-    ax.set_title(f"{data['title']}\n{data['nan_count']} NaN on {len(dims)} dims", fontsize=9)
+    _dim_axis(ax, vals.shape[1], minor=minor)
     _nan_legend(ax)
+    update_nan_map(ax, data)
+    return ax
+
+
+def nan_map_layout(data: dict) -> tuple:
+    """What plot_nan_map draws once; update_nan_map changes everything else."""
+    return data["values"].shape, data["groups"], data["q_heads"], data["m_tiles"], tuple(data["xqa_rows"])
+
+
+def update_nan_map(ax, data: dict):
+    """Redraw the data of an Axes plot_nan_map drew for the same nan_map_layout."""
+    vals = data["values"]
+    finite = np.abs(vals[np.isfinite(vals)])
+    vmax = float(np.percentile(finite, 99)) if finite.size else 1.0
+    ax.qsa_image.set_data(np.abs(vals))
+    ax.qsa_image.set_clim(0, vmax or 1.0)
+    dims = sorted(set(np.nonzero(np.isnan(vals).any(axis=0))[0].tolist()))
+    set_nan_dims(ax, dims)
+    ax.set_title(f"{data['title']}\n{data['nan_count']} NaN on {len(dims)} dims", fontsize=9)
     return ax
 
 
@@ -264,23 +286,36 @@ def plot_route_comparison(data: dict, ax=None, minor: bool = True):
     """data: figdata.route_nans. One strip per route over head dims (NaN dims in NAN_COLOR),
     with the route's NaN count and max |route - xqa| on the right."""
     ax = _ax(ax, (11, 0.42 * len(data["routes"]) + 1.6))
+    n = len(data["routes"])
+    ax.qsa_image = ax.imshow(np.zeros(data["per_dim"].shape), cmap=_cmap("Greys"), vmin=0, vmax=4, aspect="auto",
+                             interpolation="nearest")
+    ax.qsa_texts = [ax.text(1.01, 1 - (i + 0.5) / n, "", transform=ax.transAxes, va="center", fontsize=8,
+                            family="monospace") for i in range(n)]
+    ax.set_yticks(range(n), data["routes"], fontsize=8)
+    for y in range(n - 1):
+        ax.axhline(y + 0.5, color="white", lw=1)
+    _dim_axis(ax, data["per_dim"].shape[1], minor=minor)
+    update_route_comparison(ax, data)
+    return ax
+
+
+def route_comparison_layout(data: dict) -> tuple:
+    return tuple(data["routes"]), data["per_dim"].shape
+
+
+def update_route_comparison(ax, data: dict):
+    """Redraw the data of an Axes plot_route_comparison drew for the same route_comparison_layout."""
     per_dim = data["per_dim"].astype(float)
-    img = np.where(per_dim > 0, np.nan, 0.0)
-    ax.imshow(img, cmap=_cmap("Greys"), vmin=0, vmax=4, aspect="auto", interpolation="nearest")
+    ax.qsa_image.set_data(np.where(per_dim > 0, np.nan, 0.0))
     table = data["table"]
-    for i, r in enumerate(data["routes"]):
+    for text, r in zip(ax.qsa_texts, data["routes"]):
         row = table.loc[r]
         d = row["max_abs_diff_vs_xqa"]
         d = "n/a (NaN)" if d is None or (isinstance(d, float) and math.isnan(d)) else f"{d:.1e}"
         n = int(row["nan_count"])
-        ax.text(1.01, 1 - (i + 0.5) / len(data["routes"]), f"NaN {n:>4d}   max|Δ xqa| {d}",
-                transform=ax.transAxes, va="center", fontsize=8, family="monospace",
-                color=NAN_COLOR if n else CLEAN_COLOR)
-    ax.set_yticks(range(len(data["routes"])), data["routes"], fontsize=8)
-    for y in range(len(data["routes"]) - 1):
-        ax.axhline(y + 0.5, color="white", lw=1)
-    dims = sorted(set(np.nonzero(per_dim.sum(axis=0))[0].tolist()))
-    _dim_axis(ax, per_dim.shape[1], dims, minor=minor)
+        text.set_text(f"NaN {n:>4d}   max|Δ xqa| {d}")
+        text.set_color(NAN_COLOR if n else CLEAN_COLOR)
+    set_nan_dims(ax, np.nonzero(per_dim.sum(axis=0))[0].tolist())
     ax.set_title(f"routes side by side: {data['title']}", fontsize=9)
     return ax
 

@@ -292,12 +292,20 @@ def playground_data(p: Params, cache: RunCache | None = None) -> dict:
 
 
 def render_playground(data: dict, fig=None):
-    """data -> Figure (a new one unless `fig` is given, which is cleared): NaN map on top,
-    routes side by side below. No pyplot state, so it draws the same inside and outside widgets."""
+    """data -> Figure: NaN map on top, routes side by side below. A new Figure unless `fig` is
+    given; a `fig` this function drew before with the same layout (shapes, routes) gets only its
+    data replaced, which draws exactly what a new one would at a fraction of the time.
+    No pyplot state, so it draws the same inside and outside widgets."""
     from matplotlib.figure import Figure
 
     from . import plotting
 
+    layout = (plotting.nan_map_layout(data["nan_map"]), plotting.route_comparison_layout(data["routes"]))
+    if fig is not None and getattr(fig, "qsa_layout", None) == layout:
+        top, bottom = fig.axes[:2]
+        plotting.update_nan_map(top, data["nan_map"])
+        plotting.update_route_comparison(bottom, data["routes"])
+        return fig
     if fig is None:
         fig = Figure(figsize=FIGSIZE, dpi=DPI)
     else:
@@ -308,6 +316,7 @@ def render_playground(data: dict, fig=None):
     # no minor ticks: each is an artist to build and draw, and the majors every 32 dims suffice here
     plotting.plot_nan_map(data["nan_map"], ax=top, minor=False)
     plotting.plot_route_comparison(data["routes"], ax=bottom, minor=False)
+    fig.qsa_layout = layout
     return fig
 
 
