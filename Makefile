@@ -1,7 +1,7 @@
 # qsa_lab: `make demo` and `make test` work on a fresh machine with no other step.
 # Environment: inside an active conda env, that env; otherwise a .venv made here with pip.
 # torch is installed only when none is importable (a V100 node's CUDA 12 torch must stay);
-# on the build machines `torch==2.13.0` resolves to a CPU build kept on local disk.
+# then `torch==2.13.0` is installed (override with TORCH_FALLBACK=...).
 SHELL := /bin/bash
 ifdef CONDA_PREFIX
 ENV_DIR := $(CONDA_PREFIX)
@@ -13,7 +13,7 @@ endif
 STAMP := $(ENV_DIR)/.qsa_lab-setup
 TORCH_FALLBACK ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast lab doctor clean
+.PHONY: setup demo test test-fast lab strip doctor clean
 
 setup: $(STAMP)
 
@@ -38,8 +38,15 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
 
+# lab: the project's notebooks are saved without outputs (scripts/jupyter_lab_config.py);
+# as root (many GPU nodes) Jupyter needs --allow-root
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: setup
-	$(PY) -m jupyter lab notebooks/
+	$(PY) -m jupyter lab --config=scripts/jupyter_lab_config.py $(LAB_ROOT) notebooks/
+
+# strip: remove outputs from the project's notebooks (what `make lab` does on every save)
+strip:
+	python3 scripts/strip_outputs.py notebooks/[0-9][0-9]_*.ipynb
 
 doctor: setup
 	$(PY) -m qsa_lab doctor
