@@ -53,7 +53,7 @@ BASE_ROUTES = ("reference", "xqa", "grouped")
 FIGURES_ENV = "QSA_LAB_FIGURES"
 REMAINDER = "xqa remainder"  # cache entry: the grouped routes' XQA rows, shared by all of them
 SEED_MAX = 2**63 - 1          # torch.Generator.manual_seed takes at most a signed 64-bit seed
-UNSEEDED_SITES = ("none", "zeros", "targeted", "stale-tail")  # sites whose bytes do not depend on the seed
+SEEDED_SITES = ("random", "fp16-state")  # the only sites whose bytes depend on the poison seed
 FIGSIZE, DPI = (12.0, 8.4), 110  # 1320 px wide: sharp at the full width of a JupyterLab cell
 
 
@@ -87,7 +87,7 @@ class Params:
     def poison_key(self) -> tuple:
         """What the poisoned bytes depend on: dims only for dim sites, the seed only for seeded ones."""
         return (self.site, self.plane, self.dims if self.site in DIM_SITES else None,
-                None if self.site in UNSEEDED_SITES else self.seed)
+                self.seed if self.site in SEEDED_SITES else None)
 
 
 def parse_dims(text: str, head_dim: int) -> tuple:
@@ -584,7 +584,7 @@ class Playground:
 def _poison_words(p: Params) -> str:
     """What case.describe() leaves out: dims, poison seed, fixes shown."""
     s = f"dims {','.join(map(str, p.dims))}" if p.site in DIM_SITES else ""
-    if p.site not in UNSEEDED_SITES:
+    if p.site in SEEDED_SITES:
         s += f"seed {p.seed}"
     return (s + " | " if s else "") + f"fixes {','.join(p.fixes) or 'none'}"
 

@@ -182,14 +182,14 @@ def tiny_preset(monkeypatch):
     return "tiny"
 
 
-@pytest.mark.parametrize("site", ["none", "zeros", "targeted", "random", "fp16-state", "stale-tail"])
+@pytest.mark.parametrize("site", W.SITES)
 def test_cached_outputs_equal_run_routes_bit_for_bit(tiny_preset, site):
     cache = W.RunCache()
     for plane in ("v", "k", "kv"):
         for kv in ("e4m3", "e5m2", "fp16"):
             res = cache.result(W.Params(site=site, plane=plane, kv_dtype=kv, preset=tiny_preset, dims=(3, 17), seed=4))
             ref = run_routes(res.case, backend="emulate")
-            assert torch.equal(ref.reference64, res.reference64)
+            assert torch.equal(ref.reference64.view(torch.int64), res.reference64.view(torch.int64))
             for r, o in ref.outputs.items():
                 assert torch.equal(o.view(torch.int16), res.outputs[r].view(torch.int16)), (plane, kv, r)
 
