@@ -339,7 +339,7 @@ def lab_server(e2e_prerequisites, tmp_path_factory) -> LabServer:
         "--LabApp.extension_manager=readonly",  # no PyPI queries from the lab
         "--KernelManager.shutdown_wait_time=3",
     ]
-    if os.geteuid() == 0:  # CI and these build machines run as root
+    if os.geteuid() == 0:  # CI containers and many GPU nodes run as root
         cmd.append("--allow-root")
     log_path = tmp / "jupyter-lab.log"
     with open(log_path, "wb") as log:
