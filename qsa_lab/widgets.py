@@ -380,11 +380,11 @@ def export_name(data: dict) -> str:
 
 
 CSS = """<style>
-.qsa-playground .qsa-figure { width: 100%; height: auto; transition: opacity .15s; }
+.qsa-playground .qsa-figure { width: 100%; height: auto; aspect-ratio: %ASPECT%; transition: opacity .15s; }
 .qsa-playground.qsa-busy .qsa-figure, .qsa-playground.qsa-busy .qsa-table { opacity: .35; }
 .qsa-playground .qsa-table table { border-collapse: collapse; font-size: 12px; }
 .qsa-playground .qsa-table td, .qsa-playground .qsa-table th { padding: 1px 8px; text-align: right; }
-</style>"""
+</style>""".replace("%ASPECT%", f"{FIGSIZE[0]} / {FIGSIZE[1]}")  # the image keeps its height while a new one loads
 
 
 class Playground:
@@ -432,9 +432,10 @@ class Playground:
                                          layout=W.Layout(width="130px")) for name in FIX_TOGGLES}
         self.export_button = W.Button(description="Export", icon="download", button_style="primary",
                                       tooltip="write PNG, SVG and PDF of the figure, with what it shows in their metadata")
-        self.status = W.HTML(value="")
+        # fixed heights: a message coming and going must not move the figure below it
+        self.status = W.HTML(value="", layout=W.Layout(min_height="24px"))
         self.status.add_class("qsa-status")
-        self.message = W.HTML(value="")
+        self.message = W.HTML(value="", layout=W.Layout(min_height="24px"))
         self.message.add_class("qsa-message")
         self.image = W.Image(format="png", layout=W.Layout(width="100%", height="auto"))
         self.image.add_class("qsa-figure")

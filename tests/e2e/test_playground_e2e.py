@@ -14,9 +14,17 @@ runs all cells from the Run menu, and then works the controls by hand:
      (playground-after-poison.png);
   4. unticking the pad_fix toggle redraws and drops its route from the table
      (playground-after-fix.png);
-  5. dims "999" shows a visible "⚠ dims" message and keeps the figure;
-  6. Export writes PNG, SVG and PDF into $QSA_LAB_FIGURES (the PNG carrying
-     the case and backend metadata) and says so in the message line.
+  5. while a redraw runs the playground shows it (the figure dimmed, the
+     controls disabled, "computing..." in the message line), and all of it
+     clears once the new figure is there;
+  6. a redraw with the notebook scrolled to the figure leaves the scroll
+     position and the figure where they were (the image is replaced in place);
+  7. dims "999" shows a visible "⚠ dims" message and keeps the figure;
+  8. stale-tail is reachable from the controls: a geometry marked "partial
+     tail", then site stale-tail, draws NaN on the grouped route;
+  9. Export writes PNG, SVG and PDF into $QSA_LAB_FIGURES (the PNG carrying
+     the case, backend, dims and poison seed in its metadata) and names the
+     files in the message line.
 
 After every step the page is searched for tracebacks and widget errors.
 Screenshots go to results/e2e/ (failure-<step>.png too when a step fails).
@@ -45,6 +53,13 @@ FIX_LABEL = re.compile(r"\bpad_fix\b")
 FIX_ROUTE = "grouped+pad_fix"   # the route table row that the pad_fix toggle adds
 UNFIXED_ROUTE = "grouped"       # the route whose NaN dims follow the poisoned dims
 EXPORT_LABEL = re.compile(r"\bExport\b")
+GEOMETRY_LABEL = re.compile(r"\bgeometry\b")
+SEED_LABEL = re.compile(r"\bseed\b")
+TAIL_PRESET = re.compile(r"partial\stail")  # ipywidgets shows spaces as no-break spaces  # presets whose geometry has a partial microblock
+FIGURE = "img.qsa-figure"      # the playground's figure: an Image widget replaced in place
+TABLE = ".qsa-table table"     # the route table (an HTML widget)
+MESSAGE = ".qsa-message"       # computing... / ⚠ errors / exported: paths
+STATUS = ".qsa-status"         # the case on screen
 NEW_DIMS = "5,21,44"  # small enough for every geometry preset's head_dim
 
 RUN_ALL_TIMEOUT_S = 180
@@ -161,14 +176,14 @@ def code_prompts(page) -> list[str]:
 
 
 def image_signature(root) -> str:
-    """A digest of every image the playground's outputs show (data URIs)."""
-    srcs = root.locator(".widget-output img").evaluate_all("els => els.map(e => e.src)")
+    """A digest of the playground figure's source (a new object URL on every redraw)."""
+    srcs = root.locator(FIGURE).evaluate_all("els => els.map(e => e.src)")
     return hashlib.sha256("\n".join(srcs).encode()).hexdigest() if srcs else ""
 
 
 def route_rows(root) -> dict[str, list[str]]:
     """The route table as {route: [cells...]} (first cell of each body row is the route)."""
-    rows = root.locator(".widget-output table").evaluate_all(
+    rows = root.locator(TABLE).evaluate_all(
         "ts => ts.flatMap(t => Array.from(t.querySelectorAll('tbody tr')).map("
         "r => Array.from(r.children).map(c => c.innerText.trim())))")
     return {r[0]: r[1:] for r in rows if r}
@@ -205,6 +220,10 @@ def nan_dims(rows: dict, route: str) -> str | None:
     return None if row is None else row[1].replace(" ", "")
 
 
+def busy_now(root) -> dict:
+    return root.evaluate(BUSY_NOW)
+
+
 def output_area(root):
     """The playground cell's outputs (controls, figure, table), without its source."""
     area = root.locator(".jp-Cell-outputArea")
@@ -213,7 +232,45 @@ def output_area(root):
 
 
 def nan_map_shot(root) -> bytes:
-    return root.locator(".widget-output img").first.screenshot()
+    return root.locator(FIGURE).first.screenshot()
+
+
+# Records, from the moment it is installed, whether the playground ever showed its busy state.
+WATCH_BUSY = """root => {
+  const pg = root.querySelector('.qsa-playground');
+  const seen = {dimmed: false, disabled: false, computing: false};
+  const look = () => {
+    if (pg.classList.contains('qsa-busy')) seen.dimmed = true;
+    if (pg.querySelector('select:disabled, input:disabled')) seen.disabled = true;
+    const m = pg.querySelector('.qsa-message');
+    if (m && /computing/.test(m.innerText)) seen.computing = true;
+  };
+  const obs = new MutationObserver(look);
+  obs.observe(pg, {subtree: true, attributes: true, childList: true, characterData: true});
+  window.__qsaBusy = {seen, stop: () => obs.disconnect()};
+}"""
+BUSY_NOW = """root => {
+  const pg = root.querySelector('.qsa-playground');
+  const m = pg.querySelector('.qsa-message');
+  return {dimmed: pg.classList.contains('qsa-busy'),
+          disabled: pg.querySelectorAll('select:disabled, input:disabled').length,
+          computing: !!(m && /computing/.test(m.innerText))};
+}"""
+# The notebook's scrolling element, and where the figure sits in the window.
+SCROLL_STATE = """img => {
+  let s = img.parentElement;
+  while (s && !(s.scrollHeight > s.clientHeight + 1 && /(auto|scroll)/.test(getComputedStyle(s).overflowY)))
+    s = s.parentElement;
+  return {scrollTop: s ? s.scrollTop : null, figureTop: img.getBoundingClientRect().top,
+          scroller: s ? s.className : null};
+}"""
+SCROLL_TO_FIGURE = """img => {
+  let s = img.parentElement;
+  while (s && !(s.scrollHeight > s.clientHeight + 1 && /(auto|scroll)/.test(getComputedStyle(s).overflowY)))
+    s = s.parentElement;
+  s.scrollTop += img.getBoundingClientRect().top - s.getBoundingClientRect().top - 120;
+  return s.scrollTop;
+}"""
 
 
 def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
@@ -273,7 +330,7 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         root = page.locator(".jp-CodeCell").filter(has=dims_input)
         site = labelled(root, "widget-dropdown", SITE_LABEL).locator("select")
         assert site.count() == 1, f"{site.count()} site dropdowns, expected 1"
-        wait_until("the NaN-map image drawn in the playground's Output widget",
+        wait_until("the NaN-map image drawn in the playground's figure (Image widget)",
                    lambda: image_signature(root), WIDGET_TIMEOUT_S)
         rows = wait_until("a route table shown", lambda: route_rows(root), WIDGET_TIMEOUT_S)
         for route in (UNFIXED_ROUTE, FIX_ROUTE):
@@ -324,17 +381,80 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         output_area(root).screenshot(path=str(results_dir / "playground-after-fix.png"))
         mark("fix toggled")
 
+    with step("busy-state", page, results_dir, console):
+        assert busy_now(root) == {"dimmed": False, "disabled": 0, "computing": False}, busy_now(root)
+        root.evaluate(WATCH_BUSY)
+        dims_input.fill("3,4")
+        dims_input.press("Enter")
+        sig, rows = wait_redraw(root, "the figure redrawn after dims 3,4", sig,
+                                lambda r: nan_dims(r, UNFIXED_ROUTE) == "3,4")
+        wait_until("the busy state cleared (figure not dimmed, controls enabled, no 'computing')",
+                   lambda: busy_now(root) == {"dimmed": False, "disabled": 0, "computing": False}, WIDGET_TIMEOUT_S)
+        seen = page.evaluate("() => { window.__qsaBusy.stop(); return window.__qsaBusy.seen; }")
+        assert seen == {"dimmed": True, "disabled": True, "computing": True}, \
+            f"the redraw did not show its busy state (seen: {seen})"
+        assert "dims 3,4" in root.locator(STATUS).inner_text(), root.locator(STATUS).inner_text()
+        mark("busy state")
+
+    with step("scroll", page, results_dir, console):
+        figure = root.locator(FIGURE).first
+        figure.evaluate(SCROLL_TO_FIGURE)
+        dims_input.fill("5,6")   # Playwright scrolls the input into view here, before `before`
+        time.sleep(0.5)
+        before = figure.evaluate(SCROLL_STATE)
+        assert before["scroller"] and before["scrollTop"] > 0, f"the notebook did not scroll: {before}"
+        dims_input.press("Enter")
+        sig, rows = wait_redraw(root, "the figure redrawn after dims 5,6", sig,
+                                lambda r: nan_dims(r, UNFIXED_ROUTE) == "5,6")
+        wait_until("the busy state cleared", lambda: not busy_now(root)["computing"], WIDGET_TIMEOUT_S)
+        after = figure.evaluate(SCROLL_STATE)
+        assert abs(after["scrollTop"] - before["scrollTop"]) <= 2, f"the notebook scrolled: {before} -> {after}"
+        assert abs(after["figureTop"] - before["figureTop"]) <= 2, f"the figure moved: {before} -> {after}"
+        mark("scroll kept")
+
     with step("bad-input", page, results_dir, console):
         # A bad value shows a message (not a traceback) and keeps the figure.
-        message = root.locator(".widget-html", has_text=re.compile("backend|⚠|exported"))
+        message = root.locator(MESSAGE)
+        status_before = root.locator(STATUS).inner_text()
         dims_input.fill("999")
         dims_input.press("Enter")
         wait_until("a visible '⚠ dims' message after typing dims 999",
                    lambda: "⚠" in (t := " ".join(message.all_inner_texts())) and "dims" in t,
                    REDRAW_TIMEOUT_S)
         assert image_signature(root) == sig, "the figure changed after a bad dims value"
+        assert root.locator(STATUS).inner_text() == status_before, "the status changed after a bad dims value"
         assert_no_widget_error(page)
         mark("bad input")
+
+    with step("stale-tail", page, results_dir, console):
+        # site stale-tail needs a request that ends inside a microblock: a preset offers one
+        geometry = labelled(root, "widget-dropdown", GEOMETRY_LABEL).locator("select")
+        options = geometry.locator("option").evaluate_all("els => els.map(e => e.textContent.trim())")
+        tails = [o for o in options if TAIL_PRESET.search(o)]
+        assert tails, f"no geometry preset marked {TAIL_PRESET.pattern!r} among {options}"
+        dims_input.fill(NEW_DIMS)
+        dims_input.press("Enter")   # valid dims again
+        geometry.select_option(index=options.index(tails[0]))   # waits while a redraw disables the controls
+        site.select_option("stale-tail")
+
+        def stale_tail_drawn():
+            status, rows = root.locator(STATUS).inner_text(), route_rows(root)
+            return ("stale-tail" in status and f"dims {NEW_DIMS}" in status and not busy_now(root)["computing"]
+                    and rows.get(UNFIXED_ROUTE, ["0"])[0] not in ("0", "?")) and rows
+
+        rows = wait_until(f"geometry {tails[0]!r}, site stale-tail drawn with NaN on the grouped route",
+                          stale_tail_drawn, 3 * REDRAW_TIMEOUT_S)
+        sig = image_signature(root)
+        assert "stale-tail" in root.locator(STATUS).inner_text()
+        assert "⚠" not in root.locator(MESSAGE).inner_text()
+        output_area(root).screenshot(path=str(results_dir / "playground-stale-tail.png"))
+        seed_input = labelled(root, "widget-text", SEED_LABEL).locator("input")
+        seed_input.fill("7")
+        seed_input.press("Enter")   # the poison seed the export must record
+        # the seed does not change a stale-tail poison, but the export records it: the click
+        # below runs after this redraw (the kernel handles widget messages in order)
+        assert_no_widget_error(page)
+        mark("stale-tail")
 
     with step("export", page, results_dir, console):
         figures = lab_server.figures_dir
@@ -356,7 +476,10 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         from qsa_lab.export import read_png_meta
 
         meta = read_png_meta(files[".png"])
-        assert meta.get("backend") in ("emulate", "cuda") and "targeted" in meta.get("case", ""), meta
+        assert meta.get("backend") in ("emulate", "cuda") and "stale-tail" in meta.get("case", ""), meta
+        assert meta.get("dims") == NEW_DIMS and meta.get("poison_seed") == "7", meta
+        assert meta.get("site") == "stale-tail" and TAIL_PRESET.search(meta.get("preset", "")), meta
+        assert all(str(figures.resolve()) in shown for _ in (0,)), f"no absolute path in {shown!r}"
         assert_no_widget_error(page)
         mark("exported")
 
