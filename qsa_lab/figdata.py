@@ -207,3 +207,66 @@ def group_row_labels(groups: int, q_heads: int, m_tiles: int, xqa_rows: list) ->
         lo = groups * R
         out.append((lo + len(xqa_rows) * q_heads / 2 - 0.5, f"XQA rows {xqa_rows[0]}-{xqa_rows[-1]}"))
     return out
+
+
+#: repro table column -> short header of repro_display (the NaN count of each route, fixes by letter)
+REPRO_NAN_COLUMNS = {"nan[reference]": "reference", "nan[xqa]": "xqa", "nan[grouped]": "grouped",
+                     "nan[grouped+kernel_fix]": "fix A kernel", "nan[grouped+pad_fix]": "fix B pad",
+                     "nan[grouped+both_fixes]": "A+B", "nan[grouped+masked_load]": "fix C masked"}
+NOT_GIVEN = "—"
+
+
+def _dims_text(dims, shown: int = 8) -> str:
+    dims = list(dims)
+    if not dims:
+        return NOT_GIVEN
+    return ",".join(map(str, dims[:shown])) + (f",... ({len(dims)} dims)" if len(dims) > shown else "")
+
+
+def repro_frame(table):
+    """repro.run_repro's table -> the columns a reader compares, short headers, one row per case:
+    poisoned dims, NaN elements per route, worst max |fix - xqa|, max |xqa - reference|, the
+    report's own numbers (NOT_GIVEN where the report has none) and the bit-identity of a repeat."""
+    import math
+
+    import pandas as pd
+
+    def num(x):
+        return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+    diff_cols = [c for c in table.columns if c.startswith("max|grouped+")]
+    out = pd.DataFrame({"case": table["case"], "site": table["site"], "plane": table["plane"],
+                        "poisoned dims": table["poisoned_dims"].map(_dims_text)})
+    for col, name in REPRO_NAN_COLUMNS.items():
+        if col in table.columns:
+            out[name] = table[col].astype(int)
+    worst = []
+    for _, r in table.iterrows():
+        vals = [num(r[c]) for c in diff_cols]
+        finite = [v for v in vals if v is not None]
+        worst.append(f"{max(finite):.1e}" + (f" ({len(vals) - len(finite)} with NaN)" if len(finite) < len(vals) else "")
+                     if finite else "NaN in every fix")
+    out["max|fix−xqa|"] = worst
+    out["max|xqa−ref|"] = ["NaN in output" if num(v) is None else f"{v:.1e}" for v in table["max|xqa-reference|"]]
+    for col, name in (("report_grouped_nan", "report: grouped NaN"),
+                      ("report_max|grouped-xqa|", "report: max|grouped−xqa|")):
+        vals = table[col] if col in table.columns else [None] * len(table)
+        out[name] = [NOT_GIVEN if num(v) is None or str(v).strip() == "" else str(v) for v in vals]
+    if "bit_identical_repeat" in table.columns:
+        out["repeat identical"] = table["bit_identical_repeat"].map(lambda v: NOT_GIVEN if v is None else bool(v))
+    return out.reset_index(drop=True)
+
+
+def repro_display(table):
+    """repro_frame as a styled table for a notebook: every column shown, NaN counts red when
+    > 0 and green when 0, values the report does not give as NOT_GIVEN (never NaN)."""
+    frame = repro_frame(table)
+    counts = [c for c in REPRO_NAN_COLUMNS.values() if c in frame.columns]
+
+    def colour(v):
+        return "background-color:#ffd6e0;color:#a00" if v else "background-color:#d3f9d8"
+
+    return (frame.style.hide(axis="index").map(colour, subset=counts)
+            .set_properties(subset=["case"], **{"text-align": "left", "white-space": "nowrap"})
+            .set_table_styles([{"selector": "th", "props": "text-align:center; white-space:nowrap"},
+                               {"selector": "td", "props": "padding:2px 8px"}]))

@@ -101,12 +101,19 @@ def test_03_playground_runs_headless(tmp_path):
 
 
 def test_04_fixes_clean_and_stale_tail_finding(tmp_path):
-    r = run_notebook(NB_DIR / "04_confirm_the_fix.ipynb", tmp_path)["results"]
+    run = run_notebook(NB_DIR / "04_confirm_the_fix.ipynb", tmp_path)
+    r = run["results"]
+    html = "\n".join(o.get("data", {}).get("text/html", "") for c in run["nb"].cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+    assert "fix A kernel" in html and "fix C masked" in html and "report: grouped NaN" in html
+    assert "—" in html and ">nan<" not in html.lower() and "...</th>" not in html   # no NaN, no truncation
     assert r["backend"] == "emulate"
     assert r["fixed_nan_on_null_block_sites"] == 0
     assert r["bit_identical"]
     assert r["stale_pad_fix_nan"] > 0
     assert r["stale_kernel_fix_nan"] == 0 and r["stale_masked_load_nan"] == 0
+    att = r["attended_k_nan"]   # a NaN key rows attend: NaN in XQA / reference, dropped by grouped
+    assert att["xqa"] == att["reference"] > 0 and att["grouped"] < att["xqa"]
 
 
 def test_05_reads_committed_timings(tmp_path):
