@@ -103,3 +103,42 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
         "nonfinite_dims": sorted(set(torch.nonzero(nan_here | inf_here)[:, 3].tolist())),
     }
     return out
+
+
+# -- payloads: whole elements in the cache's storage dtype --------------------------------------------
+
+#: element bit patterns per kv dtype. E4M3 has no Inf code; "max" is the largest finite value
+#: (a kernel that gives a masked slot any weight at all changes its output with it).
+PAYLOAD_BITS = {
+    "e4m3": {"nan": 0x7F, "max": 0x7E, "zero": 0x00},
+    "e5m2": {"nan": 0x7F, "inf": 0x7C, "max": 0x7B, "zero": 0x00},
+    "fp16": {"nan": 0x7E00, "inf": 0x7C00, "max": 0x7BFF, "zero": 0x0000},
+}
+PAYLOADS = ("nan", "inf", "max", "zero")
+
+
+def payload_bits(kv_dtype: str, payload: str) -> int:
+    """The element bits of `payload` in a `kv_dtype` cache; ValueError when the format has none."""
+    if payload not in PAYLOADS:
+        raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
+    bits = PAYLOAD_BITS[kv_dtype].get(payload)
+    if bits is None:
+        raise ValueError(f"payload {payload!r}: {kv_dtype} has no such code (E4M3 has no infinity)")
+    return bits
+
+
+def write_payload(kv_cache: torch.Tensor, slots: torch.Tensor, planes, kv_dtype: str, payload: str,
+                  dims=None) -> torch.Tensor:
+    """Write `payload` into every element of `slots` ([pages, page_size] bool) on `planes`
+    (0 = K, 1 = V), all head dims or only `dims`, in place. -> [pages, 2, page_size, D] bool written."""
+    bits = payload_bits(kv_dtype, payload)
+    pages, _, ps, _, D = kv_cache.shape
+    written = torch.zeros((pages, 2, ps, D), dtype=torch.bool)
+    cols = torch.zeros(D, dtype=torch.bool)
+    cols[list(range(D)) if dims is None else list(dims)] = True
+    for p in planes:
+        written[:, p] = slots.unsqueeze(-1) & cols
+    elems = kv_cache.view(torch.int16 if kv_dtype == "fp16" else torch.uint8)[:, :, :, 0, :]
+    value = bits - 0x10000 if kv_dtype == "fp16" and bits >= 0x8000 else bits
+    elems[written.to(kv_cache.device)] = value
+    return written
