@@ -64,6 +64,17 @@ def _written(case: Case) -> torch.Tensor:
     return out
 
 
+def stale_slots(case: Case, region: str = "stale-tail") -> list[tuple[int, int]]:
+    """(physical page, slot) of the never-written slots, request by request: positions
+    seq_len .. the end of the last page ("stale-tail") or of the last microblock ("stale-microblock")."""
+    ps = case.geometry.page_size
+    out = []
+    for r, s in enumerate(case.seq_lens.tolist()):
+        stop = -(-s // ps) * ps if region == "stale-tail" else -(-s // 4) * 4
+        out += _request_slots(case, r, s, stop)
+    return out
+
+
 def referenced_pages(case: Case) -> torch.Tensor:
     """[pages] bool: pages some request's block table maps (its first ceil(seq_len / page_size))."""
     pages, ps = _pool(case)
@@ -81,10 +92,8 @@ def region_slots(case: Case, region: str) -> torch.Tensor:
     if region == "null-block":
         out[0] = True
     elif region in ("stale-tail", "stale-microblock"):
-        for r, s in enumerate(case.seq_lens.tolist()):
-            stop = -(-s // ps) * ps if region == "stale-tail" else -(-s // 4) * 4
-            for page, slot in _request_slots(case, r, s, stop):
-                out[page, slot] = True
+        for page, slot in stale_slots(case, region):
+            out[page, slot] = True
     elif region == "free-pages":
         free = ~referenced_pages(case)
         free[0] = False  # page 0 is its own region

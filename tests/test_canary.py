@@ -121,7 +121,7 @@ def test_payload_bits_match_the_formats():
     assert payload_bits("e4m3", "nan") == 0x7F and payload_bits("e5m2", "inf") == 0x7C
     assert payload_bits("fp16", "nan") == 0x7E00 and payload_bits("fp16", "inf") == 0x7C00
     assert fp8.decode(torch.tensor([payload_bits("e4m3", "max")], dtype=torch.uint8), "e4m3").item() == 448
-    with pytest.raises(ValueError, match="no infinity"):
+    with pytest.raises(ValueError, match="payload: e4m3 has no inf encoding"):
         payload_bits("e4m3", "inf")
 
 
@@ -277,3 +277,37 @@ def test_e4m3_has_no_inf_payload():
                      kv_dtype="e4m3")
     assert {r.payload for r in rep.results} == {"nan"}
     assert {"payload": "inf", "reason": "e4m3 has no inf code"} in rep.skipped
+
+
+# -- the poison sites are this model x a payload ------------------------------------------------------
+
+def _written_slots(before, after):
+    """[pages, page_size] bool: slots where any byte of either plane changed."""
+    a, b = before.kv_cache.view(torch.uint8), after.kv_cache.view(torch.uint8)
+    return (a != b).view(a.shape[0], 2, a.shape[2], -1).any(dim=1).any(dim=-1)
+
+
+@pytest.mark.parametrize("site,region", [("zeros", "null-block"), ("random", "null-block"),
+                                         ("fp16-state", "null-block"), ("stale-tail", "stale-microblock")])
+def test_poison_sites_write_their_region(site, region):
+    from qsa_lab.poison import apply_poison
+
+    base = canary_case("e4m3")
+    base.kv_cache[0] = 7                                      # so that writing zeros shows too
+    after = apply_poison(base, site, plane="kv", dims=[0, 3] if site == "stale-tail" else None)
+    written = _written_slots(base, after)
+    assert written.any() and not (written & ~region_slots(base, region)).any()
+    if site != "stale-tail":
+        assert torch.equal(written, region_slots(base, region))
+
+
+def test_site_stale_tail_is_the_microblock_part_of_the_region_stale_tail():
+    """Two meanings, two names: site 'stale-tail' writes only the stale slots of the last
+    partial microblock (what the grouped route reads); region 'stale-tail' is the rest of the page."""
+    from qsa_lab.poison import apply_poison
+
+    after = apply_poison(CASE, "stale-tail", dims=[2], payload="nan")
+    written = _written_slots(CASE, after)
+    assert torch.equal(written, region_slots(CASE, "stale-microblock"))
+    assert int(written.sum()) == 4 < int(region_slots(CASE, "stale-tail").sum()) == 16
+    assert after.poison["nan_bytes"] == 4 and after.poison["poisoned_dims"] == [2]
