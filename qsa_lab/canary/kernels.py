@@ -129,8 +129,9 @@ SDPA_BACKENDS = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "cudnn": "C
 def _dense_inputs(call: PagedCall):
     """q [rows, Hq, 1, D]; K, V [rows, Hq, S, D] (the one KV head repeated); mask [rows, 1, 1, S]."""
     rows, hq, d = call.q.shape
-    k = call.pages(0).unsqueeze(1).expand(rows, hq, -1, d)
-    v = call.pages(1).unsqueeze(1).expand(rows, hq, -1, d)
+    # materialised per head: some fused backends refuse a zero head stride
+    k = call.pages(0).unsqueeze(1).expand(rows, hq, -1, d).contiguous()
+    v = call.pages(1).unsqueeze(1).expand(rows, hq, -1, d).contiguous()
     return call.q.unsqueeze(2), k, v, call.attend().to(call.device).view(rows, 1, 1, -1)
 
 
@@ -216,10 +217,20 @@ def flex_paged(call: PagedCall) -> torch.Tensor:
     rows, hq, d = call.q.shape
     pages, ps = case.kv_cache.shape[0], case.geometry.page_size
     block_mask = call.cached("flex-paged.block_mask", lambda: _paged_block_mask(call))
-    kv = [case.decoded_plane(p).to(torch.float16).reshape(1, 1, pages * ps, d).expand(rows, hq, -1, d).to(dev)
-          for p in (0, 1)]
-    return _flex_fn(dev.type)(call.q.unsqueeze(2), kv[0], kv[1], block_mask=block_mask,
-                         scale=call.sm_scale).squeeze(2)
+    kv = [case.decoded_plane(p).to(torch.float16).reshape(1, 1, pages * ps, d).expand(rows, hq, -1, d)
+          .contiguous().to(dev) for p in (0, 1)]
+    run = functools.partial(_flex_fn(dev.type), call.q.unsqueeze(2), kv[0], kv[1], block_mask=block_mask,
+                            scale=call.sm_scale)
+    try:
+        return run().squeeze(2)
+    except Exception as first:  # noqa: BLE001 - compiled kernels may want a KV tile no larger than a page
+        if dev.type != "cuda":
+            raise
+        try:
+            return run(kernel_options={"BLOCK_N": ps}).squeeze(2)
+        except Exception as e:  # noqa: BLE001
+            raise KernelSkipped(f"paged FlexAttention refused the inputs: {_first_line(first)}; "
+                                f"with BLOCK_N={ps}: {_first_line(e)}") from e
 
 
 TORCH_KERNELS = {"torch:sdpa-math": sdpa_kernel("math"), "torch:sdpa-efficient": sdpa_kernel("efficient"),
