@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -168,8 +169,16 @@ def sdpa_cut(call: PagedCall) -> torch.Tensor:
 def _flex_fn(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    # eager FlexAttention on the CPU; on a GPU the compiled kernel is the one people ship
-    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+    # on a GPU the compiled kernel is the one people ship; on the CPU eager is the point
+    # (and quick to start), so its "called without torch.compile" warning is silenced
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=False)
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(*args, **kwargs)
+    return eager
 
 
 def flex(call: PagedCall) -> torch.Tensor:
