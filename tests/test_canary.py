@@ -311,3 +311,18 @@ def test_site_stale_tail_is_the_microblock_part_of_the_region_stale_tail():
     assert torch.equal(written, region_slots(CASE, "stale-microblock"))
     assert int(written.sum()) == 4 < int(region_slots(CASE, "stale-tail").sum()) == 16
     assert after.poison["nan_bytes"] == 4 and after.poison["poisoned_dims"] == [2]
+
+
+def test_paged_flex_eager_reads_the_whole_pool():
+    rep = run_canary(["torch:flex-paged"], regions=["free-pages"], payloads=["nan"], backend="emulate")
+    assert rep.find("torch:flex-paged", "free-pages", "k", "nan").verdict == "clean"
+    assert rep.find("torch:flex-paged", "free-pages", "v", "nan").verdict == "nan-leak"
+
+
+def test_sparse_case_has_unselected_slots_that_masking_kernels_read():
+    sparse = canary_case(topk=2, context=65)          # rows select 2 of up to 16 blocks
+    rep = run_canary(["torch:sdpa-math", "torch:sdpa-cut", "qsa:grouped+kernel_fix"], regions=["unselected"],
+                     payloads=["nan"], backend="emulate", case=sparse)
+    assert rep.find("torch:sdpa-math", "unselected", "v", "nan").verdict == "nan-leak"
+    assert {r.verdict for r in rep.results if r.kernel == "qsa:grouped+kernel_fix"} == {"clean"}
+    assert any(s.get("kernel") == "torch:sdpa-cut" and "prefix" in s["reason"] for s in rep.skipped)

@@ -210,9 +210,12 @@ def _paged_block_mask(call: PagedCall):
     for r in range(rows):
         paged.physical_to_logical[r, table[r][used[r]].to(dev)] = torch.arange(int(used[r].sum()), device=dev)
     attend_dev = attend.to(dev)
+    width = attend.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return attend_dev[b, kv_idx]
+        # the paged wrapper also evaluates this for dead blocks (logical index < 0) and
+        # discards the answer: clamp so that no index leaves the mask
+        return attend_dev[b, kv_idx.clamp(0, width - 1)]
 
     logical = create_block_mask(mask_mod, B=rows, H=None, Q_LEN=1, KV_LEN=attend.shape[1], BLOCK_SIZE=ps,
                                 device=str(dev))
