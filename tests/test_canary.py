@@ -326,3 +326,13 @@ def test_sparse_case_has_unselected_slots_that_masking_kernels_read():
     assert rep.find("torch:sdpa-math", "unselected", "v", "nan").verdict == "nan-leak"
     assert {r.verdict for r in rep.results if r.kernel == "qsa:grouped+kernel_fix"} == {"clean"}
     assert any(s.get("kernel") == "torch:sdpa-cut" and "prefix" in s["reason"] for s in rep.skipped)
+
+
+def test_a_malformed_case_is_refused_before_any_kernel_runs():
+    import dataclasses
+
+    bad = dataclasses.replace(CASE, positions=CASE.positions.int())
+    with pytest.raises(ValueError, match="^positions: expected"):
+        run_canary([honest_kernel], case=bad, backend="emulate")
+    with pytest.raises(TypeError, match="case must be a qsa_lab Case"):
+        run_canary([honest_kernel], case="case", backend="emulate")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..case import Case, Geometry, build_case
+from ..case import Case, Geometry, build_case, validate_case
 from ..poison import PAYLOADS, payload_bits, write_payload
 from ..regions import REGIONS, region_sizes, region_slots, with_free_pages
 from .kernels import KernelSkipped, PagedCall, builtin_kernels, kernel_name, resolve_kernel
@@ -220,6 +220,7 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     case = canary_case(kv_dtype) if case is None else case
     if not isinstance(case, Case):
         raise TypeError(f"case must be a qsa_lab Case, got {type(case).__name__}")
+    validate_case(case)
     D = case.geometry.head_dim
     if dims is not None:
         dims = [int(d) for d in dims]
