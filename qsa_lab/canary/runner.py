@@ -1,5 +1,6 @@
 """The canary run: for each kernel x region x plane x payload, a zero-filled control run and a
-poisoned run of the same call, compared bit for bit.
+poisoned run of the same call, compared bit for bit. (The control, the region zero-filled on
+that plane, is the same pool for every payload, so it runs once per kernel x region x plane.)
 
 Verdicts: `nan-leak` (an output went NaN), `inf-leak` (an output went +-Inf), `finite-leak`
 (finite outputs whose bits changed: the kernel gave unattended bytes weight) or `clean`.
