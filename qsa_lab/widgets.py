@@ -285,7 +285,8 @@ def playground_data(p: Params, cache: RunCache | None = None) -> dict:
 
     check_params(p)
     res = (cache or _CACHE).result(p)
-    routes = figdata.route_nans(res, p.routes)
+    # the case is named once, in the NaN map's title: every line of text costs redraw time
+    routes = dict(figdata.route_nans(res, p.routes), title="the case above")
     return {"params": p, "backend": res.backend, "case": res.case.describe(), "poison": dict(res.case.poison),
             "geometry": p.geometry.to_dict(), "nan_map": figdata.nan_map(res, p.nan_map), "routes": routes,
             "table": routes["table"]}
