@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import os
@@ -77,7 +78,13 @@ def bench_preset(preset: str, repeat: int) -> dict:
         changes[kind] = {"median_s": round(statistics.median(times), 4), "max_s": round(max(times), 4),
                          "n": len(times), "median_cpu_s": round(statistics.median(cpu), 4)}
     all_times = [c["median_s"] for c in changes.values()]
-    return {"geometry": pg.last_data["geometry"], "backend": pg.last_data["backend"],
+    data = pg.last_data
+    # widgets stay registered (and with them this preset's cache) until closed: free them, so a
+    # later preset does not pay for garbage collection over an earlier one's objects
+    pg.cache.clear()
+    pg.widget.close_all()
+    gc.collect()
+    return {"geometry": data["geometry"], "backend": data["backend"],
             "first_draw_s": round(first, 4), "first_draw_cpu_s": round(first_cpu, 4), "changes": changes,
             "median_redraw_s": round(statistics.median(all_times), 4), "worst_median_s": max(all_times),
             "limit_s": limit_for(preset), "first_draw_limit_s": FIRST_DRAW_LIMIT_S}
