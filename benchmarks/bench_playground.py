@@ -2,8 +2,9 @@
 
     python benchmarks/bench_playground.py            # about 2-3 minutes; writes data/bench_playground_cpu.json
 
-Targets (issue 11): redraw median <= 1.0 s at the report's presets (context 8192), <= 0.3 s at
-the small default, first draw <= 2 s. Method, per preset: a fresh cache; `first draw` is
+Targets (issue 11): redraw median (over every timed redraw of a preset) <= 1.0 s at the
+report's presets (context 8192), <= 0.3 s at the small ones (the default among them), first
+draw <= 2 s; a preset over a target is marked OVER and the exit code is 1. Method, per preset: a fresh cache; `first draw` is
 Playground() from nothing (case build, plans, every route, render, PNG); then each kind of
 control change is applied `--repeat` times, end to end (controls -> data -> render -> PNG ->
 Image widget). Every timed poison change is one the cache has not seen (its poisoned entries
@@ -61,7 +62,7 @@ def bench_preset(preset: str, repeat: int) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         pg = Playground(Params(preset=preset), cache=RunCache(size=16))
     first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
-    changes = {}
+    changes, pooled = {}, []
     for kind, steps in CHANGES.items():
         times, cpu = [], []
         for _ in range(repeat):
@@ -75,6 +76,7 @@ def bench_preset(preset: str, repeat: int) -> dict:
                 cpu.append(time.process_time() - c)
                 if not ok:
                     raise SystemExit(f"{preset}: {step} failed: {pg.message.value}")
+        pooled += times
         changes[kind] = {"median_s": round(statistics.median(times), 4), "max_s": round(max(times), 4),
                          "n": len(times), "median_cpu_s": round(statistics.median(cpu), 4)}
     all_times = [c["median_s"] for c in changes.values()]
@@ -86,7 +88,7 @@ def bench_preset(preset: str, repeat: int) -> dict:
     gc.collect()
     return {"geometry": data["geometry"], "backend": data["backend"],
             "first_draw_s": round(first, 4), "first_draw_cpu_s": round(first_cpu, 4), "changes": changes,
-            "median_redraw_s": round(statistics.median(all_times), 4), "worst_median_s": max(all_times),
+            "median_redraw_s": round(statistics.median(pooled), 4), "worst_median_s": max(all_times),
             "limit_s": limit_for(preset), "first_draw_limit_s": FIRST_DRAW_LIMIT_S}
 
 
@@ -111,9 +113,9 @@ def main(argv=None) -> int:
     results = {}
     for preset in presets:
         r = results[preset] = bench_preset(preset, args.repeat)
-        ok = r["worst_median_s"] <= r["limit_s"] and r["first_draw_s"] <= FIRST_DRAW_LIMIT_S
+        ok = r["median_redraw_s"] <= r["limit_s"] and r["first_draw_s"] <= FIRST_DRAW_LIMIT_S
         print(f"\n{preset}: first draw {r['first_draw_s']:.2f} s, median redraw {r['median_redraw_s']:.3f} s "
-              f"(limit {r['limit_s']} s) {'ok' if ok else 'OVER'}")
+              f"(limit {r['limit_s']} s; worst kind {r['worst_median_s']:.3f} s) {'ok' if ok else 'OVER'}")
         for kind, c in r["changes"].items():
             print(f"  {kind:28s} median {c['median_s'] * 1000:6.0f} ms   max {c['max_s'] * 1000:6.0f} ms   "
                   f"(n={c['n']}; CPU {c['median_cpu_s'] * 1000:.0f} ms)")
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {Path(args.json).resolve()}")
-    over = [p for p, r in results.items() if r["worst_median_s"] > r["limit_s"] or r["first_draw_s"] > FIRST_DRAW_LIMIT_S]
+    over = [p for p, r in results.items() if r["median_redraw_s"] > r["limit_s"] or r["first_draw_s"] > FIRST_DRAW_LIMIT_S]
     return 1 if over else 0
 
 
