@@ -223,6 +223,29 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
     return case.to(device) if str(device) != "cpu" else case
 
 
+def relocate_pages(case: Case, seed: int = 1, spare: int = 3) -> Case:
+    """The same case with every request page moved to another physical page.
+
+    Page 0 stays the null block; the pool grows by `spare` unused pages so pages can land
+    anywhere. block_table is remapped and the kv_cache pages move with it: every logical
+    token keeps its bytes, only the allocation differs (upstream's planner promises the
+    same result for any allocation).
+    """
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if not isinstance(spare, int) or spare < 0:
+        raise ValueError(f"spare must be an int >= 0, got {spare!r}")
+    pages = case.kv_cache.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    new_of_old = torch.zeros(pages, dtype=torch.int64)
+    new_of_old[1:] = 1 + torch.randperm(pages - 1 + spare, generator=gen)[:pages - 1]
+    dev = case.kv_cache.device
+    kv = case.kv_cache.new_zeros((pages + spare,) + tuple(case.kv_cache.shape[1:]))
+    kv[new_of_old.to(dev)] = case.kv_cache
+    table = new_of_old.to(dev)[case.block_table.long()].to(torch.int32)
+    return dataclasses.replace(case, kv_cache=kv, block_table=table, poison=dict(case.poison))
+
+
 def geometry_from_json(text: str) -> Geometry:
     return Geometry(**json.loads(text))
 
