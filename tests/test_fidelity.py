@@ -79,3 +79,149 @@ def test_plan_order_is_upstreams_category_then_logical_owner(kw):
         assert n == len(mbs)
         assert plan.microblocks[gi, :n].tolist() == mbs
         assert plan.masks[gi, :n].tolist() == as_int32_mask(torch.tensor(masks)).tolist()
+
+
+# ---- indexer-like selections -------------------------------------------------------------
+
+def test_indexer_score_is_the_sum_over_heads_of_relu_dot_over_sqrt_128():
+    from qsa_lab.case import _indexer_scores
+
+    gen = torch.Generator().manual_seed(3)
+    q, keys = torch.randn((2, 4, 128), generator=gen), torch.randn((5, 128), generator=gen)
+    want = [[sum(max(float(q[r, h] @ keys[b]), 0.0) for h in range(4)) / 128 ** 0.5 for b in range(5)]
+            for r in range(2)]
+    assert torch.allclose(_indexer_scores(q, keys), torch.tensor(want), atol=1e-5)
+
+
+def test_top_blocks_is_lexicographic_over_fully_visible_blocks_only():
+    from qsa_lab.case import _top_blocks
+
+    scores = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0, 9.0, 0.0],     # ties: lower block id first
+                           [5.0, 1.0, 3.0, 0.0, 0.0, 9.0, 9.0]])    # 9s are past `complete`
+    out = _top_blocks(scores, torch.tensor([7, 4]), topk=4)
+    assert out.tolist() == [[0, 1, 3, 5], [0, 1, 2, 3]]
+    # fewer candidates than topk: all of them, then -1
+    assert _top_blocks(scores, torch.tensor([3, 2]), topk=4).tolist() == [[0, 1, 2, -1], [0, 1, -1, -1]]
+
+
+def test_short_rows_select_every_fully_visible_block():
+    case = build_case(Geometry(rows=8, context=300, topk=128, head_dim=32))
+    complete = (case.positions + 1) // 4
+    for r in range(8):
+        n = int(complete[r])
+        assert case.selected[r, :n].tolist() == list(range(n)) and (case.selected[r, n:] == -1).all()
+
+
+@pytest.mark.parametrize("target", [0.6, 0.8, 0.9])
+def test_measured_neighbour_overlap_follows_the_knob(target):
+    from qsa_lab.case import neighbour_overlap
+
+    measured = [neighbour_overlap(build_case(Geometry(rows=16, seed=s, overlap=target))) for s in range(3)]
+    assert abs(sum(measured) / 3 - target) < 0.03, measured
+
+
+def test_default_selection_at_16_rows_8k_walks_at_most_160_tiles_and_reports_overlap(capsys):
+    import json
+
+    from qsa_lab.cli import main
+
+    assert main(["diff", "--rows", "16", "--context", "8192", "--backend", "emulate", "--json", "-"]) == 0
+    sel = json.loads(capsys.readouterr().out)["selection"]
+    assert sel["generator"] == "indexer" and sel["overlap_target"] == 0.8
+    assert abs(sel["neighbour_overlap"] - 0.8) < 0.05
+    assert len(sel["tiles_per_group"]) == 2 and sel["max_tiles_per_group"] <= 160
+
+
+def test_random_selection_reproduces_the_earlier_generator():
+    """--selection random is the generator qsa_lab had before indexer-like selections; these are
+    the numbers it gave then (rows 16, ctx 8192, seed 0): neighbour overlap 0.402, tiles 221 / 219."""
+    from qsa_lab.case import neighbour_overlap
+    from qsa_lab.plan import plan_groups
+
+    g = Geometry(rows=16, context=8192, selection="random")
+    case = build_case(g)
+    assert round(neighbour_overlap(case), 3) == 0.402
+    assert (plan_groups(case).seq_len // 32).tolist() == [221, 219]
+    # the selection is all that differs: same q, same cache bytes
+    other = build_case(g.replace(selection="indexer"))
+    assert torch.equal(other.q, case.q) and torch.equal(other.kv_cache, case.kv_cache)
+    assert not torch.equal(other.selected, case.selected)
+
+
+@pytest.mark.parametrize("kw", [dict(selection="topk"), dict(overlap=1.5), dict(overlap=-0.1),
+                                dict(overlap=float("nan")), dict(overlap="0.8"), dict(overlap=True)])
+def test_selection_arguments_are_validated(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        Geometry(**kw)
+
+
+@pytest.mark.parametrize("argv,arg", [(["--overlap", "2"], "--overlap"), (["--overlap", "x"], "--overlap"),
+                                      (["--selection", "random", "--overlap", "0.5"], "--overlap"),
+                                      (["--selection", "top"], "--selection")])
+def test_cli_refuses_bad_selection_options(argv, arg, capsys):
+    from qsa_lab.cli import main
+
+    assert main(["diff", "--rows", "8", "--context", "64", "--topk", "8", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qsa-lab: error: argument " + arg) and "\n" not in err
+
+
+def test_plan_figure_title_reports_tiles_and_overlap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from qsa_lab import figdata, plotting
+    from qsa_lab.plan import plan_groups
+
+    case = build_case(Geometry(rows=16, context=2048, topk=128, head_dim=32))
+    plan = plan_groups(case)
+    title = plotting.plot_plan(figdata.plan_table(plan, case)).get_title()
+    assert f"tiles per group {(plan.seq_len // 32).tolist()}" in title
+    assert "indexer selection, overlap 0.8 (measured 0." in title
+
+
+# ---- the report's counts -----------------------------------------------------------------
+
+def test_causal3_gives_the_reports_640_with_8_of_9_m_tiles_padded():
+    from qsa_lab.analysis import fingerprint
+    from qsa_lab.poison import REPORT_DIMS
+    from qsa_lab.repro import CAUSAL3
+
+    r = run_routes(apply_poison(build_case(CAUSAL3), "targeted", dims=list(REPORT_DIMS)), backend="emulate")
+    nan = {route: int(torch.isnan(o).sum()) for route, o in r.outputs.items()}
+    assert nan.pop("grouped") == 640 and set(nan.values()) == {0}
+    fp = fingerprint(r)
+    assert int(fp.padded_category.sum()) == 8 and (fp.nan_count > 0).tolist() == fp.padded_category.tolist()
+
+
+# ---- beyond upstream ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(), {"masked-load"}),
+    (dict(kv_dtype="e5m2"), {"masked-load", "e5m2-cache", "pad-fix-non-e4m3"}),
+    (dict(kv_dtype="fp16", group_rows="request"), {"masked-load", "pad-fix-non-e4m3"}),
+    (dict(group_rows="request"), {"masked-load", "request-grouping-fp8"}),
+    (dict(q_heads=4, head_dim=128, topk=64, selection="random"),
+     {"masked-load", "q-heads", "head-dim", "topk", "random-selection"}),
+])
+def test_extensions_name_what_goes_beyond_upstream(kw, want):
+    from qsa_lab.extensions import EXTENSIONS, extensions_used
+    from qsa_lab.routes import ROUTES
+
+    used = extensions_used(Geometry(**kw), ROUTES)
+    assert {e["id"] for e in used} == want
+    assert all(e["description"] == EXTENSIONS[e["id"]] for e in used)
+    assert {e["id"] for e in extensions_used(Geometry(**kw), ["reference", "xqa", "grouped"])} \
+        == want - {"masked-load", "pad-fix-non-e4m3"}
+
+
+def test_diff_json_lists_extensions_and_keeps_its_fields(capsys):
+    import json
+
+    from qsa_lab.cli import main
+
+    assert main(["diff", "--rows", "8", "--context", "256", "--topk", "16", "--kv-dtype", "e5m2",
+                 "--backend", "emulate", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"schema", "backend", "geometry", "poison", "groups", "routes"} <= set(doc)
+    assert {e["id"] for e in doc["extensions"]} == {"masked-load", "e5m2-cache", "pad-fix-non-e4m3", "topk"}
