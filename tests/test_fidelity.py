@@ -225,3 +225,48 @@ def test_diff_json_lists_extensions_and_keeps_its_fields(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert {"schema", "backend", "geometry", "poison", "groups", "routes"} <= set(doc)
     assert {e["id"] for e in doc["extensions"]} == {"masked-load", "e5m2-cache", "pad-fix-non-e4m3", "topk"}
+
+
+# ---- beyond the report: non-finite codes in attended tokens -------------------------------
+
+ATTENDED = Geometry(rows=19, context=1024, topk=64, head_dim=64)
+DIMS = [3, 40, 41]
+
+
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2"])
+def test_grouped_silently_drops_an_attended_nan_key_where_xqa_and_reference_are_nan(kv_dtype):
+    case = apply_poison(build_case(ATTENDED.replace(kv_dtype=kv_dtype)), "attended-k", dims=DIMS)
+    r = run_routes(case, backend="emulate")
+    grouped_rows, rest = r.plan.group_rows.flatten(), r.plan.xqa_rows
+    # the poisoned key is attended by every row: its NaN score poisons every dim of XQA and the reference
+    assert torch.isnan(r.outputs["xqa"]).all() and torch.isnan(r.reference64).all()
+    for route in GROUPED:
+        out = r.outputs[route]
+        assert torch.isfinite(out[grouped_rows]).all(), route   # dropped: finite, and wrong
+        assert torch.isnan(out[rest]).all(), route              # remainder rows go through XQA
+
+
+def test_an_attended_nan_value_is_nan_in_every_route_on_the_poisoned_dims():
+    case = apply_poison(build_case(ATTENDED), "attended-v", dims=DIMS)
+    r = run_routes(case, backend="emulate")
+    want = torch.zeros_like(r.outputs["xqa"], dtype=torch.bool)
+    want[:, :, DIMS] = True                                    # every row attends the token
+    assert torch.equal(torch.isnan(r.reference64), want)
+    for route, out in r.outputs.items():
+        assert torch.equal(torch.isnan(out), want), route
+
+
+def test_repro_rows_beyond_the_report_show_the_divergence():
+    from qsa_lab.repro import REPRO_CASES, run_repro
+
+    cases = [c for c in REPRO_CASES if c.poison.get("site") in ("attended-k", "attended-v")]
+    assert len(cases) == 2 and all(c.expect and c.report_key is None for c in cases)
+    table, _ = run_repro(backend="emulate", cases=cases, progress=False, repeat=False,
+                         geometry_overrides=dict(context=1024, topk=64))
+    k, v = table.iloc[0], table.iloc[1]
+    rows, hq, d = 19, 6, 256
+    assert k["nan[xqa]"] == k["nan[reference]"] == rows * hq * d
+    assert k["nan[grouped]"] == 3 * hq * d                      # only the 3 XQA remainder rows
+    assert k["grouped_finite_where_xqa_nan"] == 16 * hq * d
+    assert v["nan[xqa]"] == v["nan[grouped]"] == v["nan[grouped+kernel_fix]"] == rows * hq * 5
+    assert v["grouped_finite_where_xqa_nan"] == 0
