@@ -13,11 +13,13 @@ def _bits(out):
     return out.view(torch.int16)
 
 
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "e5m2", "fp16"])
 @pytest.mark.parametrize("layout", ["contiguous", "scatter"])
-def test_relocating_pages_leaves_every_route_bit_identical(layout):
-    """Upstream orders plan entries by (category, query << 29 | logical block): where pages
-    were allocated must not change the reduction order, hence not one output bit."""
-    g = Geometry(rows=19, requests=2, layout=layout, context=1200, topk=96, head_dim=64)
+def test_relocating_pages_leaves_every_route_bit_identical(layout, kv_dtype):
+    """Upstream orders plan entries by (category, query << 29 | logical block) and XQA's tokens
+    logically: where pages were allocated must not change a reduction order, hence not one bit.
+    (Group 1 holds rows of both requests, so owners from two requests meet in one plan.)"""
+    g = Geometry(rows=19, requests=2, layout=layout, context=1200, topk=96, head_dim=64, kv_dtype=kv_dtype)
     case = apply_poison(build_case(g), "random", plane="kv")
     moved = relocate_pages(case, seed=5)
     assert not torch.equal(moved.block_table, case.block_table)
