@@ -43,7 +43,8 @@ def _add_case_args(p):
 
     g = p.add_argument_group("geometry")
     g.add_argument("geometry", nargs="?", choices=["decode", "causal3"], default=None,
-                   help="preset: decode = the report's 19 decode-like rows; causal3 = 24 rows of 3 requests, scatter, seed 63")
+                   help="preset: decode = the report's 19 decode-like rows; "
+                        "causal3 = 24 rows of 3 requests, scatter, seed 63")
     g.add_argument("--rows", type=int)
     g.add_argument("--requests", type=int)
     g.add_argument("--layout", choices=LAYOUTS)

@@ -12,7 +12,8 @@ from __future__ import annotations
 #: id -> one line saying what goes beyond upstream
 EXTENSIONS = {
     "e5m2-cache": "E5M2 KV cache on the page4 routes (upstream takes E4M3 or fp16 caches only)",
-    "pad-fix-non-e4m3": "pad-fix (fix B) on an fp16 or E5M2 cache (upstream repoints padding for E4M3 caches only)",
+    "pad-fix-non-e4m3": "pad-fix (fix B) on an fp16 or E5M2 cache "
+                        "(upstream repoints padding for E4M3 caches only)",
     "request-grouping-fp8": "request-aligned groups with an fp8 cache (upstream groups per request for fp16 caches only)",
     "masked-load": "fix C, the masked panel load, is this project's own (upstream has fix A and fix B)",
     "q-heads": "query heads per KV head other than 6 (upstream's grouped kernel is built for 6)",
