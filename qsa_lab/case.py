@@ -14,6 +14,7 @@ writes to it). Scales are per-tensor: value = decode(code) * scale.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -25,8 +26,17 @@ from . import fp8
 KV_DTYPES = ("e4m3", "e5m2", "fp16")
 LAYOUTS = ("contiguous", "scatter")
 GROUPINGS = ("consecutive", "request")
+SELECTIONS = ("indexer", "random")
 SINK_BLOCKS = 4      # leading blocks every row keeps (attention sink)
 WINDOW_BLOCKS = 128  # trailing complete blocks every row keeps (local window; topk // 4 if fewer)
+# The upstream indexer (its benchmark's score_reference): 4 heads of dim 128, one key per 4-token block,
+# block score = sum over heads of ReLU(q . k) / sqrt(128), top-k by (score desc, block id asc).
+INDEXER_HEADS = 4
+INDEXER_DIM = 128
+DEFAULT_OVERLAP = 0.8
+CALIBRATION_BLOCKS = 2048  # key sample on which the overlap knob is calibrated
+CALIBRATION_PAIRS = 32
+SCORE_CHUNK = 64           # rows scored at once
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,8 @@ class Geometry:
     kv_dtype: str = "e4m3"
     seed: int = 0
     group_rows: str = "consecutive"
+    selection: str = "indexer"
+    overlap: float = DEFAULT_OVERLAP
 
     def __post_init__(self):
         def need(ok, arg, what):
@@ -59,6 +71,9 @@ class Geometry:
         need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}")
         need(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}")
         need(self.group_rows in GROUPINGS, "group_rows", f"one of {GROUPINGS}")
+        need(self.selection in SELECTIONS, "selection", f"one of {SELECTIONS}")
+        need(isinstance(self.overlap, (int, float)) and not isinstance(self.overlap, bool)
+             and 0.0 <= self.overlap <= 1.0, "overlap", "a number in [0, 1] (mean neighbour overlap)")
         need(self.page_size >= 4 and self.page_size % 4 == 0, "page_size", "a positive multiple of 4")
         need(self.head_dim >= 16 and self.head_dim % 16 == 0, "head_dim", "a positive multiple of 16")
         need(1 <= self.q_heads <= 16, "q_heads", "in 1..16")
@@ -128,8 +143,16 @@ class Case:
     def describe(self) -> str:
         g = self.geometry
         return (f"rows {g.rows}, {g.requests} req, {g.layout}, ctx {g.context}, topk {g.topk}, "
-                f"page {g.page_size}, Hq {g.q_heads}, D {g.head_dim}, {g.kv_dtype}, seed {g.seed}; "
-                f"poison {self.poison['site']}/{self.poison['plane']}")
+                f"page {g.page_size}, Hq {g.q_heads}, D {g.head_dim}, {g.kv_dtype}, seed {g.seed}, "
+                f"{self.describe_selection()}; poison {self.poison['site']}/{self.poison['plane']}")
+
+    def describe_selection(self) -> str:
+        """'indexer selection, overlap 0.8 (measured 0.79)' or 'random selection, overlap 0.40'."""
+        measured = neighbour_overlap(self)
+        got = "n/a" if measured is None else f"{measured:.2f}"
+        if self.geometry.selection == "indexer":
+            return f"indexer selection, overlap {self.geometry.overlap:g} (measured {got})"
+        return f"random selection, overlap {got}"
 
 
 def kv_values(raw: torch.Tensor, kv_dtype: str) -> torch.Tensor:
@@ -164,6 +187,106 @@ def _selections(visible: torch.Tensor, topk: int, gen: torch.Generator) -> torch
         rand = middle_lo + torch.randperm(middle_hi - middle_lo, generator=gen)[:n_rand]
         out[r] = torch.cat([sink, rand, window]).sort().values.to(torch.int32)
     return out
+
+
+def _indexer_queries(positions: torch.Tensor, rho: float, gen: torch.Generator) -> torch.Tensor:
+    """[n, heads, 128] float32 indexer queries of one request's rows (positions ascending):
+    an AR(1) chain over positions, each query N(0, I), rows p apart correlated rho**p."""
+    n = positions.numel()
+    e = torch.randn((n, INDEXER_HEADS * INDEXER_DIM), generator=gen, dtype=torch.float64)
+    a = rho ** (positions[1:] - positions[:-1]).double()         # carried-over share per step
+    c = torch.sqrt(1.0 - a * a)                                     # fresh share keeps unit variance
+    q = e.clone()
+    for i in range(1, n):  # one vector op per row
+        q[i] = a[i - 1] * q[i - 1] + c[i - 1] * e[i]
+    return q.view(n, INDEXER_HEADS, INDEXER_DIM).float()
+
+
+def _indexer_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [n, heads, 128], keys [blocks, 128] -> [n, blocks]: sum over heads of ReLU(q . k) / sqrt(128)."""
+    return torch.relu(q @ keys.T).sum(dim=-2) / math.sqrt(INDEXER_DIM)
+
+
+def _top_blocks(scores: torch.Tensor, complete: torch.Tensor, topk: int) -> torch.Tensor:
+    """Lexicographic top-k (score descending, block id ascending) over each row's fully visible
+    blocks (< complete; fewer than topk -> all of them); -> [n, topk] int32 ascending ids, -1 padded."""
+    n, blocks = scores.shape
+    visible = torch.arange(blocks) < complete.unsqueeze(1)
+    # a stable sort keeps equal scores (ReLU zeros) in ascending block order
+    ranked = torch.sort(torch.where(visible, scores, -torch.inf), dim=1, descending=True, stable=True).indices
+    width = min(topk, blocks)
+    count = complete.clamp(max=topk).unsqueeze(1)
+    unused = torch.arange(width) >= count
+    ids = torch.where(unused, blocks, ranked[:, :width]).sort(dim=1).values     # unused sort last
+    out = torch.full((n, topk), -1, dtype=torch.int32)
+    out[:, :width] = torch.where(unused, -1, ids).to(torch.int32)
+    return out
+
+
+def indexer_correlation(overlap: float, candidates: int, topk: int) -> float:
+    """Correlation rho of neighbouring indexer queries whose top-k share `overlap` of their blocks.
+
+    Neighbour overlap is a function of rho and of the selected fraction topk / candidates only,
+    so it is calibrated once per (overlap, fraction) and cached: CALIBRATION_PAIRS query pairs
+    scored on a sample of at most CALIBRATION_BLOCKS keys, with the fraction kept, over a grid
+    of rho = 1 - 2**-x, then interpolated. Below the overlap of independent queries -> 0.
+    """
+    if candidates <= topk or overlap >= 1.0:
+        return 1.0                                  # every candidate is selected / identical queries
+    n = min(candidates, CALIBRATION_BLOCKS)
+    return _calibrated_rho(float(overlap), n, max(1, round(topk * n / candidates)))
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrated_rho(overlap: float, n: int, k: int) -> float:
+    gen = torch.Generator().manual_seed(0)          # a property of the model, not of a case's seed
+    keys = torch.randn((n, INDEXER_DIM), generator=gen)
+    q0, fresh = (torch.randn((CALIBRATION_PAIRS, INDEXER_HEADS, INDEXER_DIM), generator=gen) for _ in range(2))
+    A, B = q0 @ keys.T, fresh @ keys.T                                        # [pairs, heads, n]
+    x = torch.linspace(0.0, 16.0, 65)
+    rho = (1.0 - 2.0 ** -x).view(-1, 1, 1, 1)
+    near = torch.relu(rho * A + torch.sqrt(1.0 - rho * rho) * B).sum(dim=2)  # [grid, pairs, n]
+    first = torch.zeros((CALIBRATION_PAIRS, n), dtype=torch.bool)
+    first.scatter_(1, torch.relu(A).sum(dim=1).topk(k, dim=1).indices, True)
+    shared = first.expand(x.numel(), -1, -1).gather(2, near.topk(k, dim=2).indices)
+    curve = torch.cummax(shared.float().mean(dim=(1, 2)), dim=0).values       # overlap per grid point
+    if overlap <= curve[0]:
+        return 0.0
+    i = int(torch.searchsorted(curve, torch.tensor([overlap])))
+    if i >= x.numel():
+        return float(rho[-1])
+    t = float((overlap - curve[i - 1]) / (curve[i] - curve[i - 1]))
+    return 1.0 - 2.0 ** -float(x[i - 1] + t * (x[i] - x[i - 1]))
+
+
+def _indexer_selections(g: Geometry, positions, token_to_req, visible, gen) -> torch.Tensor:
+    """[rows, topk] int32: each request's block keys and its rows' correlated indexer queries,
+    scored and ranked as upstream's indexer does. -1 padded, ascending."""
+    complete = visible // 4
+    rho = indexer_correlation(g.overlap, int(complete.float().median()), g.topk)
+    out = torch.full((positions.numel(), g.topk), -1, dtype=torch.int32)
+    for r in range(g.requests):
+        rows = torch.nonzero(token_to_req == r).flatten()
+        keys = torch.randn((int(complete[rows].max()), INDEXER_DIM), generator=gen)
+        q = _indexer_queries(positions[rows], rho, gen)
+        for c in range(0, rows.numel(), SCORE_CHUNK):  # bounds the [chunk, heads, blocks] scores
+            part = rows[c:c + SCORE_CHUNK]
+            out[part] = _top_blocks(_indexer_scores(q[c:c + SCORE_CHUNK], keys), complete[part], g.topk)
+    return out
+
+
+def neighbour_overlap(case: Case) -> float | None:
+    """Mean over neighbouring rows of one request of |A & B| / max(|A|, |B|), A and B their
+    selected block sets; None when no request has two rows."""
+    sel, req = case.selected.cpu().long(), case.token_to_req.cpu()
+    pair = torch.nonzero(req[1:] == req[:-1]).flatten()
+    if pair.numel() == 0:
+        return None
+    a, b = sel[pair], sel[pair + 1]
+    both = torch.cat([a, b], dim=1).sort(dim=1).values
+    shared = ((both[:, 1:] == both[:, :-1]) & (both[:, 1:] >= 0)).sum(dim=1)  # ids are unique per row
+    size = torch.maximum((a >= 0).sum(dim=1), (b >= 0).sum(dim=1)).clamp(min=1)
+    return float((shared / size).mean())
 
 
 def build_case(geometry: Geometry | None = None, device: str | torch.device = "cpu", **overrides) -> Case:
@@ -217,10 +340,36 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
                                 fp8.encode(kv[:, 1] / v_scale, g.kv_dtype)], dim=1)
 
     visible = torch.minimum(positions + 1, seq_lens.long()[token_to_req.long()])
-    selected = _selections(visible, g.topk, gen)
+    if g.selection == "random":
+        selected = _selections(visible, g.topk, gen)
+    else:
+        selected = _indexer_selections(g, positions, token_to_req, visible, gen)
     case = Case(g, q, kv_cache.contiguous(), k_scale, v_scale, block_table, seq_lens,
                 token_to_req, positions, selected)
     return case.to(device) if str(device) != "cpu" else case
+
+
+def relocate_pages(case: Case, seed: int = 1, spare: int = 3) -> Case:
+    """The same case with every request page moved to another physical page.
+
+    Page 0 stays the null block; the pool grows by `spare` unused pages so pages can land
+    anywhere. block_table is remapped and the kv_cache pages move with it: every logical
+    token keeps its bytes, only the allocation differs (upstream's planner promises the
+    same result for any allocation).
+    """
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if not isinstance(spare, int) or spare < 0:
+        raise ValueError(f"spare must be an int >= 0, got {spare!r}")
+    pages = case.kv_cache.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    new_of_old = torch.zeros(pages, dtype=torch.int64)
+    new_of_old[1:] = 1 + torch.randperm(pages - 1 + spare, generator=gen)[:pages - 1]
+    dev = case.kv_cache.device
+    kv = case.kv_cache.new_zeros((pages + spare,) + tuple(case.kv_cache.shape[1:]))
+    kv[new_of_old.to(dev)] = case.kv_cache
+    table = new_of_old.to(dev)[case.block_table.long()].to(torch.int32)
+    return dataclasses.replace(case, kv_cache=kv, block_table=table, poison=dict(case.poison))
 
 
 def geometry_from_json(text: str) -> Geometry:

@@ -26,14 +26,25 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _overlap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def _add_case_args(p):
-    from .case import GROUPINGS, KV_DTYPES, LAYOUTS
+    from .case import DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, SELECTIONS
     from .poison import PLANES, SITES
     from .routes import BACKENDS
 
     g = p.add_argument_group("geometry")
     g.add_argument("geometry", nargs="?", choices=["decode", "causal3"], default=None,
-                   help="preset: decode = the report's 19 decode-like rows; causal3 = 24 rows of 3 requests, scatter")
+                   help="preset: decode = the report's 19 decode-like rows; "
+                        "causal3 = 24 rows of 3 requests, scatter, seed 63")
     g.add_argument("--rows", type=int)
     g.add_argument("--requests", type=int)
     g.add_argument("--layout", choices=LAYOUTS)
@@ -45,6 +56,12 @@ def _add_case_args(p):
     g.add_argument("--kv-dtype", choices=KV_DTYPES)
     g.add_argument("--seed", type=int)
     g.add_argument("--grouping", choices=GROUPINGS, help="consecutive rows (default) or request-aligned groups")
+    g.add_argument("--selection", choices=SELECTIONS,
+                   help="indexer (default): top-k of an indexer-style block scorer over correlated queries; "
+                        "random: sink + window + independent random blocks (the earlier generator)")
+    g.add_argument("--overlap", type=_overlap, metavar="F",
+                   help=f"target mean overlap of neighbouring rows' indexer selections, in [0, 1] "
+                        f"(default {DEFAULT_OVERLAP})")
     q = p.add_argument_group("poison")
     q.add_argument("--poison", choices=SITES, default="none")
     q.add_argument("--dims", type=_int_list, help="head dims for targeted / stale-tail (102,152,168,170,230)")
@@ -58,10 +75,13 @@ def _geometry(args):
     from .repro import CAUSAL3, DECODE
 
     base = {"decode": DECODE, "causal3": CAUSAL3, None: Geometry()}[args.geometry]
-    names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed"]
+    names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
+             "selection", "overlap"]
     over = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.grouping:
         over["group_rows"] = args.grouping
+    if args.overlap is not None and over.get("selection", base.selection) != "indexer":
+        raise UsageError("argument --overlap: applies to --selection indexer only")
     return base.replace(**over)
 
 
@@ -98,7 +118,7 @@ def _replay(args):
 
     given = [f"--{k.replace('_', '-')}" for k in ("geometry", "rows", "requests", "layout", "context", "topk",
                                                    "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
-                                                   "grouping", "dims")
+                                                   "grouping", "selection", "overlap", "dims")
              if getattr(args, k) is not None]
     given += [f"--{k.replace('_', '-')}" for k, d in (("poison", "none"), ("plane", "v"), ("poison_seed", 0))
               if getattr(args, k) != d]
