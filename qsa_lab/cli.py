@@ -45,14 +45,14 @@ def _one_line(text: str) -> str:
 
 @contextlib.contextmanager
 def _blame(flags: dict, default: str):
-    """ValueError/TypeError raised inside -> UsageError naming the CLI flag: a message that
-    starts with an API argument name ('rows: ...', 'site must ...') gets that name's flag,
-    any other gets `default`."""
+    """ValueError/TypeError (or a file that is missing or appeared) raised inside -> UsageError
+    naming the CLI flag: a message that starts with an API argument name ('rows: ...',
+    'site must ...') gets that name's flag, any other gets `default`."""
     try:
         yield
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as e:
         msg = _one_line(e)
-        m = re.match(r"([A-Za-z_]\w*)(?::\s*| (?=must ))", msg)
+        m = re.match(r"([A-Za-z_]\w*)(?::\s*| (?=must |only ))", msg)
         if m and m.group(1) in flags:
             msg = f"{flags[m.group(1)]}: {msg[m.end():]}"
         elif not msg.startswith("--"):
@@ -168,7 +168,7 @@ def _outputs(args, paths: dict, inputs: dict | None = None) -> dict:
     return checked
 
 
-def _print_table(result, out=sys.stdout):
+def _print_table(result, out=None):
     import pandas as pd
 
     from .analysis import route_table
@@ -176,7 +176,7 @@ def _print_table(result, out=sys.stdout):
     t = route_table(result)
     t["nan_dims"] = t["nan_dims"].map(lambda d: ",".join(map(str, d[:12])) + (" ..." if len(d) > 12 else ""))
     with pd.option_context("display.width", 200, "display.max_columns", 10, "display.float_format", "{:.3g}".format):
-        print(t.to_string(), file=out)
+        print(t.to_string(), file=out or sys.stdout)
 
 
 def _load_case(args):
@@ -350,7 +350,7 @@ def build_parser():
     set_defaults. --debug is accepted before or after the command."""
     common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="on an internal failure print the full traceback")
+                        help="on a failure print the full traceback (default: off)")
     p = _Parser(prog="qsa-lab", description="Reproduce, fingerprint and fix the grouped page4 null-block NaN.",
                 parents=[common])
     sub = p.add_subparsers(dest="cmd", metavar="command", required=True, parser_class=_Parser)
@@ -393,11 +393,26 @@ def _fail(message: str, code: int, debug: bool) -> int:
     return code
 
 
+def _unknown_options(parser, argv) -> None:
+    """Name an unknown option first: argparse would otherwise report the value after it as a
+    bad preset ('--ro 5' -> "invalid choice: '5'")."""
+    known = set()
+    for p in [parser, *next(a for a in parser._actions if a.dest == "cmd").choices.values()]:
+        known.update(o for a in p._actions for o in a.option_strings)
+    for tok in argv:
+        if tok == "--":
+            break
+        if tok.startswith("--") and tok.split("=", 1)[0] not in known:
+            raise UsageError(f"{tok.split('=', 1)[0]}: unrecognized option")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        _unknown_options(parser, argv)
+        args = parser.parse_args(argv)
         return args.func(args)
     except UsageError as e:
         return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, debug)

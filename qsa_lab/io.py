@@ -34,7 +34,7 @@ def save(result, path, overwrite: bool = False, arg: str = "path") -> Path:
     Refuses to replace an existing file unless overwrite=True; the file is written whole or
     not at all (qsa_lab.outputs).
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save as save_bytes
 
     path = check_output(path, arg, force=overwrite)
     case, plan = result.case.to("cpu"), result.plan.to("cpu")
@@ -51,9 +51,20 @@ def save(result, path, overwrite: bool = False, arg: str = "path") -> Path:
             "poison": json.dumps(case.poison, sort_keys=True), "backend": result.backend,
             # float32 0-d tensors cannot hold the exact double scale: keep it here too
             "k_scale": repr(case.k_scale), "v_scale": repr(case.v_scale)}
+    blob = _sorted_header(save_bytes(tensors, metadata=meta))
     with writing(path, arg, force=overwrite) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        tmp.write_bytes(blob)
     return path
+
+
+def _sorted_header(blob: bytes) -> bytes:
+    """The same safetensors file with its header's keys sorted, so that the same case gives the
+    same bytes (the library writes metadata in hash order). Offsets count from the end of
+    the header, so they stay valid; the header is padded to 8 bytes as the format asks."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    text = json.dumps(json.loads(blob[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + blob[8 + n:]
 
 
 def _read_regular(path: Path, arg: str, max_bytes: int | None) -> bytes:

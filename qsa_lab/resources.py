@@ -23,7 +23,7 @@ from .case import Geometry
 CACHE_BYTES_PER_ELEM = 48       # float32 build, fp8 encode temporaries, decoded copy for poison
 TOKEN_BYTES_PER_ELEM = 40       # gathered K and V per row: int64 codes, float32, float64 reference
 GROUPED_CHUNK_BYTES = 1 << 30   # the grouped emulation's chunk bound (routes.emulate._CHUNK_ELEMS x temporaries)
-BASE_BYTES = 64 << 20
+BASE_BYTES = 256 << 20       # lazy imports, allocator arenas and thread pools of a first run
 # seconds per (row x attended token x head_dim x q_head) and per cached token x head_dim on
 # the CPU emulation, measured on a busy 2-core machine; only used to announce long runs
 SECONDS_PER_UNIT = 2.5e-7
