@@ -415,7 +415,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         return args.func(args)
     except UsageError as e:
-        return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, debug)
+        return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, False)  # bad input: one line, even with --debug
     except SystemExit as e:  # --help / --version
         return e.code if isinstance(e.code, int) else EXIT_OK
     except BrokenPipeError:  # output piped into `head` and closed early: not an error
