@@ -223,8 +223,8 @@ def cmd_diff(args) -> int:
     if args.save == "-":
         raise UsageError("--save: writes a file; '-' (stdout) is only for --json")
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json, "--save": args.save},
-                    inputs={"--load": args.load} if args.load else None)
-    if args.load:
+                    inputs={"--load": args.load} if args.load is not None else None)
+    if args.load is not None:
         case, saved_plan, saved = _load_case(args)
         geometry = case.geometry
     else:

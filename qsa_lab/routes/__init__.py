@@ -121,10 +121,14 @@ def check_plan(case: Case, plan: GroupedPlan, grouping: str | None = None) -> Gr
     return plan
 
 
-def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl) -> torch.Tensor:
+def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl, checked: bool = False) -> torch.Tensor:
     """The grouped route's full output [rows, Hq, D]: groups through the grouped kernel,
-    remainder rows through XQA."""
+    remainder rows through XQA. checked=True: the caller made `plan` from `case` (or ran
+    check_plan) and the case is validated, so the re-planning check is skipped."""
     check_variant(variant)
+    if not checked:
+        validate_case(case)
+        check_plan(case, plan)
     out = torch.empty_like(case.q)
     if plan.groups:
         g = impl.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
@@ -169,6 +173,6 @@ def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | N
             out = xqa_output(run_case, all_rows, impl)
         else:
             variant, fixed = GROUPED[route]
-            out = grouped_output(run_case, fixed_plan if fixed else plan, variant, impl)
+            out = grouped_output(run_case, fixed_plan if fixed else plan, variant, impl, checked=True)
         result.outputs[route] = out.cpu()
     return result
