@@ -26,6 +26,10 @@ class UsageError(Exception):
     """Bad input: one line on stderr naming the argument, exit 2."""
 
 
+class Failure(Exception):
+    """A failure that is not the input's fault (no GPU for bench, ...): one line, exit 3."""
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *a, **kw):
         kw.setdefault("allow_abbrev", False)  # --ro must not silently mean --rows
@@ -320,8 +324,8 @@ def cmd_bench(args) -> int:
 
     outs = _outputs(args, {"--json": args.json})
     if not torch.cuda.is_available():
-        raise UsageError("bench: no CUDA GPU visible; timings need one (committed H200 numbers: "
-                         "data/bench_h200.json)")
+        raise Failure("bench: no CUDA GPU visible; timings need one (committed H200 numbers: "
+                      "data/bench_h200.json)")
     from .kernels.bench import run_bench
 
     doc = run_bench()
@@ -416,6 +420,8 @@ def main(argv=None) -> int:
         return args.func(args)
     except UsageError as e:
         return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, False)  # bad input: one line, even with --debug
+    except Failure as e:
+        return _fail(f"failed: {_one_line(e)}", EXIT_FAILURE, debug)
     except SystemExit as e:  # --help / --version
         return e.code if isinstance(e.code, int) else EXIT_OK
     except BrokenPipeError:  # output piped into `head` and closed early: not an error

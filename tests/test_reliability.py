@@ -400,3 +400,18 @@ def test_exports_are_byte_identical(tmp_path):
         assert pa.read_bytes() == pb.read_bytes(), pa.suffix
     again = export_figure(fig(), "f", {"case": "tiny"}, out_dir=tmp_path / "a")   # never overwrites
     assert [p.name for p in again] == ["f-1.png", "f-1.svg", "f-1.pdf"]
+
+
+def test_grouped_output_refuses_a_plan_that_would_read_outside_this_case():
+    wide = build_case(GEOMETRY.replace(context=128, seed=1))     # more pages than CASE has
+    with pytest.raises(ValueError, match="plan: does not belong"):
+        grouped_output(CASE, plan_groups(wide), "unfixed", emulate)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_bench_without_a_gpu_is_a_one_line_failure_not_bad_input(tmp_path, capsys):
+    code, _, err = run_cli(["bench", "--json", str(tmp_path / "b.json")], capsys)
+    assert code == 3 and err.strip().splitlines() == [
+        "qsa-lab: failed: bench: no CUDA GPU visible; timings need one (committed H200 numbers: "
+        "data/bench_h200.json)"]
+    assert not list(tmp_path.iterdir())
