@@ -164,7 +164,7 @@ def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | N
     ref = reference_forward(case)
     result.reference64 = ref
     all_rows = torch.arange(case.geometry.rows, device=dev)
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # plain text on stderr: the CLI's long runs
 
     for route in tqdm(routes, desc="routes", disable=not progress, file=sys.stderr):
         if route == "reference":
