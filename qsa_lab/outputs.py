@@ -87,8 +87,9 @@ def check_output(path, arg: str, force: bool = False) -> Path:
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
             raise ValueError(f"{arg}: {_show(path)} is a special file (FIFO, device or socket)")
         if not force:
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"
-            raise ValueError(f"{arg}: {_show(path)} exists ({kind}); add --force to replace it")
+            if stat.S_ISLNK(st.st_mode):
+                raise ValueError(f"{arg}: {_show(path)} exists as a symlink (add --force to replace the link itself)")
+            raise ValueError(f"{arg}: {_show(path)} exists (add --force to replace it)")
     parent = path.parent
     pst = _lstat(parent, arg)
     if pst is None:

@@ -179,7 +179,7 @@ def test_a_saved_case_replays(saved, capsys):
     (lambda d: str(d / "no" / "x.json"), "does not exist"),
     (lambda d: (os.mkfifo(d / "f"), str(d / "f"))[1], "special file"),
     (lambda d: ((d / "t").write_text("mine"), str(d / "t"))[1], "exists"),
-    (lambda d: ((d / "l").symlink_to(d / "nowhere"), str(d / "l"))[1], "exists (a symlink)"),
+    (lambda d: ((d / "l").symlink_to(d / "nowhere"), str(d / "l"))[1], "exists as a symlink"),
 ])
 def test_bad_output_paths_are_refused_before_any_work(make, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("qsa_lab.case.build_case", lambda *a, **k: pytest.fail("built a case"))
