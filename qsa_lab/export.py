@@ -51,7 +51,7 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
     """
     if not name or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
         raise ValueError(f"name must be a plain file stem ([A-Za-z0-9_.+-]), got {name!r}")
-    out_dir = check_folder(out_dir, "out_dir", create=True)
+    out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
     m = full_meta(meta)
     blob = json.dumps(m, sort_keys=True)
     title = f"qsa_lab {name}"

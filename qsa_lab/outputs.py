@@ -55,8 +55,9 @@ def _lstat(path: Path, arg: str):
         raise ValueError(f"{arg}: {_show(path)}: {e.strerror}") from None
 
 
-def check_folder(path, arg: str, create: bool = False) -> Path:
-    """An output folder: exists, or its parent does (it is made only with create=True)."""
+def check_folder(path, arg: str, create: bool = False, parents: bool = False) -> Path:
+    """An output folder: exists, or its parent does (it is made only with create=True;
+    parents=True also makes missing parents, for callers in Python that name a new tree)."""
     if path is None or (isinstance(path, str) and not path.strip()):
         raise ValueError(f"{arg}: empty path")
     folder = Path(os.fspath(path))
@@ -66,6 +67,12 @@ def check_folder(path, arg: str, create: bool = False) -> Path:
             raise ValueError(f"{arg}: {_show(folder)} exists and is not a folder")
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ValueError(f"{arg}: cannot write in folder {_show(folder)}")
+        return folder
+    if parents and create:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{arg}: cannot create {_show(folder)}: {e.strerror}") from None
         return folder
     parent = folder.parent
     if not parent.is_dir():

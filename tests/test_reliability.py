@@ -404,6 +404,11 @@ def test_exports_are_byte_identical(tmp_path):
         assert pa.read_bytes() == pb.read_bytes(), pa.suffix
     again = export_figure(fig(), "f", {"case": "tiny"}, out_dir=tmp_path / "a")   # never overwrites
     assert [p.name for p in again] == ["f-1.png", "f-1.svg", "f-1.pdf"]
+    assert all(pa.read_bytes() == pb.read_bytes() for pa, pb in zip(a, again))
+    (tmp_path / "a" / "g.svg").symlink_to(tmp_path / "b" / "f.svg")          # a link counts as taken
+    assert export_figure(fig(), "g", out_dir=tmp_path / "a")[1].name == "g-1.svg"
+    with pytest.raises(ValueError, match="out_dir: .* not a folder"):
+        export_figure(fig(), "f", out_dir=a[0])
 
 
 def test_grouped_output_refuses_a_plan_that_would_read_outside_this_case():
