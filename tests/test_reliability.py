@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+import qsa_lab.figures  # noqa: F401 - imported (binding the real run_routes) before any test patches it
+import qsa_lab.repro  # noqa: F401
 from qsa_lab import cli, io, outputs, resources
 from qsa_lab.case import RANGES, Geometry, build_case
 from qsa_lab.cli import main
