@@ -66,7 +66,7 @@ def _blame(flags: dict, default: str):
 
 def _int(text: str) -> int:
     """Plain decimal integers only: no '1_000', no other scripts' digits, no floats."""
-    if not re.fullmatch(r"\s*[+-]?[0-9]{1,20}\s*", text):
+    if not re.fullmatch(r"\s*[+-]?[0-9]{1,100}\s*", text):
         raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}")
     return int(text)
 
