@@ -1,4 +1,4 @@
-"""A case: the tensors the route reads (SPEC §1), built from a Geometry.
+"""A case: the tensors the route reads, built from a Geometry.
 
     q            [rows, q_heads, head_dim] fp16
     kv_cache     [pages, 2, page_size, 1, head_dim] uint8 codes (e4m3/e5m2) or fp16

@@ -1,6 +1,6 @@
 """Run a case through every route on one backend.
 
-Routes (CONTRACT): reference, xqa, grouped, grouped+kernel_fix (fix A), grouped+pad_fix
+Routes: reference, xqa, grouped, grouped+kernel_fix (fix A), grouped+pad_fix
 (fix B), grouped+both_fixes (A and B), grouped+masked_load (fix C). A grouped route runs
 the planner's groups through the grouped kernel and its remainder rows through XQA.
 """
