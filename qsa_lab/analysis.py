@@ -129,7 +129,7 @@ def attribute(result: RunResult, route: str = "grouped"):
 
 
 def group_summary(plan: GroupedPlan) -> list[dict]:
-    """CONTRACT's `groups`: rows, tiles and real/padded entries per category."""
+    """The diff document's `groups`: rows, tiles and real/padded entries per category."""
     out = []
     inside, padding = plan.in_plan(), plan.padding()
     for gi in range(plan.groups):
@@ -168,7 +168,7 @@ def route_table(result: RunResult):
 
 
 def diff_json(result: RunResult) -> dict:
-    """The `qsa_lab.diff/1` document of CONTRACT.md."""
+    """The `qsa_lab.diff/1` document (README: `--json` output of `diff`)."""
     g = result.case.geometry
     table = route_table(result)
     p = result.case.poison

@@ -1,4 +1,4 @@
-"""A case: the tensors the route reads (SPEC §1), built from a Geometry.
+"""A case: the tensors the route reads, built from a Geometry.
 
     q            [rows, q_heads, head_dim] fp16
     kv_cache     [pages, 2, page_size, 1, head_dim] uint8 codes (e4m3/e5m2) or fp16
@@ -37,6 +37,20 @@ DEFAULT_OVERLAP = 0.8
 CALIBRATION_BLOCKS = 2048  # key sample on which the overlap knob is calibrated
 CALIBRATION_PAIRS = 32
 SCORE_CHUNK = 64           # rows scored at once
+#: inclusive range of every integer Geometry field. The bounds keep each size far beyond the
+#: report's (19 rows, 8192 tokens, topk 512, page 32, 6 heads, dim 256) yet small enough that
+#: one field alone cannot ask for an absurd allocation; combinations are bounded by the memory
+#: estimate in qsa_lab.resources.
+RANGES = {
+    "rows": (1, 1 << 16),
+    "requests": (1, 1 << 12),
+    "context": (5, 1 << 20),
+    "topk": (1, 1 << 16),
+    "page_size": (4, 1024),
+    "q_heads": (1, 16),
+    "head_dim": (16, 1024),
+    "seed": (0, (1 << 63) - 1),   # torch.Generator.manual_seed takes 64 bits
+}
 
 
 @dataclass(frozen=True)
@@ -60,13 +74,14 @@ class Geometry:
     def __post_init__(self):
         def need(ok, arg, what):
             if not ok:
-                raise ValueError(f"{arg} must be {what}, got {getattr(self, arg)!r}")
+                raise ValueError(f"{arg}: must be {what}, got {getattr(self, arg)!r}")
 
-        for name in ("rows", "requests", "context", "topk", "page_size", "q_heads", "head_dim", "seed"):
-            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
-                 name, "an int")
-        need(self.rows >= 1, "rows", ">= 1")
-        need(self.requests >= 1, "requests", ">= 1")
+        for name in RANGES:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name}: must be an int, got {type(v).__name__} {v!r}")
+            lo, hi = RANGES[name]
+            need(lo <= v <= hi, name, f"in {lo}..{hi}")
         need(self.rows >= self.requests, "rows", f">= requests ({self.requests})")
         need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}")
         need(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}")
@@ -74,15 +89,11 @@ class Geometry:
         need(self.selection in SELECTIONS, "selection", f"one of {SELECTIONS}")
         need(isinstance(self.overlap, (int, float)) and not isinstance(self.overlap, bool)
              and 0.0 <= self.overlap <= 1.0, "overlap", "a number in [0, 1] (mean neighbour overlap)")
-        need(self.page_size >= 4 and self.page_size % 4 == 0, "page_size", "a positive multiple of 4")
-        need(self.head_dim >= 16 and self.head_dim % 16 == 0, "head_dim", "a positive multiple of 16")
-        need(1 <= self.q_heads <= 16, "q_heads", "in 1..16")
-        need(self.topk >= 1, "topk", ">= 1")
-        need(self.seed >= 0, "seed", ">= 0")
+        need(self.page_size % 4 == 0, "page_size", "a multiple of 4 (one microblock is 4 tokens)")
+        need(self.head_dim % 16 == 0, "head_dim", "a multiple of 16 (one WMMA tile)")
         rows_per_req = -(-self.rows // self.requests)
         need(self.context - self.requests + 1 >= rows_per_req + 4, "context",
              f">= rows per request + requests + 3 ({rows_per_req + self.requests + 3})")
-        need(self.context <= 1 << 20, "context", "<= 1048576")
 
     @property
     def m_tiles(self) -> int:
@@ -289,17 +300,26 @@ def neighbour_overlap(case: Case) -> float | None:
     return float((shared / size).mean())
 
 
-def build_case(geometry: Geometry | None = None, device: str | torch.device = "cpu", **overrides) -> Case:
+def build_case(geometry: Geometry | None = None, device: str | torch.device = "cpu", *,
+               max_memory: int | None = None, **overrides) -> Case:
     """Build a case from a Geometry (or keyword overrides of the defaults).
 
     Each request r holds seq_len = context - r tokens (so requests differ in their
     partial last microblock); its rows are its last positions (decode-like, causal
     among themselves). K/V ~ N(0, 1) written through the saturating encoder with
     scale amax / max_finite; page 0 (the null block) stays zero.
+
+    Before allocating anything, the case's peak memory is estimated (qsa_lab.resources) and a
+    case above `max_memory` bytes (default: half the memory available now) is refused.
     """
+    from . import resources
+
     g = geometry if geometry is not None else Geometry()
+    if not isinstance(g, Geometry):
+        raise TypeError(f"geometry: expected a Geometry, got {type(g).__name__}")
     if overrides:
         g = g.replace(**overrides)
+    resources.require(g, max_memory)
     gen = torch.Generator().manual_seed(g.seed)
 
     seq_lens = torch.tensor([g.context - r for r in range(g.requests)], dtype=torch.int32)
@@ -378,12 +398,28 @@ def geometry_from_json(text: str) -> Geometry:
 
 def validate_case(case: Case) -> Case:
     """Raise ValueError naming the argument when a tensor has the wrong shape, dtype or range."""
+    if not isinstance(case, Case):
+        raise TypeError(f"case: expected a qsa_lab Case, got {type(case).__name__}")
+    if not isinstance(case.geometry, Geometry):
+        raise TypeError(f"geometry: expected a Geometry, got {type(case.geometry).__name__}")
     g = case.geometry
     rows, hq, d = g.rows, g.q_heads, g.head_dim
 
     def need(ok, arg, what):
         if not ok:
             raise ValueError(f"{arg}: expected {what}")
+
+    tensors = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
+               if f.name not in ("geometry", "poison", "k_scale", "v_scale")}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    devices = {t.device for t in tensors.values()}
+    need(len(devices) == 1, "case", f"every tensor on one device, got {sorted(map(str, devices))}")
+    dev = devices.pop()
+    need(dev.type in ("cpu", "cuda"), "device", f"cpu or cuda, got {dev}")
+    need(dev.type != "cuda" or (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()),
+         "device", f"a visible CUDA device, got {dev}")
 
     need(tuple(case.q.shape) == (rows, hq, d) and case.q.dtype == torch.float16,
          "q", f"[rows={rows}, q_heads={hq}, head_dim={d}] float16, got {list(case.q.shape)} {case.q.dtype}")
@@ -405,6 +441,13 @@ def validate_case(case: Case) -> Case:
          "block_table", f"physical pages in [0, {kv.shape[0]})")
     need(int(case.seq_lens.max()) <= case.block_table.shape[1] * g.page_size and int(case.seq_lens.min()) >= 1,
          "seq_lens", "in [1, max_pages * page_size]")
+    # page 0 is the null block: a request's pages inside its seq_len must all be real
+    used = (torch.arange(case.block_table.shape[1], device=dev) * g.page_size).unsqueeze(0) \
+        < case.seq_lens.long().unsqueeze(1)
+    bad = (case.block_table == 0) & used
+    if bool(bad.any()):
+        r, p = torch.nonzero(bad)[0].tolist()
+        need(False, "block_table", f"no page 0 (the null block) inside seq_len; request {r}, logical page {p} is 0")
     need(tuple(case.token_to_req.shape) == (rows,) and case.token_to_req.dtype == torch.int32
          and 0 <= int(case.token_to_req.min()) and int(case.token_to_req.max()) < reqs,
          "token_to_req", f"[rows={rows}] int32 in [0, {reqs})")
@@ -418,6 +461,9 @@ def validate_case(case: Case) -> Case:
     complete = (visible_tokens(case) // 4).unsqueeze(1)
     need(bool(((sel == -1) | ((sel >= 0) & (sel < complete))).all()), "selected",
          "-1 or a fully visible logical block id (< visible // 4)")
+    real = sel >= 0
+    need(not bool((real[:, 1:] & ~real[:, :-1]).any()), "selected",
+         "each row's block ids first, then -1 padding (a -1 before a real id)")
     srt = sel.sort(dim=1).values
     need(not bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()), "selected",
          "no block id twice in one row")

@@ -28,7 +28,7 @@ class ReproCase:
     geometry: Geometry
     poison: dict = field(default_factory=dict)
     report_key: str | None = None   # row of data/report_verification.csv this case reproduces
-    expect: str = ""                # what SPEC says should happen
+    expect: str = ""                # what the route's mechanism predicts
 
 
 REPRO_CASES = [

@@ -165,7 +165,7 @@ def test_cli_refuses_bad_selection_options(argv, arg, capsys):
 
     assert main(["diff", "--rows", "8", "--context", "64", "--topk", "8", *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("qsa-lab: error: argument " + arg) and "\n" not in err
+    assert err.startswith(f"qsa-lab: error: {arg}: ") and "\n" not in err
 
 
 def test_plan_figure_title_reports_tiles_and_overlap():
