@@ -198,7 +198,8 @@ def compute_route(case: Case, base: _Base, route: str, backend: str) -> torch.Te
         return xqa_output(run_case, base.plan.xqa_rows.to(dev), impl).cpu()
     variant, fixed = GROUPED[route]
     plan = (base.fixed_plan if fixed else base.plan).to(dev)
-    out = grouped_output(run_case, replace(plan, xqa_rows=plan.xqa_rows[:0]), variant, impl)
+    # checked: the plan is plan_groups(this geometry's case), which a poison does not change
+    out = grouped_output(run_case, replace(plan, xqa_rows=plan.xqa_rows[:0]), variant, impl, checked=True)
     return out.cpu()
 
 
