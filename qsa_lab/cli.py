@@ -103,7 +103,7 @@ def _overlap(text: str) -> float:
 
 def _add_case_args(p):
     from .case import DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS, Geometry
-    from .poison import PLANES, SITES
+    from .poison import PAYLOADS, PLANES, SITES
     from .routes import BACKENDS
 
     d = Geometry()
@@ -143,6 +143,10 @@ def _add_case_args(p):
                    help="head dims for targeted / stale-tail (default 102,152,168,170,230 modulo --head-dim)")
     q.add_argument("--plane", choices=tuple(PLANES), default="v", help="plane(s) poisoned (default v)")
     q.add_argument("--poison-seed", type=_int, default=0, help="seed of the random poison bytes (default 0)")
+    q.add_argument("--payload", choices=PAYLOADS, default=None,
+                   help="write whole elements of this value in the cache's dtype at --dims (nan, inf: E5M2 and "
+                        "fp16 only, max finite, zero); default: the site's own bytes (the NaN byte 0x7F for "
+                        "targeted / stale-tail, a NaN element for attended-k / attended-v)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto = the compiled kernels when a GPU is visible and takes the geometry, "
                         "else the emulation (default auto)")
@@ -172,7 +176,7 @@ def _geometry(args):
     return geometry
 
 
-POISON_FLAGS = {"site": "--poison", "plane": "--plane", "dims": "--dims", "seed": "--poison-seed"}
+POISON_FLAGS = {"site": "--poison", "plane": "--plane", "dims": "--dims", "seed": "--poison-seed", "payload": "--payload"}
 
 
 def _outputs(args, paths: dict, inputs: dict | None = None) -> dict:
@@ -210,7 +214,8 @@ def _load_case(args):
              for k in ("geometry", "rows", "requests", "layout", "context", "topk", "page_size", "q_heads",
                        "head_dim", "kv_dtype", "seed", "grouping", "selection", "overlap", "dims")
              if getattr(args, k, None) is not None]
-    given += [f"--{k.replace('_', '-')}" for k, d in (("poison", "none"), ("plane", "v"), ("poison_seed", 0))
+    given += [f"--{k.replace('_', '-')}" for k, d in (("poison", "none"), ("plane", "v"), ("poison_seed", 0),
+                                                                  ("payload", None))
               if getattr(args, k) != d]
     if given:
         raise UsageError(f"--load: replays the saved case; drop {', '.join(given)}")
@@ -258,7 +263,8 @@ def cmd_diff(args) -> int:
     if saved is None:
         case = build_case(geometry, max_memory=args.max_memory)
         with _blame(POISON_FLAGS, "--poison"):
-            case = apply_poison(case, args.poison, plane=args.plane, dims=args.dims, seed=args.poison_seed)
+            case = apply_poison(case, args.poison, plane=args.plane, dims=args.dims, seed=args.poison_seed,
+                                payload=args.payload)
     est = resources.estimate(geometry)
     long_run = backend == "emulate" and est.seconds > 10
     if long_run:

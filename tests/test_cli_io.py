@@ -68,3 +68,19 @@ def test_load_refuses_a_foreign_file(tmp_path):
     p = tmp_path / "x.safetensors"
     save_file({"a": torch.zeros(1)}, str(p))
     assert main(["diff", "--load", str(p)]) == 2
+
+
+def test_payload_option_reaches_the_poison(capsys):
+    """--payload inf on an E5M2 attended key: the grouped route drops the Inf key (finite),
+    XQA turns it into NaN; an E4M3 cache has no Inf code, named as --payload."""
+    import json
+
+    from qsa_lab.cli import main
+
+    base = ["diff", "--rows", "16", "--context", "300", "--topk", "24", "--head-dim", "32", "--poison", "attended-k",
+            "--backend", "emulate", "--json", "-"]
+    assert main(base + ["--kv-dtype", "e5m2", "--payload", "inf"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["routes"]["grouped"]["nan_count"] == 0 and doc["routes"]["xqa"]["nan_count"] > 0
+    assert main(base + ["--payload", "inf"]) == 2
+    assert capsys.readouterr().err.strip() == "qsa-lab: error: --payload: e4m3 has no inf encoding"
