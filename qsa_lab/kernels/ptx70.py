@@ -1,0 +1,676 @@
+"""Run the compute_70 PTX of ``csrc/`` on a newer GPU, through the CUDA driver.
+
+The NVRTC check (``nvrtc.py``) proves that the device headers *compile* for a V100;
+this module proves the same code *runs*: the driver of any newer GPU JIT-compiles
+compute_70 PTX, so loading it executes exactly the instructions a V100 build uses
+(no sm_80+ features), with the V100 shared-memory opt-in and the binding's launch
+configuration.
+
+Two halves, two machines:
+
+- ``generate(out, root)`` (no GPU; needs the ``nvrtc`` wheels): compile every entry
+  point of ``root/csrc`` for compute_70 with NVRTC, ask NVRTC for each one's mangled
+  name (name expressions, never spelled by hand), and write the PTX plus a manifest
+  (csrc hashes, NVRTC version, lowered names, parameter sizes, launch constants).
+- ``load(folder)`` + ``launch_grouped`` / ``launch_xqa`` (GPU; nothing but the driver
+  library): load that PTX with ``cuModuleLoadDataEx`` in torch's context and launch
+  it with torch tensors' pointers on torch's current stream, exactly as
+  ``csrc/bindings.cu`` launches the extension.
+
+Nothing about the kernels' arguments is assumed: ``GroupedParams`` / ``XqaParams`` are
+read from the header into ``ctypes`` structures, whose size must equal the PTX's
+``.param .align A .b8 <entry>_param_0[SIZE]``, and whose field names must equal the
+fields ``bindings.cu`` assigns; any difference refuses to run instead of passing a
+misread struct to a kernel. ``benchmarks/ptx70_check.py`` drives both halves.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCH = "compute_70"
+PTX_FILE = "qsa_lab_compute70.ptx"
+MANIFEST_FILE = "manifest.json"
+SCHEMA = "qsa_lab.ptx70/1"
+V100_MAX_SMEM_OPTIN = 96 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin of a V100
+DEFAULT_SMEM_LIMIT = 48 * 1024   # above this a kernel must opt in (every arch)
+
+PROBE = "qsa_ptx70_smem_probe"
+CONSTANTS = "qsa_ptx70_constants"
+# What the launches need from the headers, in the order of the constants array below.
+CONSTANT_NAMES = ("grouped_threads", "xqa_threads", "xqa_partition")
+# Appended to nvrtc.instantiation_source(): the headers' own launch constants, and a
+# kernel that evaluates the headers' own shared-memory layout functions on the GPU,
+# so the Python replicas below are checked against the code the binding calls.
+PROBE_SOURCE = f"""
+extern "C" __device__ const int {CONSTANTS}[3] = {{
+    qsa::grouped::kThreads, qsa::xqa::kThreads, qsa::xqa::kPartition}};
+extern "C" __global__ void {PROBE}(int n, const int* q_heads, const int* head_dims,
+                                   unsigned int* grouped, unsigned int* xqa) {{
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  grouped[i] = qsa::grouped::smem_layout(q_heads[i], head_dims[i]).total;
+  xqa[i] = qsa::xqa_smem_bytes(q_heads[i], head_dims[i]);
+}}
+"""
+
+
+class StaleError(RuntimeError):
+    """The PTX folder, the headers and this module's mirror of the binding disagree."""
+
+
+# ---------------------------------------------------------------- entry points
+
+def nvrtc_module(root: Path = ROOT):
+    """`root`'s own qsa_lab/kernels/nvrtc.py (FORMATS, VARIANTS, instantiation_source),
+    loaded by path so that a PTX for another checkout uses that checkout's lists."""
+    path = Path(root) / "qsa_lab" / "kernels" / "nvrtc.py"
+    if not path.is_file():
+        raise ValueError(f"root: {root} holds no qsa_lab/kernels/nvrtc.py")
+    if path.resolve() == Path(__file__).with_name("nvrtc.py").resolve():
+        from . import nvrtc
+
+        return nvrtc
+    name = f"_qsa_lab_nvrtc_{sha256(str(path.resolve()).encode())[:12]}"
+    if name not in sys.modules:  # dataclasses look their module up in sys.modules
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def _enum_name(cpp: str) -> str:
+    """'qsa::kKernelFixNoLeadingBarrier' -> 'KernelFixNoLeadingBarrier'."""
+    m = re.fullmatch(r"qsa::k(\w+)", cpp)
+    if not m:
+        raise ValueError(f"expected an enumerator 'qsa::kName', got {cpp!r}")
+    return m.group(1)
+
+
+def format_key(cpp: str) -> str:
+    """'qsa::kE4M3' -> 'e4m3' (the kv_format names of qsa_lab.kernels)."""
+    return _enum_name(cpp).lower()
+
+
+def variant_key(cpp: str) -> str:
+    """'qsa::kMaskedLoad' -> 'masked_load' (the variant names of qsa_lab.kernels)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", _enum_name(cpp)).lower()
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    kind: str                  # "grouped" | "xqa_partition" | "xqa_reduce" | "probe"
+    expression: str            # C++ name expression handed to NVRTC
+    fmt: str | None = None     # kv_format name ("e4m3") or None
+    variant: str | None = None  # variant name ("kernel_fix") or None
+    params: str | None = None  # parameter struct, or None (the probe takes scalars)
+
+    @property
+    def label(self) -> str:
+        args = ",".join(a for a in (self.fmt, self.variant) if a)
+        short = {"grouped": "grouped_page4_forward", "xqa_partition": "xqa_partition_kernel",
+                 "xqa_reduce": "xqa_reduce_kernel", "probe": PROBE}[self.kind]
+        return f"{short}<{args}>" if args else short
+
+
+def entry_points(formats, variants) -> list[EntryPoint]:
+    """Every kernel the binding launches, for every FORMAT x VARIANT, plus the probe."""
+    eps = [EntryPoint("xqa_reduce", "qsa::xqa_reduce_kernel", params="XqaParams")]
+    for fmt in formats:
+        eps.append(EntryPoint("xqa_partition", f"qsa::xqa_partition_kernel<{fmt}>", format_key(fmt),
+                              params="XqaParams"))
+        for var in variants:
+            eps.append(EntryPoint("grouped", f"qsa::grouped_page4_forward<{fmt}, {var}>", format_key(fmt),
+                                  variant_key(var), params="GroupedParams"))
+    eps.append(EntryPoint("probe", PROBE))
+    return eps
+
+
+# ---------------------------------------------------------------- NVRTC with name expressions
+
+@dataclass
+class Compiled:
+    ptx: str
+    log: str
+    lowered: dict     # expression -> mangled name
+    version: str      # NVRTC major.minor
+    options: list
+
+
+def compile_entry_points(source: str, expressions, include_dir: Path, toolkit, arch: str = ARCH) -> Compiled:
+    """NVRTC `source` for `arch`, returning each name expression's lowered (mangled) name.
+
+    nvrtc.compile_ptx has no name expressions: those must be registered on the program
+    before it compiles and read back from it after, so this keeps its own handle."""
+    ctypes.CDLL(str(toolkit.builtins), mode=ctypes.RTLD_GLOBAL)  # found by soname from libnvrtc
+    lib = ctypes.CDLL(str(toolkit.nvrtc), mode=ctypes.RTLD_GLOBAL)
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(status).decode()}")
+
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    prog = ctypes.c_void_p()
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"qsa_lab_ptx70.cu", 0, None, None),
+          "nvrtcCreateProgram")
+    try:
+        for expr in expressions:
+            check(lib.nvrtcAddNameExpression(prog, expr.encode()), f"nvrtcAddNameExpression({expr})")
+        options = [f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo", f"-I{include_dir}"]
+        options += [f"-I{d}" for d in toolkit.include_dirs]
+        c_options = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = lib.nvrtcCompileProgram(prog, len(options), c_options)
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
+        buf = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        log = buf.value.decode(errors="replace")
+        if status != 0:
+            raise RuntimeError(f"NVRTC {arch} failed:\n{log}")
+        lowered = {}
+        for expr in expressions:
+            name = ctypes.c_char_p()
+            check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(name)), f"nvrtcGetLoweredName({expr})")
+            lowered[expr] = name.value.decode()
+        check(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+        buf = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+        ptx = buf.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return Compiled(ptx, log, lowered, f"{major.value}.{minor.value}", options)
+
+
+# ---------------------------------------------------------------- reading the PTX
+
+_ENTRY_START = re.compile(r"^(?:\.visible\s+|\.weak\s+)?\.entry\s+(\S+?)\s*\(", re.M)
+# What can follow an entry's body at column 0: the next entry or function, or its .globl note.
+_NEXT_TOPLEVEL = re.compile(r"^(?:// \.globl|(?:\.visible\s+|\.weak\s+|\.extern\s+)?\.(?:entry|func)\b)", re.M)
+
+
+def entry_span(ptx: str, lowered: str) -> tuple[int, int]:
+    """(start, end) of entry `lowered` in `ptx`: from `.entry` to the next top-level item."""
+    starts = [m for m in _ENTRY_START.finditer(ptx) if m.group(1) == lowered]
+    if len(starts) != 1:
+        raise StaleError(f"entry {lowered} appears {len(starts)} times in the PTX (expected once)")
+    start = starts[0].start()
+    nxt = _NEXT_TOPLEVEL.search(ptx, starts[0].end())
+    return start, nxt.start() if nxt else len(ptx)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    size: int | None    # bytes of the single struct parameter (None: scalar parameters)
+    align: int | None
+    count: int          # parameters declared
+    maxntid: int | None  # threads per block from __launch_bounds__ (.maxntid x, y, z product)
+
+
+def entry_params(ptx: str, lowered: str) -> ParamInfo:
+    start, end = entry_span(ptx, lowered)
+    head = ptx[start:ptx.index("{", start, end)]
+    params = re.findall(r"^\s*\.param\s+(.+?)\s*,?\s*$", head, re.M)
+    struct = re.fullmatch(r"\.align\s+(\d+)\s+\.b8\s+\S+_param_0\[(\d+)\]", params[0]) if params else None
+    ntid = re.search(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)", head)
+    maxntid = int(ntid.group(1)) * int(ntid.group(2)) * int(ntid.group(3)) if ntid else None
+    return ParamInfo(int(struct.group(2)) if struct else None, int(struct.group(1)) if struct else None,
+                     len(params), maxntid)
+
+
+def ptx_constants(ptx: str) -> dict:
+    """The launch constants array of PROBE_SOURCE, read from its PTX initializer."""
+    m = re.search(rf"\.global\s+\.align\s+\d+\s+\.(?:u32|b32|s32)\s+{CONSTANTS}\[(\d+)\]\s*=\s*\{{([^}}]*)\}}", ptx)
+    if m:
+        values = [int(v) for v in m.group(2).split(",")]
+    else:  # some NVRTC versions print arrays as bytes: little-endian words
+        m = re.search(rf"\.global\s+\.align\s+\d+\s+\.b8\s+{CONSTANTS}\[(\d+)\]\s*=\s*\{{([^}}]*)\}}", ptx)
+        if not m:
+            raise StaleError(f"{CONSTANTS} not found in the PTX")
+        raw = bytes(int(v) for v in m.group(2).split(","))
+        values = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    if len(values) != len(CONSTANT_NAMES):
+        raise StaleError(f"{CONSTANTS}: expected {len(CONSTANT_NAMES)} values, got {values}")
+    return dict(zip(CONSTANT_NAMES, values))
+
+
+# ---------------------------------------------------------------- parameter structs
+
+_CTYPES = {"int": ctypes.c_int, "unsigned int": ctypes.c_uint, "long long": ctypes.c_longlong,
+           "unsigned long long": ctypes.c_ulonglong, "float": ctypes.c_float, "double": ctypes.c_double}
+
+
+def parse_struct(header: str, name: str) -> list[tuple[str, str]]:
+    """[(field, C type)] of `struct name { ... };` in `header`, in declaration order.
+
+    Takes the plain declarations these structs use (`type a;`, `type a, b;`, `T* p;`);
+    anything else (arrays, bit fields, nested types, unknown types) raises StaleError
+    rather than being guessed."""
+    text = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    m = re.search(rf"\bstruct\s+{name}\s*\{{(.*?)\}}\s*;", text, re.S)
+    if not m:
+        raise StaleError(f"struct {name} not found")
+    fields = []
+    for decl in (d.strip() for d in m.group(1).split(";")):
+        if not decl:
+            continue
+        dm = re.fullmatch(r"((?:const\s+)?[A-Za-z_][\w\s]*?)\s*(\*?)\s*([A-Za-z_]\w*)((?:\s*,\s*\*?\s*[A-Za-z_]\w*)*)", decl)
+        if not dm:
+            raise StaleError(f"struct {name}: cannot read the declaration {decl!r}")
+        base = " ".join(dm.group(1).replace("const", " ").split())
+        names = [(dm.group(2), dm.group(3))] + re.findall(r",\s*(\*?)\s*([A-Za-z_]\w*)", dm.group(4))
+        for star, field in names:
+            if star:
+                fields.append((field, base + "*"))
+            elif base in _CTYPES:
+                fields.append((field, base))
+            else:
+                raise StaleError(f"struct {name}: field {field} has a type this mirror does not know: {base!r}")
+    return fields
+
+
+def struct_class(name: str, fields) -> type:
+    """A ctypes.Structure with `fields` ([(field, C type)]); pointers become c_void_p."""
+    return type(name, (ctypes.Structure,), {
+        "_fields_": [(f, ctypes.c_void_p if t.endswith("*") else _CTYPES[t]) for f, t in fields]})
+
+
+def fill(cls: type, values: dict):
+    """An instance of `cls` with every field set from `values`: a field the header has and
+    the mirror does not fill (or the reverse) is a stale mirror, not a zero."""
+    names = [f for f, _ in cls._fields_]
+    missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
+    if missing or extra:
+        raise StaleError(f"{cls.__name__}: the header's fields and the launch mirror differ "
+                         f"(header only: {missing}, mirror only: {extra}); update qsa_lab/kernels/ptx70.py")
+    return cls(**{k: values[k] for k in names})
+
+
+# ---------------------------------------------------------------- the binding, mirrored
+
+# The launches of csrc/bindings.cu this module reproduces, whitespace-normalised; if the
+# binding launches differently, the mirror is stale and check_bindings_mirror says so.
+BINDING_LAUNCHES = (
+    "smem_layout(q_heads, head_dim).total",
+    "cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)",
+    "kernel<<<groups, qsa::grouped::kThreads, smem, stream>>>(p)",
+    "qsa::xqa_smem_bytes(p.q_heads, p.head_dim)",
+    "kernel<<<dim3(p.parts, n), qsa::xqa::kThreads, smem, stream>>>(p)",
+    "qsa::xqa_reduce_kernel<<<n, qsa::xqa::kThreads, 0, stream>>>(p)",
+    "(T + qsa::xqa::kPartition - 1) / qsa::xqa::kPartition",
+    "at::empty({n, parts, q_heads, head_dim}",
+    "at::empty({2, n, parts, q_heads}",
+)
+GROUPED_FIELDS = ("q", "kv", "group_rows", "microblocks", "masks", "seq_len", "out", "lse", "q_heads", "head_dim",
+                  "page_size", "cap", "q_rows", "n_microblocks", "qk_scale", "v_scale")
+XQA_FIELDS = ("q", "kv", "token_index", "token_count", "part_o", "part_m", "part_l", "out", "q_heads", "head_dim",
+              "page_size", "T", "parts", "n_tokens", "qk_scale", "v_scale")
+
+
+def check_bindings_mirror(bindings: str) -> list[str]:
+    """What in `bindings` (csrc/bindings.cu) this module's launch mirror does not match."""
+    flat = " ".join(bindings.split())
+    problems = [f"launch no longer in bindings.cu: {s}" for s in BINDING_LAUNCHES if " ".join(s.split()) not in flat]
+    for fn, fields in (("grouped_forward", GROUPED_FIELDS), ("xqa_forward", XQA_FIELDS)):
+        m = re.search(rf"\b{fn}\s*\(.*?\n\}}", bindings, re.S)
+        assigned = set(re.findall(r"^\s*p\.(\w+)\s*=", m.group(0), re.M)) if m else set()
+        if assigned != set(fields):
+            problems.append(f"{fn}: bindings.cu sets {sorted(assigned)}, the mirror sets {sorted(fields)}")
+    return problems
+
+
+def grouped_smem_bytes(q_heads: int, head_dim: int) -> int:
+    """qsa::grouped::smem_layout(q_heads, head_dim).total, replicated (checked on the GPU
+    against the header's own function by the probe kernel)."""
+    def align128(x):
+        return (x + 127) & ~127
+    ld, rows = head_dim + 8, -(-8 * q_heads // 16) * 16   # kRowPad 8; M-tiles of 16 rows
+    sizes = (rows * ld * 2, 32 * ld * 2, 32 * ld * 2,      # Q, K, V (fp16)
+             rows * 36 * 4, rows * 40 * 2,                 # S (fp32, ld 36), P (fp16, ld 40)
+             64 * 4, 8 * 4, 64 * 4, 64 * 4)                # alpha, tile masks, row max, row sum
+    off = 0
+    for s in sizes:
+        off = align128(off + s)
+    return off
+
+
+def xqa_smem_bytes(q_heads: int, head_dim: int, partition: int) -> int:
+    """qsa::xqa_smem_bytes, replicated (checked like grouped_smem_bytes)."""
+    return q_heads * head_dim * 4 + q_heads * partition * 4 + partition * 8
+
+
+# ---------------------------------------------------------------- broken PTX (the check must catch it)
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    fmt: str       # nvrtc FORMATS entry of the entry point to break
+    variant: str   # nvrtc VARIANTS entry (grouped kernels)
+    old: int       # a 32-bit constant of that entry's PTX ...
+    new: int       # ... replaced by this one
+    why: str
+
+
+MUTATIONS = (
+    Mutation("mask", "qsa::kE4M3", "qsa::kKernelFix", 0x11111111, 0x11111110,
+             "fix A's unattended-row mask drops query 0: rows only query 0 attends are zeroed"),
+    Mutation("nan", "qsa::kE4M3", "qsa::kUnfixed", 0x7E007E00, 0x3C003C00,
+             "the E4M3 decoder turns NaN codes into 1.0 instead of the route's NaN 0x7E00"),
+)
+
+
+def mutate(ptx: str, lowered: str, old: int, new: int) -> tuple[str, int]:
+    """`ptx` with every immediate `old` inside entry `lowered` replaced by `new`; the count."""
+    start, end = entry_span(ptx, lowered)
+    body, n = re.subn(rf"(?<![\w.]){old}(?![\w.])", str(new), ptx[start:end])
+    return ptx[:start] + body + ptx[end:], n
+
+
+def single_entry_module(ptx: str, lowered: str) -> str:
+    """The module header (version, target, globals) and one entry: a small module to JIT."""
+    first = min(m.start() for m in (_NEXT_TOPLEVEL.search(ptx), _ENTRY_START.search(ptx)) if m)
+    start, end = entry_span(ptx, lowered)
+    return ptx[:first] + ptx[start:end]
+
+
+# ---------------------------------------------------------------- generate (CPU)
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def csrc_hashes(csrc: Path) -> dict:
+    return {p.name: sha256(p.read_bytes()) for p in sorted(Path(csrc).iterdir()) if p.is_file()}
+
+
+def header_text(csrc: Path, nv) -> str:
+    return "\n".join((Path(csrc) / h).read_text() for h in nv.DEVICE_HEADERS)
+
+
+def mirror_structs(header: str, ptx: str, eps, lowered: dict) -> dict:
+    """Parse the parameter structs and check each against every PTX entry that takes it."""
+    structs = {}
+    for name in sorted({e.params for e in eps if e.params}):
+        fields = parse_struct(header, name)
+        cls = struct_class(name, fields)
+        for e in eps:
+            if e.params != name:
+                continue
+            info = entry_params(ptx, lowered[e.expression])
+            if info.count != 1 or info.size != ctypes.sizeof(cls) or info.align != ctypes.alignment(cls):
+                raise StaleError(f"{e.label}: the PTX takes {info.count} parameter(s), .align {info.align} "
+                                 f"[{info.size}] bytes; the ctypes mirror of {name} is .align "
+                                 f"{ctypes.alignment(cls)} [{ctypes.sizeof(cls)}]")
+        structs[name] = {"size": ctypes.sizeof(cls), "align": ctypes.alignment(cls), "fields": fields}
+    return structs
+
+
+def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) -> dict:
+    """Compile every entry point of root/csrc for compute_70; write PTX + manifest to `out`."""
+    root, out = Path(root), Path(out)
+    nv = nvrtc_module(root)
+    toolkit = toolkit or nv.find_toolkit()
+    if toolkit is None:
+        raise RuntimeError("NVRTC wheels missing: pip install -r requirements-nvrtc.txt")
+    files = [out / PTX_FILE, out / MANIFEST_FILE]
+    if not force and any(f.exists() for f in files):
+        raise FileExistsError(f"out: {out} already holds a PTX or manifest (pass force=True / --force to replace)")
+    csrc = root / "csrc"
+    problems = check_bindings_mirror((csrc / "bindings.cu").read_text())
+    if problems:
+        raise StaleError("csrc/bindings.cu changed what this mirror reproduces:\n  " + "\n  ".join(problems))
+    eps = entry_points(nv.FORMATS, nv.VARIANTS)
+    compiled = compile_entry_points(nv.instantiation_source() + PROBE_SOURCE, [e.expression for e in eps],
+                                    csrc, toolkit)
+    forbidden = nv.forbidden_instructions(compiled.ptx)
+    if forbidden:
+        raise RuntimeError(f"the compute_70 PTX holds instructions an SM70 lacks: {forbidden}")
+    structs = mirror_structs(header_text(csrc, nv), compiled.ptx, eps, compiled.lowered)
+    entries = []
+    for e in eps:
+        low = compiled.lowered[e.expression]
+        entries.append({**asdict(e), "label": e.label, "lowered": low, **asdict(entry_params(compiled.ptx, low))})
+    for mu in MUTATIONS:  # the broken PTX must be possible to make from this one
+        low = compiled.lowered[f"qsa::grouped_page4_forward<{mu.fmt}, {mu.variant}>"]
+        if mutate(compiled.ptx, low, mu.old, mu.new)[1] == 0:
+            raise StaleError(f"mutation {mu.name}: constant {mu.old:#x} is not in {low}; update ptx70.MUTATIONS")
+    manifest = {
+        "schema": SCHEMA, "arch": ARCH, "nvrtc_version": compiled.version, "nvrtc_options": compiled.options[:3],
+        "csrc": csrc_hashes(csrc), "formats": list(nv.FORMATS), "variants": list(nv.VARIANTS),
+        "ptx": {"file": PTX_FILE, "sha256": sha256(compiled.ptx.encode()), "bytes": len(compiled.ptx)},
+        "constants": ptx_constants(compiled.ptx), "structs": structs, "entry_points": entries,
+        "nvrtc_log": compiled.log,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PTX_FILE).write_text(compiled.ptx)
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+# ---------------------------------------------------------------- verify a folder against a checkout
+
+def read_folder(folder: Path, root: Path = ROOT) -> tuple[dict, str]:
+    """(manifest, ptx) of `folder`, refused (StaleError) unless it was generated from the
+    very csrc/ and nvrtc lists of `root` and the struct mirror still matches its PTX."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        ptx = (folder / PTX_FILE).read_text()
+    except FileNotFoundError as e:
+        raise StaleError(f"{folder}: {e.filename} missing (run the generate step first)") from e
+    if manifest.get("schema") != SCHEMA:
+        raise StaleError(f"{folder}: manifest schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
+    if sha256(ptx.encode()) != manifest["ptx"]["sha256"]:
+        raise StaleError(f"{folder}: {PTX_FILE} does not match its manifest's sha256")
+    here = csrc_hashes(Path(root) / "csrc")
+    differ = sorted(n for n in set(here) | set(manifest["csrc"]) if here.get(n) != manifest["csrc"].get(n))
+    if differ:
+        raise StaleError(f"stale PTX: csrc/ differs from the one it was generated from ({', '.join(differ)}); "
+                         "run the generate step on this checkout")
+    nv = nvrtc_module(root)
+    if list(nv.FORMATS) != manifest["formats"] or list(nv.VARIANTS) != manifest["variants"]:
+        raise StaleError("stale PTX: nvrtc.FORMATS/VARIANTS differ from the ones it was generated for")
+    problems = check_bindings_mirror((Path(root) / "csrc" / "bindings.cu").read_text())
+    if problems:
+        raise StaleError("csrc/bindings.cu changed what this mirror reproduces:\n  " + "\n  ".join(problems))
+    eps = entry_points(nv.FORMATS, nv.VARIANTS)
+    lowered = {e["expression"]: e["lowered"] for e in manifest["entry_points"]}
+    mirror_structs(header_text(Path(root) / "csrc", nv), ptx, eps, lowered)
+    return manifest, ptx
+
+
+# ---------------------------------------------------------------- the CUDA driver (GPU side)
+
+CU_JIT_INFO_LOG_BUFFER, CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES = 3, 4
+CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
+CU_FUNC_ATTRIBUTE = {"max_threads": 0, "static_smem": 1, "local_bytes": 3, "registers": 4,
+                     "ptx_version": 5, "binary_version": 6, "max_dynamic_smem": 8}
+
+
+class Driver:
+    """The few CUDA driver calls this needs, through ctypes on libcuda (no toolkit).
+
+    Works in torch's context: torch creates the device's primary context on first use,
+    and the module is loaded into whatever context is current on this thread."""
+
+    def __init__(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA GPU visible: the compute_70 PTX runs only on a GPU")
+        torch.zeros(1, device="cuda")  # makes torch's (primary) context current here
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            raise RuntimeError("no current CUDA context after torch initialised the GPU")
+        self.modules = []
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(status, ctypes.byref(name))
+            raise RuntimeError(f"{what}: {name.value.decode() if name.value else status}")
+
+    def load_ptx(self, ptx: str) -> tuple[ctypes.c_void_p, str]:
+        """JIT `ptx` for this GPU; (module, JIT info log). A JIT error raises with its log."""
+        info, err = ctypes.create_string_buffer(1 << 16), ctypes.create_string_buffer(1 << 16)
+        opts = (ctypes.c_int * 4)(CU_JIT_INFO_LOG_BUFFER, CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+                                  CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
+        vals = (ctypes.c_void_p * 4)(ctypes.cast(info, ctypes.c_void_p), len(info),
+                                     ctypes.cast(err, ctypes.c_void_p), len(err))
+        module = ctypes.c_void_p()
+        status = self.lib.cuModuleLoadDataEx(ctypes.byref(module), ptx.encode() + b"\0", 4, opts, vals)
+        if status != 0:
+            self.check(status, f"cuModuleLoadDataEx (JIT log: {err.value.decode(errors='replace').strip()})")
+        self.modules.append(module)
+        return module, info.value.decode(errors="replace").strip()
+
+    def function(self, module, lowered: str) -> ctypes.c_void_p:
+        fn = ctypes.c_void_p()
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), module, lowered.encode()),
+                   f"cuModuleGetFunction({lowered})")
+        return fn
+
+    def attributes(self, fn) -> dict:
+        out = {}
+        for name, attr in CU_FUNC_ATTRIBUTE.items():
+            v = ctypes.c_int()
+            self.check(self.lib.cuFuncGetAttribute(ctypes.byref(v), attr, fn), f"cuFuncGetAttribute({name})")
+            out[name] = v.value
+        return out
+
+    def opt_in_smem(self, fn, smem: int) -> None:
+        """The binding's cudaFuncSetAttribute(MaxDynamicSharedMemorySize): V100 needs it above 48 KB."""
+        self.check(self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE["max_dynamic_smem"], smem),
+                   "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+
+    def launch(self, fn, grid, threads: int, smem: int, args) -> None:
+        """Launch on torch's current stream; `args` are ctypes objects, one per parameter."""
+        import torch
+
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        stream = torch.cuda.current_stream().cuda_stream
+        self.check(self.lib.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, ptrs, None), "cuLaunchKernel")
+
+    def unload(self) -> None:
+        for m in self.modules:
+            self.lib.cuModuleUnload(m)
+        self.modules = []
+
+
+# ---------------------------------------------------------------- loaded PTX and its launches
+
+class Ptx70:
+    """The compute_70 PTX of a folder, loaded on the GPU, launched like bindings.cu."""
+
+    def __init__(self, folder: Path, root: Path = ROOT, driver: Driver | None = None):
+        self.manifest, self.ptx = read_folder(folder, root)
+        self.driver = driver or Driver()
+        self.module, self.jit_log = self.driver.load_ptx(self.ptx)
+        self.entries = {(e["kind"], e["fmt"], e["variant"]): e for e in self.manifest["entry_points"]}
+        self.functions = {key: self.driver.function(self.module, e["lowered"]) for key, e in self.entries.items()}
+        self.structs = {n: struct_class(n, [tuple(f) for f in s["fields"]]) for n, s in self.manifest["structs"].items()}
+        self.const = self.manifest["constants"]
+
+    @classmethod
+    def single(cls, folder: Path, key, ptx: str, root: Path = ROOT, driver: Driver | None = None) -> "Ptx70":
+        """Only entry `key` of a (mutated) `ptx`, in a module of its own (a shorter JIT)."""
+        self = cls.__new__(cls)
+        self.manifest, _ = read_folder(folder, root)
+        self.entries = {(e["kind"], e["fmt"], e["variant"]): e for e in self.manifest["entry_points"]}
+        self.ptx = single_entry_module(ptx, self.entries[key]["lowered"])
+        self.driver = driver or Driver()
+        self.module, self.jit_log = self.driver.load_ptx(self.ptx)
+        self.functions = {key: self.driver.function(self.module, self.entries[key]["lowered"])}
+        self.structs = {n: struct_class(n, [tuple(f) for f in s["fields"]]) for n, s in self.manifest["structs"].items()}
+        self.const = self.manifest["constants"]
+        return self
+
+    def check_smem_replicas(self, q_heads=range(1, 9), head_dims=range(16, 257, 16)) -> list[str]:
+        """Run the probe (the headers' own smem_layout / xqa_smem_bytes) on the GPU over every
+        (q_heads, head_dim) the kernels take; the replicas must agree everywhere."""
+        import torch
+
+        hq, hd = torch.meshgrid(torch.tensor(list(q_heads)), torch.tensor(list(head_dims)), indexing="ij")
+        hq, hd = hq.flatten().int().cuda(), hd.flatten().int().cuda()
+        n = hq.numel()
+        got = torch.zeros(2, n, dtype=torch.int32, device="cuda")
+        fn = self.functions[("probe", None, None)]
+        self.driver.launch(fn, (-(-n // 128),), 128, 0,
+                           [ctypes.c_int(n), ctypes.c_void_p(hq.data_ptr()), ctypes.c_void_p(hd.data_ptr()),
+                            ctypes.c_void_p(got[0].data_ptr()), ctypes.c_void_p(got[1].data_ptr())])
+        torch.cuda.synchronize()
+        bad = []
+        for i, (h, d) in enumerate(zip(hq.tolist(), hd.tolist())):
+            want = (grouped_smem_bytes(h, d), xqa_smem_bytes(h, d, self.const["xqa_partition"]))
+            have = (int(got[0, i]), int(got[1, i]))
+            if want != have:
+                bad.append(f"q_heads {h} head_dim {d}: header (grouped, xqa) = {have}, replica {want}")
+        return bad
+
+    def function_info(self, key) -> dict:
+        return self.driver.attributes(self.functions[key])
+
+    def grouped_forward(self, q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len, *,
+                        kv_format, sm_scale, variant):
+        """As qsa_lab.kernels.grouped_forward, from the PTX. Inputs must already have passed
+        the extension's checks (the caller runs the extension first on the same tensors)."""
+        import torch
+
+        key = ("grouped", kv_format, variant)
+        fn = self.functions[key]
+        groups, (_, q_heads, head_dim) = group_rows.shape[0], q.shape
+        out = torch.empty(groups, 8, q_heads, head_dim, dtype=torch.float16, device=q.device)
+        if groups == 0:
+            return out
+        rows64 = group_rows.to(torch.int64).contiguous()  # the binding's group_rows.to(at::kLong)
+        page_size = kv_cache.shape[2]
+        p = fill(self.structs["GroupedParams"], dict(
+            q=q.data_ptr(), kv=kv_cache.data_ptr(), group_rows=rows64.data_ptr(), microblocks=microblocks.data_ptr(),
+            masks=masks.data_ptr(), seq_len=seq_len.data_ptr(), out=out.data_ptr(), lse=None, q_heads=q_heads,
+            head_dim=head_dim, page_size=page_size, cap=microblocks.shape[1], q_rows=q.shape[0],
+            n_microblocks=kv_cache.shape[0] * (page_size // 4), qk_scale=float(sm_scale) * float(k_scale), v_scale=float(v_scale)))
+        smem = grouped_smem_bytes(q_heads, head_dim)
+        self.driver.opt_in_smem(fn, smem)
+        self.driver.launch(fn, (groups,), self.const["grouped_threads"], smem, [p])
+        torch.cuda.synchronize()  # rows64 lives until the kernel is done; errors surface here
+        return out
+
+    def xqa_forward(self, q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
+        """As qsa_lab.kernels.xqa_forward, from the PTX (partition kernel, then reduce)."""
+        import torch
+
+        n, q_heads, head_dim = q_rows.shape
+        out = torch.empty_like(q_rows)
+        if n == 0:
+            return out
+        T, part = token_index.shape[1], self.const["xqa_partition"]
+        parts = -(-T // part)
+        part_o = torch.empty(n, parts, q_heads, head_dim, dtype=torch.float32, device=q_rows.device)
+        part_ml = torch.empty(2, n, parts, q_heads, dtype=torch.float32, device=q_rows.device)
+        page_size = kv_cache.shape[2]
+        p = fill(self.structs["XqaParams"], dict(
+            q=q_rows.data_ptr(), kv=kv_cache.data_ptr(), token_index=token_index.data_ptr(),
+            token_count=token_count.data_ptr(), part_o=part_o.data_ptr(), part_m=part_ml[0].data_ptr(),
+            part_l=part_ml[1].data_ptr(), out=out.data_ptr(), q_heads=q_heads, head_dim=head_dim,
+            page_size=page_size, T=T, parts=parts, n_tokens=kv_cache.shape[0] * page_size,
+            qk_scale=float(sm_scale) * float(k_scale), v_scale=float(v_scale)))
+        smem = xqa_smem_bytes(q_heads, head_dim, part)
+        fn = self.functions[("xqa_partition", kv_format, None)]
+        self.driver.opt_in_smem(fn, smem)
+        self.driver.launch(fn, (parts, n), self.const["xqa_threads"], smem, [p])
+        self.driver.launch(self.functions[("xqa_reduce", None, None)], (n,), self.const["xqa_threads"], 0, [p])
+        torch.cuda.synchronize()
+        return out
