@@ -193,8 +193,11 @@ def compile_entry_points(source: str, expressions, include_dir: Path, toolkit, a
 # ---------------------------------------------------------------- reading the PTX
 
 _ENTRY_START = re.compile(r"^(?:\.visible\s+|\.weak\s+)?\.entry\s+(\S+?)\s*\(", re.M)
-# What can follow an entry's body at column 0: the next entry or function, or its .globl note.
-_NEXT_TOPLEVEL = re.compile(r"^(?:// \.globl|(?:\.visible\s+|\.weak\s+|\.extern\s+)?\.(?:entry|func)\b)", re.M)
+# What can follow an entry's body: the next entry or function, its .globl note, or the
+# line-info trailer (-lineinfo: .file table and .debug_str, which every entry refers to).
+_NEXT_TOPLEVEL = re.compile(r"^(?:\s*// \.globl|(?:\.visible\s+|\.weak\s+|\.extern\s+)?\.(?:entry|func)\b|\s*\.file\s)",
+                            re.M)
+_TRAILER = re.compile(r"^\s*\.file\s", re.M)
 
 
 def entry_span(ptx: str, lowered: str) -> tuple[int, int]:
@@ -236,6 +239,7 @@ def ptx_constants(ptx: str) -> dict:
         if not m:
             raise StaleError(f"{CONSTANTS} not found in the PTX")
         raw = bytes(int(v) for v in m.group(2).split(","))
+        raw += bytes(int(m.group(1)) - len(raw))  # trailing zero bytes are left out of the initializer
         values = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
     if len(values) != len(CONSTANT_NAMES):
         raise StaleError(f"{CONSTANTS}: expected {len(CONSTANT_NAMES)} values, got {values}")
@@ -376,10 +380,12 @@ def mutate(ptx: str, lowered: str, old: int, new: int) -> tuple[str, int]:
 
 
 def single_entry_module(ptx: str, lowered: str) -> str:
-    """The module header (version, target, globals) and one entry: a small module to JIT."""
-    first = min(m.start() for m in (_NEXT_TOPLEVEL.search(ptx), _ENTRY_START.search(ptx)) if m)
+    """Everything before the first entry (version, target, globals, the extern shared
+    array), entry `lowered` and the line-info trailer: a module of one kernel, much
+    quicker to JIT."""
     start, end = entry_span(ptx, lowered)
-    return ptx[:first] + ptx[start:end]
+    trailer = _TRAILER.search(ptx)
+    return ptx[:_ENTRY_START.search(ptx).start()] + ptx[start:end] + (ptx[trailer.start():] if trailer else "")
 
 
 # ---------------------------------------------------------------- generate (CPU)
@@ -564,6 +570,10 @@ class Driver:
         stream = torch.cuda.current_stream().cuda_stream
         self.check(self.lib.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream, ptrs, None), "cuLaunchKernel")
 
+    def synchronize(self) -> None:
+        """Wait for the launched kernels; an error in one raises here."""
+        self.check(self.lib.cuCtxSynchronize(), "kernel execution (cuCtxSynchronize)")
+
     def unload(self) -> None:
         for m in self.modules:
             self.lib.cuModuleUnload(m)
@@ -590,9 +600,13 @@ class Ptx70:
         self = cls.__new__(cls)
         self.manifest, _ = read_folder(folder, root)
         self.entries = {(e["kind"], e["fmt"], e["variant"]): e for e in self.manifest["entry_points"]}
-        self.ptx = single_entry_module(ptx, self.entries[key]["lowered"])
         self.driver = driver or Driver()
-        self.module, self.jit_log = self.driver.load_ptx(self.ptx)
+        try:
+            self.ptx = single_entry_module(ptx, self.entries[key]["lowered"])
+            self.module, self.jit_log = self.driver.load_ptx(self.ptx)
+        except RuntimeError:  # the entry needs more of the module than its header: JIT all of it
+            self.ptx = ptx
+            self.module, self.jit_log = self.driver.load_ptx(self.ptx)
         self.functions = {key: self.driver.function(self.module, self.entries[key]["lowered"])}
         self.structs = {n: struct_class(n, [tuple(f) for f in s["fields"]]) for n, s in self.manifest["structs"].items()}
         self.const = self.manifest["constants"]
@@ -611,7 +625,7 @@ class Ptx70:
         self.driver.launch(fn, (-(-n // 128),), 128, 0,
                            [ctypes.c_int(n), ctypes.c_void_p(hq.data_ptr()), ctypes.c_void_p(hd.data_ptr()),
                             ctypes.c_void_p(got[0].data_ptr()), ctypes.c_void_p(got[1].data_ptr())])
-        torch.cuda.synchronize()
+        self.driver.synchronize()
         bad = []
         for i, (h, d) in enumerate(zip(hq.tolist(), hd.tolist())):
             want = (grouped_smem_bytes(h, d), xqa_smem_bytes(h, d, self.const["xqa_partition"]))
@@ -645,7 +659,7 @@ class Ptx70:
         smem = grouped_smem_bytes(q_heads, head_dim)
         self.driver.opt_in_smem(fn, smem)
         self.driver.launch(fn, (groups,), self.const["grouped_threads"], smem, [p])
-        torch.cuda.synchronize()  # rows64 lives until the kernel is done; errors surface here
+        self.driver.synchronize()  # rows64 lives until the kernel is done; errors surface here
         return out
 
     def xqa_forward(self, q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
@@ -672,5 +686,5 @@ class Ptx70:
         self.driver.opt_in_smem(fn, smem)
         self.driver.launch(fn, (parts, n), self.const["xqa_threads"], smem, [p])
         self.driver.launch(self.functions[("xqa_reduce", None, None)], (n,), self.const["xqa_threads"], 0, [p])
-        torch.cuda.synchronize()
+        self.driver.synchronize()
         return out
