@@ -4,6 +4,7 @@ The loop shares no helper with qsa_lab.routes.emulate or qsa_lab.analysis (it re
 plan's tensors and decodes with qsa_lab.fp8 only), so a bug in the shared tile helpers
 cannot hide in both. Tiny geometries keep the loop fast.
 """
+import functools
 import math
 
 import torch
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from qsa_lab import fp8
 from qsa_lab.case import Geometry, build_case
 from qsa_lab.plan import pad_fix, plan_groups
-from qsa_lab.poison import apply_poison
+from qsa_lab.poison import DIM_SITES, apply_poison
 from qsa_lab.routes import emulate
 
 
@@ -53,16 +54,20 @@ def loop_grouped(case, plan, variant):
             rows = torch.tensor([r for r in range(R) if r // 16 in active_tiles], dtype=torch.long)
             if rows.numel() == 0:
                 continue
-            s = (Q[rows] @ K.T) * (case.sm_scale * case.k_scale)
-            s = torch.where(att[rows], s, -1e30)
-            m_new = torch.maximum(m[rows], s.max(dim=1).values)
-            alpha = torch.exp(m[rows] - m_new)
-            p = torch.where(att[rows], torch.exp(torch.clamp(s - m_new[:, None], min=-80.0)), 0.0)
-            p = p.half().float()
-            l[rows] = l[rows] * alpha + p.sum(dim=1)
-            O[rows] = O[rows] * alpha[:, None] + p @ V
-            m[rows] = m_new
-        out[gi] = (O * case.v_scale / l[:, None]).half().view(8, hq, D)
+            # the real route's softmax: C fmaxf (NaN ignored) for the maxima, fp32 probabilities
+            # summed unrounded, max and sum moved only when the tile holds an attended token
+            s = (Q[rows] @ K.T) * torch.tensor(case.sm_scale * case.k_scale, dtype=torch.float32)
+            s = torch.where(att[rows], s, torch.tensor(-1e30))
+            tile_max = functools.reduce(torch.fmax, s.unbind(dim=1))
+            m_new = torch.fmax(m[rows], tile_max)
+            p = torch.where(att[rows], torch.exp(torch.fmax(s - m_new[:, None], torch.tensor(-80.0))), 0.0)
+            tile_sum = p.sum(dim=1)
+            alpha = torch.where(tile_sum > 0, torch.exp(torch.fmax(m[rows] - m_new, torch.tensor(-80.0))), 1.0)
+            l[rows] = torch.where(tile_sum > 0, l[rows] * alpha + tile_sum, l[rows])
+            m[rows] = torch.where(tile_sum > 0, m_new, m[rows])
+            O[rows] = O[rows] * alpha[:, None] + p.half().float() @ V
+        scale = torch.where(l > 0, torch.tensor(case.v_scale, dtype=torch.float32) / l, 0.0)
+        out[gi] = (O * scale[:, None]).half().view(8, hq, D)
     return out
 
 
@@ -76,12 +81,15 @@ def tiny_cases(draw):
                  head_dim=16, kv_dtype=draw(st.sampled_from(["e4m3", "e5m2", "fp16"])),
                  seed=draw(st.integers(0, 999)))
     assume(g.rows >= requests)
-    site = draw(st.sampled_from(["targeted", "random", "fp16-state", "stale-tail"]))
+    site = draw(st.sampled_from(["targeted", "random", "fp16-state", "stale-tail", "attended-k", "attended-v"]))
     dims = draw(st.lists(st.integers(0, 15), min_size=1, max_size=3, unique=True)) \
-        if site in ("targeted", "stale-tail") else None
+        if site in DIM_SITES else None
+    payload = draw(st.sampled_from([None, "nan", "inf"])) if site in DIM_SITES else None
+    if payload == "inf" and g.kv_dtype == "e4m3":
+        payload = "nan"                      # E4M3 has no Inf code
     try:
         return apply_poison(build_case(g), site, plane=draw(st.sampled_from(["v", "k", "kv"])), dims=dims,
-                            seed=draw(st.integers(0, 99)))
+                            seed=draw(st.integers(0, 99)), payload=payload)
     except ValueError:            # stale-tail needs a partial last microblock
         assume(False)
 
@@ -100,6 +108,22 @@ def test_vectorised_emulation_equals_the_tile_loop(case, variant, fixed_plan):
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     fin = ~torch.isnan(want)
     assert torch.allclose(got[fin].float(), want[fin].float(), atol=1e-5, rtol=1e-3)  # one fp16 ulp: only the fp32 summation order differs
+
+
+def test_the_loop_drops_an_attended_nan_key_where_the_reference_is_nan():
+    """Guard against a loop whose max propagates NaN: a NaN in an attended key gives a
+    finite grouped output (the token dropped), while the float64 reference is NaN."""
+    from qsa_lab.routes.reference import reference_forward
+
+    case = apply_poison(build_case(Geometry(rows=16, context=600, topk=40)), "attended-k", dims=[5])
+    plan = plan_groups(case)
+    out = loop_grouped(case, plan, "unfixed")
+    ref = reference_forward(case)
+    assert torch.isfinite(out).all() and torch.isnan(ref).any()
+    emu = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+                                  plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                  sm_scale=case.sm_scale, variant="unfixed")
+    assert torch.isfinite(emu).all()
 
 
 def test_the_loop_itself_sees_the_report_nan():

@@ -1,14 +1,25 @@
-"""The kernels, emulated in PyTorch tile by tile (SPEC §2-§3).
+"""The kernels, emulated in PyTorch tile by tile.
 
 Same signatures as qsa_lab.kernels, so every CUDA result has this slower twin.
 
-grouped_forward follows the grouped page4 CTA: 32-token tiles of 8 entries, panels
-decoded to fp16 values without scale, inactive M-tiles skipped, select masking to
--1e30, online softmax in fp32 with P rounded to fp16, fp32 P@V. The online softmax
-is evaluated for all tiles at once: with m_t the running max after tile t (a cummax),
-the sequential updates O = O*alpha + P_t@V_t telescope to O = sum_t exp(m_t - m_T) P_t@V_t,
-where P_t is taken relative to m_t exactly as the kernel does. NaN in any P_t@V_t
-therefore survives exactly as in the loop (NaN * anything = NaN).
+grouped_forward follows the grouped page4 CTA of the real route: 32-token tiles of 8
+entries, panels decoded to fp16 values without scale, inactive M-tiles skipped, and
+its online softmax exactly:
+
+    s        = attended ? (Q K^T) * sm_scale * k_scale : -1e30        (select masking)
+    tile_max = max over the tile's 32 scores, NaN ignored (fmaxf)
+    new_max  = fmaxf(old_max, tile_max)                               (NaN ignored)
+    p        = attended ? exp(fmaxf(s - new_max, -80)) : 0            (fp32)
+    tile_sum = sum of the fp32 p
+    exp_diff = tile_sum > 0 ? exp(fmaxf(old_max - new_max, -80)) : 1
+    sum, max updated only when tile_sum > 0; O = O * exp_diff + fp16(P) @ V (fp32)
+    out      = sum > 0 ? O * v_scale / sum : 0
+
+fmaxf ignores NaN, so a NaN score of an ATTENDED token never becomes the max and its
+probability is exp(-80), 0 in fp16: the route silently drops that token (finite, wrong)
+where XQA and the float64 reference give NaN. The scores, maxima and probabilities of
+all tiles are computed at once; O and the sum are then accumulated tile by tile in the
+kernel's order, so 0 * NaN in any P@V survives exactly as it does on the GPU.
 """
 from __future__ import annotations
 
@@ -18,10 +29,19 @@ from ..case import token_values
 from ..plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
 
 VARIANTS = ("unfixed", "kernel_fix", "masked_load")
-MASKED_SCORE = -1e30
-EXP_FLOOR = -80.0
-XQA_PARTITION = 256
+MASKED_SCORE = -1e30   # the real route's "negative infinity" for unattended scores
+EXP_FLOOR = -80.0      # exp arguments are clamped here (fmaxf), as in the real route
+#: XQA partitions as the real route sizes them: fp8 KV 256 tokens with fp32 partials,
+#: fp16 KV 1024 tokens with fp16 partials
+XQA_PARTITION = {"e4m3": (256, torch.float32), "e5m2": (256, torch.float32), "fp16": (1024, torch.float16)}
 _CHUNK_ELEMS = 1 << 24  # panel elements per group chunk: bounds memory on long contexts
+
+
+def fmax_reduce(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Max over `dim` as a tree of C fmaxf: NaN is ignored unless every element is NaN."""
+    nan = torch.isnan(x)
+    m = torch.where(nan, -torch.inf, x).amax(dim=dim)
+    return torch.where(nan.all(dim=dim), torch.nan, m)
 
 
 def decode_panel(kv_cache, microblocks, *, plane, kv_format):
@@ -42,6 +62,7 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks
     nt = cap // TILE_ENTRIES
     R = GROUP * hq
     dev = q.device
+    f32 = torch.float32
     # 1. panels [G, nt, 32, D]: token j of a tile is entry j//4, token j%4
     tok = (microblocks.long().unsqueeze(-1) * 4 + torch.arange(4, device=dev)).view(G, nt, 32)
     K = token_values(kv_cache, tok, 0, kv_format)
@@ -57,27 +78,32 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks
     active = ((mt_bits.unsqueeze(-1) >> row_tile) & 1).bool()                  # [G, nt, R]
     # 3. S = Q K^T (fp16 values, fp32 accumulate), then scale; select masking
     Q = q[group_rows.long()].float().reshape(G, 1, R, D)                      # row = query*hq + head
-    S = torch.matmul(Q, K.transpose(-1, -2))                                   # [G, nt, R, 32]
-    s = S * torch.tensor(sm_scale * k_scale, dtype=torch.float32)
+    s = torch.matmul(Q, K.transpose(-1, -2)) * torch.tensor(sm_scale * k_scale, dtype=f32)  # [G, nt, R, 32]
     query = torch.arange(R, device=dev) // hq
     bit = (query.view(R, 1) * 4 + torch.arange(32, device=dev) % 4).view(1, 1, R, 32)
     entry_mask = masks.long().view(G, nt, 1, TILE_ENTRIES).repeat_interleave(4, dim=-1) & 0xFFFFFFFF
-    attended = ((entry_mask >> bit) & 1).bool()                                # [G, nt, R, 32]
+    attended = ((entry_mask >> bit) & 1).bool() & active.unsqueeze(-1)         # [G, nt, R, 32]
     s = torch.where(attended, s, MASKED_SCORE)
-    # 4. online softmax: running max over the tiles a row walks
-    tile_max = torch.where(active, s.amax(dim=-1), MASKED_SCORE)
-    m = torch.cummax(tile_max, dim=1).values                                   # [G, nt, R]
-    p = torch.where(attended, torch.exp(torch.clamp(s - m.unsqueeze(-1), min=EXP_FLOOR)), 0.0)
-    p = p.to(torch.float16).float()
+    # 4. online softmax. A row without an attended token in a tile leaves max and sum
+    # alone (tile_sum 0), so the running max is the NaN-ignoring running max of tile maxima.
+    tile_max = fmax_reduce(s, -1)                                              # [G, nt, R]
+    run_max = torch.cummax(torch.nan_to_num(tile_max, nan=-torch.inf), dim=1).values.clamp(min=MASKED_SCORE)
+    old_max = torch.cat([torch.full_like(run_max[:, :1], MASKED_SCORE), run_max[:, :-1]], dim=1)
+    p = torch.where(attended, torch.exp(torch.fmax(s - run_max.unsqueeze(-1), torch.tensor(EXP_FLOOR))), 0.0)
+    tile_sum = p.sum(dim=-1)                                                   # fp32 probabilities
+    exp_diff = torch.where(tile_sum > 0, torch.exp(torch.fmax(old_max - run_max, torch.tensor(EXP_FLOOR))), 1.0)
     # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
-    pv = torch.matmul(p, V)                                                    # [G, nt, R, D]
-    m_last = m[:, -1:, :]
-    w = torch.exp(m - m_last)                                                  # prod of later alphas
-    O = torch.where(active.unsqueeze(-1), w.unsqueeze(-1) * pv, 0.0).sum(dim=1)
-    l = torch.where(active, w * p.sum(dim=-1), 0.0).sum(dim=1)                 # [G, R]
-    # 6. output
-    out = (O * v_scale / l.unsqueeze(-1)).to(torch.float16).view(G, GROUP, hq, D)
-    lse = (m_last.squeeze(1) + torch.log(l)).view(G, GROUP, hq)
+    pv = torch.matmul(p.to(torch.float16).float(), V)                         # [G, nt, R, D]
+    pv = torch.where(active.unsqueeze(-1), pv, 0.0)                            # inactive M-tiles: no P@V
+    O = torch.zeros(G, R, D, dtype=f32, device=dev)
+    row_sum = torch.zeros(G, R, dtype=f32, device=dev)
+    for t in range(nt):  # the kernel's accumulation order
+        O = O * exp_diff[:, t].unsqueeze(-1) + pv[:, t]
+        row_sum = row_sum * exp_diff[:, t] + tile_sum[:, t]
+    # 6. output: 0 for a row that attended nothing
+    scale = torch.where(row_sum > 0, torch.tensor(v_scale, dtype=f32) / row_sum, 0.0)
+    out = (O * scale.unsqueeze(-1)).to(torch.float16).view(G, GROUP, hq, D)
+    lse = torch.where(row_sum > 0, run_max[:, -1] + torch.log(row_sum), MASKED_SCORE).view(G, GROUP, hq)
     return out, lse
 
 
@@ -114,26 +140,31 @@ def gather_tokens(kv_cache, token_index, token_count, kv_format):
 
 
 def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
-    """Row-wise XQA: 256-token partitions with fp32 partials, then a reduce. -> [n, Hq, D] fp16."""
+    """Row-wise XQA: partitions (XQA_PARTITION: size and partial dtype per kv format), each
+    with its own max m_p (NaN ignored), exp sum l_p and normalised partial O_p * v_scale / l_p
+    stored in the partial dtype; the reduce weighs partitions by exp(m_p - M) * l_p.
+    -> [n, Hq, D] fp16."""
     n, hq, D = q_rows.shape
     if n == 0:
         return q_rows.new_zeros((0, hq, D))
+    part, part_dtype = XQA_PARTITION[kv_format]
     K, V, valid = gather_tokens(kv_cache, token_index, token_count, kv_format)
     T = K.shape[1]
-    n_part = -(-T // XQA_PARTITION)
-    pad = n_part * XQA_PARTITION - T
+    n_part = -(-T // part)
+    pad = n_part * part - T
     K, V = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (K, V))
     valid = torch.nn.functional.pad(valid, (0, pad))
-    s = torch.einsum("nhd,ntd->nht", q_rows.float(), K) * (sm_scale * k_scale)
-    s = s.view(n, hq, n_part, XQA_PARTITION)
-    vp = valid.view(n, 1, n_part, XQA_PARTITION)
-    m_p = torch.where(vp, s, -torch.inf).amax(dim=-1)                               # [n, hq, P]
-    p = torch.where(vp, torch.exp(s - torch.where(torch.isinf(m_p), 0.0, m_p).unsqueeze(-1)), 0.0)
+    s = torch.einsum("nhd,ntd->nht", q_rows.float(), K) * torch.tensor(sm_scale * k_scale, dtype=torch.float32)
+    s = s.view(n, hq, n_part, part)
+    vp = valid.view(n, 1, n_part, part)
+    m_p = fmax_reduce(torch.where(vp, s, -torch.inf), -1)                          # [n, hq, P]
+    used = vp.any(dim=-1)                                                           # [n, 1, P]
+    p = torch.where(vp, torch.exp(s - torch.where(used, m_p, 0.0).unsqueeze(-1)), 0.0)
     l_p = p.sum(dim=-1)
-    O_p = torch.einsum("nhpt,nptd->nhpd", p, V.view(n, n_part, XQA_PARTITION, D))
-    # reduce: partitions without tokens have m_p = -inf and weigh 0
-    m = m_p.amax(dim=-1, keepdim=True)
-    w = torch.where(torch.isinf(m_p), 0.0, torch.exp(m_p - m))
-    O = (w.unsqueeze(-1) * O_p).sum(dim=2)
-    l = (w * l_p).sum(dim=-1, keepdim=True)
-    return (O * v_scale / l).to(torch.float16)
+    O_p = torch.einsum("nhpt,nptd->nhpd", p, V.view(n, n_part, part, D))
+    partial = (O_p * (torch.tensor(v_scale, dtype=torch.float32) / l_p).unsqueeze(-1)).to(part_dtype).float()
+    # reduce: partitions without tokens weigh 0 (and are never read)
+    m = fmax_reduce(torch.where(used, m_p, -torch.inf), -1).unsqueeze(-1)          # [n, hq, 1]
+    w = torch.where(used, torch.exp(m_p - m) * l_p, 0.0)
+    O = (w.unsqueeze(-1) * torch.where(used.unsqueeze(-1), partial, 0.0)).sum(dim=2)
+    return (O / w.sum(dim=-1, keepdim=True)).to(torch.float16)
