@@ -51,7 +51,8 @@ def test_every_entry_point_is_in_the_ptx_under_nvrtcs_name(built):
     grouped = [e for e in entries if e["kind"] == "grouped"]
     assert len(grouped) == len(nvrtc.FORMATS) * len(nvrtc.VARIANTS)
     assert sum(e["kind"] == "xqa_partition" for e in entries) == len(nvrtc.FORMATS)
-    assert sum(e["kind"] == "xqa_reduce" for e in entries) == 1
+    per_format = manifest["features"]["reduce_per_format"]
+    assert sum(e["kind"] == "xqa_reduce" for e in entries) == (len(nvrtc.FORMATS) if per_format else 1)
     assert len({e["lowered"] for e in entries}) == len(entries)
     for e in entries:
         assert re.search(rf"^\.(?:visible|weak) \.entry {re.escape(e['lowered'])}\(", ptx, re.M), e["label"]
@@ -90,7 +91,7 @@ def test_ctypes_mirrors_equal_the_ptx_parameter_sizes(built):
 def test_a_struct_change_is_caught(built):
     manifest, ptx = built
     header = ptx70.header_text(ptx70.ROOT / "csrc", nvrtc)
-    eps = ptx70.entry_points(nvrtc.FORMATS, nvrtc.VARIANTS)
+    eps = ptx70.expected_entry_points(ptx70.ROOT / "csrc", nvrtc)
     lowered = {e["expression"]: e["lowered"] for e in manifest["entry_points"]}
     ptx70.mirror_structs(header, ptx, eps, lowered)  # the real header passes
     grown = header.replace("float v_scale;\n};", "float v_scale;\n  int extra;\n};", 1)
@@ -130,21 +131,62 @@ def test_the_bindings_launch_mirror():
     assert fewer != real and any("grouped_forward" in p for p in ptx70.check_bindings_mirror(fewer))
 
 
-def test_shared_memory_replicas():
-    # by hand from grouped_page4.cuh: rows 64, ld 264 -> Q 33792, K/V 16896 each, S 9216,
-    # P 5120, alpha 256, masks 32 -> 128, row max / sum 256 each: 82816 bytes
-    assert ptx70.grouped_smem_bytes(8, 256) == 82816
-    assert ptx70.grouped_smem_bytes(1, 16) == 16 * 24 * 2 + 2 * 32 * 24 * 2 + 16 * 36 * 4 + 16 * 40 * 2 + 256 + 128 + 512
-    assert ptx70.xqa_smem_bytes(8, 256, 256) == 8 * 256 * 4 + 8 * 256 * 4 + 256 * 8
-    worst = max(ptx70.grouped_smem_bytes(h, d) for h in range(1, 9) for d in range(16, 257, 16))
-    assert ptx70.DEFAULT_SMEM_LIMIT < worst <= ptx70.V100_MAX_SMEM_OPTIN  # needs the opt-in, fits a V100
+SMALL_LAYOUT = """
+namespace grouped {
+constexpr int kTile = 32;          // tokens
+constexpr int kPad = kTile / 4;    // 8
+template <int F> struct T { static constexpr int kNo = F * 2; };
+struct SmemLayout { int ld, m_tiles; unsigned int q, kv, total; };
+__host__ __device__ inline unsigned int align128(unsigned int x) { return (x + 127u) & ~127u; }
+__host__ __device__ inline SmemLayout smem_layout(int heads, int dim) {
+  SmemLayout L;
+  L.ld = dim + kPad;
+  L.m_tiles = (8 * heads + 15) / 16;
+  const unsigned int rows = (unsigned int)L.m_tiles * 16;
+  unsigned int off = 0;
+  L.q = off;  off = align128(off + rows * L.ld * 2);
+  L.kv = off; off = align128(off + kTile * L.ld * 2u);
+  L.total = off;
+  return L;
+}
+}"""
+
+
+def test_the_smem_formula_is_read_from_the_header():
+    total = ptx70.grouped_smem_formula(SMALL_LAYOUT)
+    # heads 3 -> 2 M-tiles, 32 rows; dim 40 -> ld 48: Q 3072, panel 3072
+    assert total(3, 40) == 3072 + 3072
+    assert total(1, 16) == 768 + 1536  # 1 M-tile of 16 rows, ld 24
+    assert total(1, 24) == 1024 + 2048  # ld 32: Q 1024 (aligned), panel 2048
+    with pytest.raises(ptx70.StaleError, match="cannot read|not plain"):
+        ptx70.grouped_smem_formula(SMALL_LAYOUT.replace("L.total = off;", "L.total = max(off, 4096);"))
+    with pytest.raises(ptx70.StaleError, match="not found"):
+        ptx70.grouped_smem_formula(SMALL_LAYOUT.replace("smem_layout(int heads", "layout(int heads"))
+
+
+def test_shared_memory_tables(built):
+    manifest, _ = built
+    grouped = manifest["smem"]["grouped"]
+    assert len(grouped) == 8 * 16 and all(v % 128 == 0 for v in grouped.values())
+    assert grouped["1,16"] < grouped["8,16"] < grouped["8,256"] and grouped["8,128"] < grouped["8,256"]
+    # the largest geometry needs the opt-in above 48 KB and fits what a V100 allows
+    assert ptx70.DEFAULT_SMEM_LIMIT < max(grouped.values()) <= ptx70.V100_MAX_SMEM_OPTIN
+    for f, part in manifest["constants"]["xqa_partition"].items():
+        assert manifest["smem"]["xqa"][f"8,256,{f}"] == part * 8 + 8 * 256 * 4 + 8 * part * 4
 
 
 def test_constants_come_from_the_headers(built):
     manifest, ptx = built
-    assert manifest["constants"] == {"grouped_threads": 256, "xqa_threads": 256, "xqa_partition": 256}
-    swapped = re.sub(rf"({ptx70.CONSTANTS}\[12\] = \{{)[^}}]*", r"\g<1>0, 2, 0, 0, 0, 1, 0, 0, 0, 1", ptx)
-    assert ptx70.ptx_constants(swapped)["grouped_threads"] == 512
+    c = manifest["constants"]
+    header = ptx70.header_text(ptx70.ROOT / "csrc", nvrtc)
+    threads = re.search(r"namespace grouped \{.*?constexpr int kThreads = ([^;]+);", header, re.S).group(1)
+    assert c["grouped_threads"] == {"256": 256, "kWarps * 32": 32 * int(re.search(
+        r"namespace grouped \{.*?constexpr int kWarps = (\d+);", header, re.S).group(1))}[threads.strip()]
+    assert c["xqa_threads"] == 256 and set(c["xqa_partition"]) == set(kernels.KV_FORMATS)
+    assert set(c["xqa_partial_bytes"].values()) <= {2, 4}
+    n = 2 + 2 * len(nvrtc.FORMATS)
+    swapped = re.sub(rf"({ptx70.CONSTANTS}\[{4 * n}\] = \{{)[^}}]*", r"\g<1>0, 2", ptx)
+    assert swapped != ptx and ptx70.ptx_constants(swapped, nvrtc.FORMATS)["grouped_threads"] == 512
 
 
 @pytest.mark.parametrize("mutation", ptx70.MUTATIONS, ids=lambda m: m.name)
@@ -228,6 +270,7 @@ def fake_loaded(folder):
     p.functions = {k: e["label"] for k, e in p.entries.items()}  # stand-ins for CUfunction handles
     p.structs = {n: ptx70.struct_class(n, [tuple(f) for f in s["fields"]]) for n, s in p.manifest["structs"].items()}
     p.const = p.manifest["constants"]
+    p.smem = p.manifest["smem"]
     return p
 
 
@@ -242,7 +285,8 @@ def test_launches_mirror_the_binding(folder):
                             plan.masks, plan.seq_len, kv_format="e4m3", sm_scale=case.sm_scale, variant="masked_load")
     (_, fn0, smem0), (_, fn, grid, threads, smem, (s,)), _ = p.driver.calls
     assert fn0 == fn == "grouped_page4_forward<e4m3,masked_load>"
-    assert grid == (plan.groups,) and threads == 256 and smem == smem0 == ptx70.grouped_smem_bytes(5, 64)
+    assert grid == (plan.groups,) and threads == p.const["grouped_threads"]
+    assert smem == smem0 == p.smem["grouped"]["5,64"]
     assert out.shape == (plan.groups, 8, 5, 64) and s.out == out.data_ptr()
     assert (s.q, s.kv, s.microblocks, s.masks, s.seq_len) == (
         case.q.data_ptr(), case.kv_cache.data_ptr(), plan.microblocks.data_ptr(), plan.masks.data_ptr(),
@@ -257,9 +301,11 @@ def test_launches_mirror_the_binding(folder):
     p.xqa_forward(case.q[rows], case.kv_cache, case.k_scale, case.v_scale, ti, tc, kv_format="fp16",
                   sm_scale=case.sm_scale)
     (_, fn_a, smem_a), (_, fn1, grid1, t1, smem1, (x,)), (_, fn2, grid2, t2, smem2, (x2,)), _ = p.driver.calls
-    parts = -(-ti.shape[1] // 256)
-    assert fn_a == fn1 == "xqa_partition_kernel<fp16>" and fn2 == "xqa_reduce_kernel"
-    assert (grid1, t1, smem1) == ((parts, 19), 256, ptx70.xqa_smem_bytes(5, 64, 256)) and smem_a == smem1
+    part = p.const["xqa_partition"]["fp16"]
+    parts = -(-ti.shape[1] // part)
+    assert fn_a == fn1 == "xqa_partition_kernel<fp16>"
+    assert fn2 == ("xqa_reduce_kernel<fp16>" if p.manifest["features"]["reduce_per_format"] else "xqa_reduce_kernel")
+    assert (grid1, t1, smem1) == ((parts, 19), 256, p.smem["xqa"]["5,64,fp16"]) and smem_a == smem1
     assert (grid2, t2, smem2) == ((19,), 256, 0)
     assert bytes(x) == bytes(x2)  # both kernels get the same arguments
     assert (x.T, x.parts, x.n_tokens, x.token_index) == (ti.shape[1], parts, case.kv_cache.shape[0] * 16, ti.data_ptr())

@@ -44,21 +44,44 @@ DEFAULT_SMEM_LIMIT = 48 * 1024   # above this a kernel must opt in (every arch)
 
 PROBE = "qsa_ptx70_smem_probe"
 CONSTANTS = "qsa_ptx70_constants"
-# What the launches need from the headers, in the order of the constants array below.
-CONSTANT_NAMES = ("grouped_threads", "xqa_threads", "xqa_partition")
-# Appended to nvrtc.instantiation_source(): the headers' own launch constants, and a
-# kernel that evaluates the headers' own shared-memory layout functions on the GPU,
-# so the Python replicas below are checked against the code the binding calls.
-PROBE_SOURCE = f"""
-extern "C" __device__ const int {CONSTANTS}[3] = {{
-    qsa::grouped::kThreads, qsa::xqa::kThreads, qsa::xqa::kPartition}};
+Q_HEADS = range(1, 9)           # every geometry the kernels take (qsa_lab.kernels limits)
+HEAD_DIMS = range(16, 257, 16)
+
+
+def header_features(headers: str) -> dict:
+    """How the headers split XQA (the binding follows them): a per-format reduce kernel,
+    per-format partition sizes and partial dtypes, and xqa_smem_bytes' arguments."""
+    text = strip_comments(headers)
+    return {
+        "reduce_per_format": bool(re.search(r"template\s*<\s*int\s+\w+\s*>\s*__global__[^;{]*?\bxqa_reduce_kernel\s*\(",
+                                            text)),
+        "partition_per_format": bool(re.search(r"\bpartition_tokens\s*\(\s*int\b", text)),
+        "partial_bytes": bool(re.search(r"\bpartial_bytes\s*\(\s*int\b", text)),
+        "xqa_smem_takes_format": bool(re.search(r"\bxqa_smem_bytes\s*\(\s*int\s+\w+\s*,\s*int\s+\w+\s*,\s*int\b", text)),
+    }
+
+
+def probe_source(formats, features: dict) -> str:
+    """Appended to nvrtc.instantiation_source(): the headers' own launch constants as an
+    array (read back from the PTX initializer), and a kernel that evaluates the headers'
+    own shared-memory functions on the GPU, so the Python replicas are checked against
+    the code the binding calls. Constants: grouped threads, XQA threads, then per format
+    the XQA partition tokens, then per format the partial bytes."""
+    part = (lambda f: f"qsa::xqa::partition_tokens({f})") if features["partition_per_format"] \
+        else (lambda f: "qsa::xqa::kPartition")
+    pbytes = (lambda f: f"qsa::xqa::partial_bytes({f})") if features["partial_bytes"] else (lambda f: "4")
+    values = ["qsa::grouped::kThreads", "qsa::xqa::kThreads"] + [part(f) for f in formats] + [pbytes(f) for f in formats]
+    xqa = "".join(
+        f"  xqa[i * {len(formats)} + {k}] = qsa::xqa_smem_bytes(q_heads[i], head_dims[i]"
+        f"{', ' + f if features['xqa_smem_takes_format'] else ''});\n" for k, f in enumerate(formats))
+    return f"""
+extern "C" __device__ const int {CONSTANTS}[{len(values)}] = {{{", ".join(values)}}};
 extern "C" __global__ void {PROBE}(int n, const int* q_heads, const int* head_dims,
                                    unsigned int* grouped, unsigned int* xqa) {{
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   grouped[i] = qsa::grouped::smem_layout(q_heads[i], head_dims[i]).total;
-  xqa[i] = qsa::xqa_smem_bytes(q_heads[i], head_dims[i]);
-}}
+{xqa}}}
 """
 
 
@@ -120,12 +143,14 @@ class EntryPoint:
         return f"{short}<{args}>" if args else short
 
 
-def entry_points(formats, variants) -> list[EntryPoint]:
+def entry_points(formats, variants, reduce_per_format: bool = False) -> list[EntryPoint]:
     """Every kernel the binding launches, for every FORMAT x VARIANT, plus the probe."""
-    eps = [EntryPoint("xqa_reduce", "qsa::xqa_reduce_kernel", params="XqaParams")]
+    eps = [] if reduce_per_format else [EntryPoint("xqa_reduce", "qsa::xqa_reduce_kernel", params="XqaParams")]
     for fmt in formats:
         eps.append(EntryPoint("xqa_partition", f"qsa::xqa_partition_kernel<{fmt}>", format_key(fmt),
                               params="XqaParams"))
+        if reduce_per_format:
+            eps.append(EntryPoint("xqa_reduce", f"qsa::xqa_reduce_kernel<{fmt}>", format_key(fmt), params="XqaParams"))
         for var in variants:
             eps.append(EntryPoint("grouped", f"qsa::grouped_page4_forward<{fmt}, {var}>", format_key(fmt),
                                   variant_key(var), params="GroupedParams"))
@@ -229,8 +254,8 @@ def entry_params(ptx: str, lowered: str) -> ParamInfo:
                      len(params), maxntid)
 
 
-def ptx_constants(ptx: str) -> dict:
-    """The launch constants array of PROBE_SOURCE, read from its PTX initializer."""
+def ptx_constants(ptx: str, formats) -> dict:
+    """The launch constants array of probe_source(), read from its PTX initializer."""
     m = re.search(rf"\.global\s+\.align\s+\d+\s+\.(?:u32|b32|s32)\s+{CONSTANTS}\[(\d+)\]\s*=\s*\{{([^}}]*)\}}", ptx)
     if m:
         values = [int(v) for v in m.group(2).split(",")]
@@ -241,9 +266,12 @@ def ptx_constants(ptx: str) -> dict:
         raw = bytes(int(v) for v in m.group(2).split(","))
         raw += bytes(int(m.group(1)) - len(raw))  # trailing zero bytes are left out of the initializer
         values = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
-    if len(values) != len(CONSTANT_NAMES):
-        raise StaleError(f"{CONSTANTS}: expected {len(CONSTANT_NAMES)} values, got {values}")
-    return dict(zip(CONSTANT_NAMES, values))
+    keys = [format_key(f) for f in formats]
+    if len(values) != 2 + 2 * len(keys):
+        raise StaleError(f"{CONSTANTS}: expected {2 + 2 * len(keys)} values, got {values}")
+    return {"grouped_threads": values[0], "xqa_threads": values[1],
+            "xqa_partition": dict(zip(keys, values[2:2 + len(keys)])),
+            "xqa_partial_bytes": dict(zip(keys, values[2 + len(keys):]))}
 
 
 # ---------------------------------------------------------------- parameter structs
@@ -252,14 +280,17 @@ _CTYPES = {"int": ctypes.c_int, "unsigned int": ctypes.c_uint, "long long": ctyp
            "unsigned long long": ctypes.c_ulonglong, "float": ctypes.c_float, "double": ctypes.c_double}
 
 
+def strip_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
+
+
 def parse_struct(header: str, name: str) -> list[tuple[str, str]]:
     """[(field, C type)] of `struct name { ... };` in `header`, in declaration order.
 
     Takes the plain declarations these structs use (`type a;`, `type a, b;`, `T* p;`);
     anything else (arrays, bit fields, nested types, unknown types) raises StaleError
     rather than being guessed."""
-    text = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
-    text = re.sub(r"//[^\n]*", "", text)
+    text = strip_comments(header)
     m = re.search(rf"\bstruct\s+{name}\s*\{{(.*?)\}}\s*;", text, re.S)
     if not m:
         raise StaleError(f"struct {name} not found")
@@ -303,16 +334,19 @@ def fill(cls: type, values: dict):
 
 # The launches of csrc/bindings.cu this module reproduces, whitespace-normalised; if the
 # binding launches differently, the mirror is stale and check_bindings_mirror says so.
+# Each item: the forms the mirror follows (one partition for every format, or one per format).
 BINDING_LAUNCHES = (
-    "smem_layout(q_heads, head_dim).total",
-    "cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)",
-    "kernel<<<groups, qsa::grouped::kThreads, smem, stream>>>(p)",
-    "qsa::xqa_smem_bytes(p.q_heads, p.head_dim)",
-    "kernel<<<dim3(p.parts, n), qsa::xqa::kThreads, smem, stream>>>(p)",
-    "qsa::xqa_reduce_kernel<<<n, qsa::xqa::kThreads, 0, stream>>>(p)",
-    "(T + qsa::xqa::kPartition - 1) / qsa::xqa::kPartition",
-    "at::empty({n, parts, q_heads, head_dim}",
-    "at::empty({2, n, parts, q_heads}",
+    ("smem_layout(q_heads, head_dim).total",),
+    ("cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)",),
+    ("kernel<<<groups, qsa::grouped::kThreads, smem, stream>>>(p)",),
+    ("qsa::xqa_smem_bytes(p.q_heads, p.head_dim)", "qsa::xqa_smem_bytes(p.q_heads, p.head_dim, FMT)"),
+    ("kernel<<<dim3(p.parts, n), qsa::xqa::kThreads, smem, stream>>>(p)",),
+    ("qsa::xqa_reduce_kernel<<<n, qsa::xqa::kThreads, 0, stream>>>(p)",
+     "qsa::xqa_reduce_kernel<FMT><<<n, qsa::xqa::kThreads, 0, stream>>>(p)"),
+    ("(T + qsa::xqa::kPartition - 1) / qsa::xqa::kPartition",
+     "partition = qsa::xqa::partition_tokens((int)kv_format); const int parts = (int)((T + partition - 1) / partition)"),
+    ("at::empty({n, parts, q_heads, head_dim}",),
+    ("at::empty({2, n, parts, q_heads}",),
 )
 GROUPED_FIELDS = ("q", "kv", "group_rows", "microblocks", "masks", "seq_len", "out", "lse", "q_heads", "head_dim",
                   "page_size", "cap", "q_rows", "n_microblocks", "qk_scale", "v_scale")
@@ -323,7 +357,8 @@ XQA_FIELDS = ("q", "kv", "token_index", "token_count", "part_o", "part_m", "part
 def check_bindings_mirror(bindings: str) -> list[str]:
     """What in `bindings` (csrc/bindings.cu) this module's launch mirror does not match."""
     flat = " ".join(bindings.split())
-    problems = [f"launch no longer in bindings.cu: {s}" for s in BINDING_LAUNCHES if " ".join(s.split()) not in flat]
+    problems = [f"launch no longer in bindings.cu: {forms[-1]}" for forms in BINDING_LAUNCHES
+                if not any(" ".join(f.split()) in flat for f in forms)]
     for fn, fields in (("grouped_forward", GROUPED_FIELDS), ("xqa_forward", XQA_FIELDS)):
         m = re.search(rf"\b{fn}\s*\(.*?\n\}}", bindings, re.S)
         assigned = set(re.findall(r"^\s*p\.(\w+)\s*=", m.group(0), re.M)) if m else set()
@@ -332,23 +367,55 @@ def check_bindings_mirror(bindings: str) -> list[str]:
     return problems
 
 
-def grouped_smem_bytes(q_heads: int, head_dim: int) -> int:
-    """qsa::grouped::smem_layout(q_heads, head_dim).total, replicated (checked on the GPU
-    against the header's own function by the probe kernel)."""
-    def align128(x):
-        return (x + 127) & ~127
-    ld, rows = head_dim + 8, -(-8 * q_heads // 16) * 16   # kRowPad 8; M-tiles of 16 rows
-    sizes = (rows * ld * 2, 32 * ld * 2, 32 * ld * 2,      # Q, K, V (fp16)
-             rows * 36 * 4, rows * 40 * 2,                 # S (fp32, ld 36), P (fp16, ld 40)
-             64 * 4, 8 * 4, 64 * 4, 64 * 4)                # alpha, tile masks, row max, row sum
-    off = 0
-    for s in sizes:
-        off = align128(off + s)
-    return off
+_C_ARITH = re.compile(r"[\w\s+\-*/%()&|~^<>]+")
+
+
+def _c_int(expr: str) -> str:
+    """A C integer expression as Python: casts and `u` suffixes dropped, `/` as floor
+    division (the layout's operands are non-negative), `L.x` as the name `L_x`."""
+    expr = re.sub(r"\(\s*(?:const\s+)?(?:unsigned\s+int|unsigned|int)\s*\)", "", expr)
+    expr = re.sub(r"\b(\d+)[uU]\b", r"\1", expr).replace("/", "//").replace("L.", "L_")
+    if not _C_ARITH.fullmatch(expr):
+        raise StaleError(f"not plain integer arithmetic: {expr!r}")
+    return expr
+
+
+def grouped_smem_formula(header: str):
+    """qsa::grouped::smem_layout(q_heads, head_dim).total as a Python function, read from
+    the header that defines it: its `constexpr int` constants, then the function's
+    statements (`L.x = off; off = align128(off + ...)`) evaluated in order. The GPU run
+    checks the result against the compiled function (the probe kernel) everywhere."""
+    text = strip_comments(header)
+    m = re.search(r"SmemLayout\s+smem_layout\s*\(\s*int\s+(\w+)\s*,\s*int\s+(\w+)\s*\)\s*\{(.*?)\n\}", text, re.S)
+    if not m:
+        raise StaleError("smem_layout(int, int) not found in the grouped header")
+    consts = {}
+    for name, expr in re.findall(r"\bconstexpr\s+int\s+(\w+)\s*=\s*([^;]+);", text[:m.start()]):
+        try:
+            consts[name] = int(eval(_c_int(expr), {"__builtins__": {}}, dict(consts)))
+        except Exception:  # template-dependent or not arithmetic: the layout does not use it
+            pass
+    program = []
+    for stmt in (st.strip() for st in m.group(3).split(";")):
+        if not stmt or re.fullmatch(r"SmemLayout\s+L|return\s+L", stmt):
+            continue
+        sm = re.fullmatch(r"(?:const\s+)?(?:unsigned\s+int\s+|int\s+)?(L\.\w+|\w+)\s*=\s*(.+)", stmt, re.S)
+        if not sm:
+            raise StaleError(f"smem_layout: cannot read the statement {stmt!r}")
+        program.append((sm.group(1).replace("L.", "L_"), _c_int(sm.group(2))))
+    q_arg, d_arg = m.group(1), m.group(2)
+
+    def total(q_heads: int, head_dim: int) -> int:
+        ns = {**consts, q_arg: q_heads, d_arg: head_dim, "align128": lambda x: (x + 127) & ~127}
+        for target, expr in program:
+            ns[target] = eval(expr, {"__builtins__": {}}, ns)
+        return int(ns["L_total"])
+    return total
 
 
 def xqa_smem_bytes(q_heads: int, head_dim: int, partition: int) -> int:
-    """qsa::xqa_smem_bytes, replicated (checked like grouped_smem_bytes)."""
+    """qsa::xqa_smem_bytes: token offsets [P] int64 | q [heads][D] f32 | p [heads][P] f32,
+    replicated (the probe checks it on the GPU)."""
     return q_heads * head_dim * 4 + q_heads * partition * 4 + partition * 8
 
 
@@ -402,6 +469,30 @@ def header_text(csrc: Path, nv) -> str:
     return "\n".join((Path(csrc) / h).read_text() for h in nv.DEVICE_HEADERS)
 
 
+def grouped_header(csrc: Path, nv) -> str:
+    """The device header that defines smem_layout (its constants come before it)."""
+    for h in nv.DEVICE_HEADERS:
+        text = (Path(csrc) / h).read_text()
+        if re.search(r"SmemLayout\s+smem_layout\s*\(", text):
+            return text
+    raise StaleError("no device header defines smem_layout")
+
+
+def smem_tables(csrc: Path, nv, constants: dict) -> dict:
+    """Dynamic shared memory of every geometry the kernels take, from the headers' formulas:
+    grouped "q_heads,head_dim" -> bytes; xqa "q_heads,head_dim,fmt" -> bytes."""
+    grouped = grouped_smem_formula(grouped_header(csrc, nv))
+    return {
+        "grouped": {f"{h},{d}": grouped(h, d) for h in Q_HEADS for d in HEAD_DIMS},
+        "xqa": {f"{h},{d},{f}": xqa_smem_bytes(h, d, p) for h in Q_HEADS for d in HEAD_DIMS
+                for f, p in constants["xqa_partition"].items()},
+    }
+
+
+def expected_entry_points(csrc: Path, nv) -> list[EntryPoint]:
+    return entry_points(nv.FORMATS, nv.VARIANTS, header_features(header_text(csrc, nv))["reduce_per_format"])
+
+
 def mirror_structs(header: str, ptx: str, eps, lowered: dict) -> dict:
     """Parse the parameter structs and check each against every PTX entry that takes it."""
     structs = {}
@@ -434,9 +525,10 @@ def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) ->
     problems = check_bindings_mirror((csrc / "bindings.cu").read_text())
     if problems:
         raise StaleError("csrc/bindings.cu changed what this mirror reproduces:\n  " + "\n  ".join(problems))
-    eps = entry_points(nv.FORMATS, nv.VARIANTS)
-    compiled = compile_entry_points(nv.instantiation_source() + PROBE_SOURCE, [e.expression for e in eps],
-                                    csrc, toolkit)
+    features = header_features(header_text(csrc, nv))
+    eps = entry_points(nv.FORMATS, nv.VARIANTS, features["reduce_per_format"])
+    compiled = compile_entry_points(nv.instantiation_source() + probe_source(nv.FORMATS, features),
+                                    [e.expression for e in eps], csrc, toolkit)
     forbidden = nv.forbidden_instructions(compiled.ptx)
     if forbidden:
         raise RuntimeError(f"the compute_70 PTX holds instructions an SM70 lacks: {forbidden}")
@@ -449,12 +541,13 @@ def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) ->
         low = compiled.lowered[f"qsa::grouped_page4_forward<{mu.fmt}, {mu.variant}>"]
         if mutate(compiled.ptx, low, mu.old, mu.new)[1] == 0:
             raise StaleError(f"mutation {mu.name}: constant {mu.old:#x} is not in {low}; update ptx70.MUTATIONS")
+    constants = ptx_constants(compiled.ptx, nv.FORMATS)
     manifest = {
         "schema": SCHEMA, "arch": ARCH, "nvrtc_version": compiled.version, "nvrtc_options": compiled.options[:3],
         "csrc": csrc_hashes(csrc), "formats": list(nv.FORMATS), "variants": list(nv.VARIANTS),
         "ptx": {"file": PTX_FILE, "sha256": sha256(compiled.ptx.encode()), "bytes": len(compiled.ptx)},
-        "constants": ptx_constants(compiled.ptx), "structs": structs, "entry_points": entries,
-        "nvrtc_log": compiled.log,
+        "features": features, "constants": constants, "structs": structs, "entry_points": entries,
+        "smem": smem_tables(csrc, nv, constants), "nvrtc_log": compiled.log,
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / PTX_FILE).write_text(compiled.ptx)
@@ -488,8 +581,10 @@ def read_folder(folder: Path, root: Path = ROOT) -> tuple[dict, str]:
     problems = check_bindings_mirror((Path(root) / "csrc" / "bindings.cu").read_text())
     if problems:
         raise StaleError("csrc/bindings.cu changed what this mirror reproduces:\n  " + "\n  ".join(problems))
-    eps = entry_points(nv.FORMATS, nv.VARIANTS)
+    eps = expected_entry_points(Path(root) / "csrc", nv)
     lowered = {e["expression"]: e["lowered"] for e in manifest["entry_points"]}
+    if sorted(lowered) != sorted(e.expression for e in eps):
+        raise StaleError("stale PTX: its entry points differ from the ones the headers declare")
     mirror_structs(header_text(Path(root) / "csrc", nv), ptx, eps, lowered)
     return manifest, ptx
 
@@ -585,53 +680,52 @@ class Driver:
 class Ptx70:
     """The compute_70 PTX of a folder, loaded on the GPU, launched like bindings.cu."""
 
-    def __init__(self, folder: Path, root: Path = ROOT, driver: Driver | None = None):
+    def __init__(self, folder: Path, root: Path = ROOT, driver: Driver | None = None, only=None, ptx: str | None = None):
+        """Load the folder's PTX; with `only` (an entry key) and `ptx` (a mutated copy), just
+        that entry of `ptx`, in a module of its own (a much shorter JIT)."""
         self.manifest, self.ptx = read_folder(folder, root)
-        self.driver = driver or Driver()
-        self.module, self.jit_log = self.driver.load_ptx(self.ptx)
         self.entries = {(e["kind"], e["fmt"], e["variant"]): e for e in self.manifest["entry_points"]}
-        self.functions = {key: self.driver.function(self.module, e["lowered"]) for key, e in self.entries.items()}
         self.structs = {n: struct_class(n, [tuple(f) for f in s["fields"]]) for n, s in self.manifest["structs"].items()}
         self.const = self.manifest["constants"]
-
-    @classmethod
-    def single(cls, folder: Path, key, ptx: str, root: Path = ROOT, driver: Driver | None = None) -> "Ptx70":
-        """Only entry `key` of a (mutated) `ptx`, in a module of its own (a shorter JIT)."""
-        self = cls.__new__(cls)
-        self.manifest, _ = read_folder(folder, root)
-        self.entries = {(e["kind"], e["fmt"], e["variant"]): e for e in self.manifest["entry_points"]}
+        self.smem = self.manifest["smem"]
         self.driver = driver or Driver()
-        try:
-            self.ptx = single_entry_module(ptx, self.entries[key]["lowered"])
+        if only is None:
             self.module, self.jit_log = self.driver.load_ptx(self.ptx)
-        except RuntimeError:  # the entry needs more of the module than its header: JIT all of it
-            self.ptx = ptx
-            self.module, self.jit_log = self.driver.load_ptx(self.ptx)
-        self.functions = {key: self.driver.function(self.module, self.entries[key]["lowered"])}
-        self.structs = {n: struct_class(n, [tuple(f) for f in s["fields"]]) for n, s in self.manifest["structs"].items()}
-        self.const = self.manifest["constants"]
-        return self
+            keys = list(self.entries)
+        else:
+            try:
+                self.ptx = single_entry_module(ptx, self.entries[only]["lowered"])
+                self.module, self.jit_log = self.driver.load_ptx(self.ptx)
+            except RuntimeError:  # the entry needs more of the module than its header: JIT all of it
+                self.ptx = ptx
+                self.module, self.jit_log = self.driver.load_ptx(self.ptx)
+            keys = [only]
+        self.functions = {k: self.driver.function(self.module, self.entries[k]["lowered"]) for k in keys}
 
-    def check_smem_replicas(self, q_heads=range(1, 9), head_dims=range(16, 257, 16)) -> list[str]:
-        """Run the probe (the headers' own smem_layout / xqa_smem_bytes) on the GPU over every
-        (q_heads, head_dim) the kernels take; the replicas must agree everywhere."""
+    def check_smem_replicas(self) -> list[str]:
+        """Run the probe (the headers' own smem_layout / xqa_smem_bytes, compiled) on the GPU
+        over every (q_heads, head_dim) the kernels take: the tables must agree everywhere."""
         import torch
 
-        hq, hd = torch.meshgrid(torch.tensor(list(q_heads)), torch.tensor(list(head_dims)), indexing="ij")
-        hq, hd = hq.flatten().int().cuda(), hd.flatten().int().cuda()
-        n = hq.numel()
-        got = torch.zeros(2, n, dtype=torch.int32, device="cuda")
-        fn = self.functions[("probe", None, None)]
-        self.driver.launch(fn, (-(-n // 128),), 128, 0,
-                           [ctypes.c_int(n), ctypes.c_void_p(hq.data_ptr()), ctypes.c_void_p(hd.data_ptr()),
-                            ctypes.c_void_p(got[0].data_ptr()), ctypes.c_void_p(got[1].data_ptr())])
+        fmts = [format_key(f) for f in self.manifest["formats"]]
+        geo = [(h, d) for h in Q_HEADS for d in HEAD_DIMS]
+        hq = torch.tensor([h for h, _ in geo], dtype=torch.int32, device="cuda")
+        hd = torch.tensor([d for _, d in geo], dtype=torch.int32, device="cuda")
+        grouped = torch.zeros(len(geo), dtype=torch.int32, device="cuda")
+        xqa = torch.zeros(len(geo), len(fmts), dtype=torch.int32, device="cuda")
+        self.driver.launch(self.functions[("probe", None, None)], (-(-len(geo) // 128),), 128, 0,
+                           [ctypes.c_int(len(geo)), ctypes.c_void_p(hq.data_ptr()), ctypes.c_void_p(hd.data_ptr()),
+                            ctypes.c_void_p(grouped.data_ptr()), ctypes.c_void_p(xqa.data_ptr())])
         self.driver.synchronize()
         bad = []
-        for i, (h, d) in enumerate(zip(hq.tolist(), hd.tolist())):
-            want = (grouped_smem_bytes(h, d), xqa_smem_bytes(h, d, self.const["xqa_partition"]))
-            have = (int(got[0, i]), int(got[1, i]))
-            if want != have:
-                bad.append(f"q_heads {h} head_dim {d}: header (grouped, xqa) = {have}, replica {want}")
+        for i, (h, d) in enumerate(geo):
+            if int(grouped[i]) != self.smem["grouped"][f"{h},{d}"]:
+                bad.append(f"grouped q_heads {h} head_dim {d}: header {int(grouped[i])}, "
+                           f"formula {self.smem['grouped'][f'{h},{d}']}")
+            for k, f in enumerate(fmts):
+                if int(xqa[i, k]) != self.smem["xqa"][f"{h},{d},{f}"]:
+                    bad.append(f"xqa {f} q_heads {h} head_dim {d}: header {int(xqa[i, k])}, "
+                               f"replica {self.smem['xqa'][f'{h},{d},{f}']}")
         return bad
 
     def function_info(self, key) -> dict:
@@ -643,8 +737,7 @@ class Ptx70:
         the extension's checks (the caller runs the extension first on the same tensors)."""
         import torch
 
-        key = ("grouped", kv_format, variant)
-        fn = self.functions[key]
+        fn = self.functions[("grouped", kv_format, variant)]
         groups, (_, q_heads, head_dim) = group_rows.shape[0], q.shape
         out = torch.empty(groups, 8, q_heads, head_dim, dtype=torch.float16, device=q.device)
         if groups == 0:
@@ -655,9 +748,10 @@ class Ptx70:
             q=q.data_ptr(), kv=kv_cache.data_ptr(), group_rows=rows64.data_ptr(), microblocks=microblocks.data_ptr(),
             masks=masks.data_ptr(), seq_len=seq_len.data_ptr(), out=out.data_ptr(), lse=None, q_heads=q_heads,
             head_dim=head_dim, page_size=page_size, cap=microblocks.shape[1], q_rows=q.shape[0],
-            n_microblocks=kv_cache.shape[0] * (page_size // 4), qk_scale=float(sm_scale) * float(k_scale), v_scale=float(v_scale)))
-        smem = grouped_smem_bytes(q_heads, head_dim)
-        self.driver.opt_in_smem(fn, smem)
+            n_microblocks=kv_cache.shape[0] * (page_size // 4), qk_scale=float(sm_scale) * float(k_scale),
+            v_scale=float(v_scale)))
+        smem = self.smem["grouped"][f"{q_heads},{head_dim}"]
+        self.driver.opt_in_smem(fn, smem)  # the binding opts in on every launch; a V100 needs it above 48 KB
         self.driver.launch(fn, (groups,), self.const["grouped_threads"], smem, [p])
         self.driver.synchronize()  # rows64 lives until the kernel is done; errors surface here
         return out
@@ -670,9 +764,10 @@ class Ptx70:
         out = torch.empty_like(q_rows)
         if n == 0:
             return out
-        T, part = token_index.shape[1], self.const["xqa_partition"]
+        T, part = token_index.shape[1], self.const["xqa_partition"][kv_format]
         parts = -(-T // part)
-        part_o = torch.empty(n, parts, q_heads, head_dim, dtype=torch.float32, device=q_rows.device)
+        partial = {4: torch.float32, 2: torch.float16}[self.const["xqa_partial_bytes"][kv_format]]
+        part_o = torch.empty(n, parts, q_heads, head_dim, dtype=partial, device=q_rows.device)
         part_ml = torch.empty(2, n, parts, q_heads, dtype=torch.float32, device=q_rows.device)
         page_size = kv_cache.shape[2]
         p = fill(self.structs["XqaParams"], dict(
@@ -681,10 +776,11 @@ class Ptx70:
             part_l=part_ml[1].data_ptr(), out=out.data_ptr(), q_heads=q_heads, head_dim=head_dim,
             page_size=page_size, T=T, parts=parts, n_tokens=kv_cache.shape[0] * page_size,
             qk_scale=float(sm_scale) * float(k_scale), v_scale=float(v_scale)))
-        smem = xqa_smem_bytes(q_heads, head_dim, part)
+        smem = self.smem["xqa"][f"{q_heads},{head_dim},{kv_format}"]
         fn = self.functions[("xqa_partition", kv_format, None)]
+        reduce = self.functions.get(("xqa_reduce", kv_format, None)) or self.functions[("xqa_reduce", None, None)]
         self.driver.opt_in_smem(fn, smem)
         self.driver.launch(fn, (parts, n), self.const["xqa_threads"], smem, [p])
-        self.driver.launch(self.functions[("xqa_reduce", None, None)], (n,), self.const["xqa_threads"], 0, [p])
+        self.driver.launch(reduce, (n,), self.const["xqa_threads"], 0, [p])
         self.driver.synchronize()
         return out
