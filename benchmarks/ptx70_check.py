@@ -36,6 +36,7 @@ SHAPES = ((1, 16, 4), (3, 64, 8), (5, 128, 16), (8, 256, 32), (2, 48, 16))
 # fix A without its leading barrier is a race for compute-sanitizer to see, not another
 # result; early_v is the unfixed kernel with V's bytes read earlier.
 EMULATION_TWIN = {"kernel_fix_no_leading_barrier": "kernel_fix", "early_v": "unfixed"}
+DEVICE = "cuda"
 
 
 def gpu_tests():
@@ -93,10 +94,10 @@ class Prepared:
 
         kw = dict(spec)
         self.case = t.case_for(kw.pop("kv_dtype"), kw.pop("site"), **kw)
-        self.gpu = self.case.to("cuda")
+        self.gpu = self.case.to(DEVICE)
         self.plan = plan_groups(self.gpu)
         self.plan_cpu = self.plan.to("cpu")
-        self.rows = torch.arange(self.case.geometry.rows, device="cuda")
+        self.rows = torch.arange(self.case.geometry.rows, device=DEVICE)
         self.xqa_tokens = xqa_tokens(self.gpu, self.rows)
         self.cache = {}
 
