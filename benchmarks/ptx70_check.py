@@ -139,7 +139,10 @@ def check_entry(t, prep: Prepared, impl, key, label: str, what: str) -> tuple[bo
     """Run entry `key` of `impl` on `prep`; (agreed with both, the log line)."""
     import torch
 
-    ext, emu, twin = prep.references(key)
+    try:
+        ext, emu, twin = prep.references(key)
+    except (RuntimeError, ValueError) as e:
+        return False, f"FAIL {label:<58} | {what:<28} | sm_90 extension or emulation: {e}"
     try:
         out = prep.run(impl, key, on_gpu=True)
     except RuntimeError as e:  # a launch or kernel error is a failure of this entry, not of the run
@@ -254,6 +257,7 @@ def cmd_check(a) -> int:
         + f"; broken PTX caught {sum(caught)} of {len(caught)}; {time.perf_counter() - start:.0f} s")
     ok = failures == 0 and all(caught)
     log("# RESULT: " + ("PASS" if ok else "FAIL"))
+    ptx.driver.unload()
     return 0 if ok else 1
 
 
