@@ -12,10 +12,11 @@ Two halves, two machines:
   point of ``root/csrc`` for compute_70 with NVRTC, ask NVRTC for each one's mangled
   name (name expressions, never spelled by hand), and write the PTX plus a manifest
   (csrc hashes, NVRTC version, lowered names, parameter sizes, launch constants).
-- ``load(folder)`` + ``launch_grouped`` / ``launch_xqa`` (GPU; nothing but the driver
-  library): load that PTX with ``cuModuleLoadDataEx`` in torch's context and launch
-  it with torch tensors' pointers on torch's current stream, exactly as
-  ``csrc/bindings.cu`` launches the extension.
+- ``Ptx70(folder)`` and its ``grouped_forward`` / ``xqa_forward`` (GPU; only the driver
+  library, libcuda, through ctypes): load that PTX with ``cuModuleLoadDataEx`` in torch's
+  context and launch it with torch tensors' pointers on torch's current stream, exactly
+  as ``csrc/bindings.cu`` launches the extension. The signatures are those of
+  ``qsa_lab.kernels``, so the same comparison code runs all three.
 
 Nothing about the kernels' arguments is assumed: ``GroupedParams`` / ``XqaParams`` are
 read from the header into ``ctypes`` structures, whose size must equal the PTX's
@@ -46,43 +47,6 @@ PROBE = "qsa_ptx70_smem_probe"
 CONSTANTS = "qsa_ptx70_constants"
 Q_HEADS = range(1, 9)           # every geometry the kernels take (qsa_lab.kernels limits)
 HEAD_DIMS = range(16, 257, 16)
-
-
-def header_features(headers: str) -> dict:
-    """How the headers split XQA (the binding follows them): a per-format reduce kernel,
-    per-format partition sizes and partial dtypes, and xqa_smem_bytes' arguments."""
-    text = strip_comments(headers)
-    return {
-        "reduce_per_format": bool(re.search(r"template\s*<\s*int\s+\w+\s*>\s*__global__[^;{]*?\bxqa_reduce_kernel\s*\(",
-                                            text)),
-        "partition_per_format": bool(re.search(r"\bpartition_tokens\s*\(\s*int\b", text)),
-        "partial_bytes": bool(re.search(r"\bpartial_bytes\s*\(\s*int\b", text)),
-        "xqa_smem_takes_format": bool(re.search(r"\bxqa_smem_bytes\s*\(\s*int\s+\w+\s*,\s*int\s+\w+\s*,\s*int\b", text)),
-    }
-
-
-def probe_source(formats, features: dict) -> str:
-    """Appended to nvrtc.instantiation_source(): the headers' own launch constants as an
-    array (read back from the PTX initializer), and a kernel that evaluates the headers'
-    own shared-memory functions on the GPU, so the Python replicas are checked against
-    the code the binding calls. Constants: grouped threads, XQA threads, then per format
-    the XQA partition tokens, then per format the partial bytes."""
-    part = (lambda f: f"qsa::xqa::partition_tokens({f})") if features["partition_per_format"] \
-        else (lambda f: "qsa::xqa::kPartition")
-    pbytes = (lambda f: f"qsa::xqa::partial_bytes({f})") if features["partial_bytes"] else (lambda f: "4")
-    values = ["qsa::grouped::kThreads", "qsa::xqa::kThreads"] + [part(f) for f in formats] + [pbytes(f) for f in formats]
-    xqa = "".join(
-        f"  xqa[i * {len(formats)} + {k}] = qsa::xqa_smem_bytes(q_heads[i], head_dims[i]"
-        f"{', ' + f if features['xqa_smem_takes_format'] else ''});\n" for k, f in enumerate(formats))
-    return f"""
-extern "C" __device__ const int {CONSTANTS}[{len(values)}] = {{{", ".join(values)}}};
-extern "C" __global__ void {PROBE}(int n, const int* q_heads, const int* head_dims,
-                                   unsigned int* grouped, unsigned int* xqa) {{
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  grouped[i] = qsa::grouped::smem_layout(q_heads[i], head_dims[i]).total;
-{xqa}}}
-"""
 
 
 class StaleError(RuntimeError):
@@ -156,6 +120,43 @@ def entry_points(formats, variants, reduce_per_format: bool = False) -> list[Ent
                                   variant_key(var), params="GroupedParams"))
     eps.append(EntryPoint("probe", PROBE))
     return eps
+
+
+def header_features(headers: str) -> dict:
+    """How the headers split XQA (the binding follows them): a per-format reduce kernel,
+    per-format partition sizes and partial dtypes, and xqa_smem_bytes' arguments."""
+    text = strip_comments(headers)
+    return {
+        "reduce_per_format": bool(re.search(r"template\s*<\s*int\s+\w+\s*>\s*__global__[^;{]*?\bxqa_reduce_kernel\s*\(",
+                                            text)),
+        "partition_per_format": bool(re.search(r"\bpartition_tokens\s*\(\s*int\b", text)),
+        "partial_bytes": bool(re.search(r"\bpartial_bytes\s*\(\s*int\b", text)),
+        "xqa_smem_takes_format": bool(re.search(r"\bxqa_smem_bytes\s*\(\s*int\s+\w+\s*,\s*int\s+\w+\s*,\s*int\b", text)),
+    }
+
+
+def probe_source(formats, features: dict) -> str:
+    """Appended to nvrtc.instantiation_source(): the headers' own launch constants as an
+    array (read back from the PTX initializer), and a kernel that evaluates the headers'
+    own shared-memory functions on the GPU, so the Python replicas are checked against
+    the code the binding calls. Constants: grouped threads, XQA threads, then per format
+    the XQA partition tokens, then per format the partial bytes."""
+    part = (lambda f: f"qsa::xqa::partition_tokens({f})") if features["partition_per_format"] \
+        else (lambda f: "qsa::xqa::kPartition")
+    pbytes = (lambda f: f"qsa::xqa::partial_bytes({f})") if features["partial_bytes"] else (lambda f: "4")
+    values = ["qsa::grouped::kThreads", "qsa::xqa::kThreads"] + [part(f) for f in formats] + [pbytes(f) for f in formats]
+    xqa = "".join(
+        f"  xqa[i * {len(formats)} + {k}] = qsa::xqa_smem_bytes(q_heads[i], head_dims[i]"
+        f"{', ' + f if features['xqa_smem_takes_format'] else ''});\n" for k, f in enumerate(formats))
+    return f"""
+extern "C" __device__ const int {CONSTANTS}[{len(values)}] = {{{", ".join(values)}}};
+extern "C" __global__ void {PROBE}(int n, const int* q_heads, const int* head_dims,
+                                   unsigned int* grouped, unsigned int* xqa) {{
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  grouped[i] = qsa::grouped::smem_layout(q_heads[i], head_dims[i]).total;
+{xqa}}}
+"""
 
 
 # ---------------------------------------------------------------- NVRTC with name expressions
