@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Everything the compiled kernels need checked on a GPU node, in one go:
-#   build -> tests/gpu -> benchmark -> compute-sanitizer.   bash benchmarks/gpu_check.sh OUTDIR [full]
-# OUTDIR gets run.log (the summary), logs.tgz (every log) and bench.json.
+# Everything the compiled kernels need checked on a GPU node, in one run (about 5-8 minutes
+# on an H200): build -> tests/gpu -> compute-sanitizer (memcheck on every variant, racecheck)
+# -> ncu counters of the grouped variants -> benchmark.
+#   bash benchmarks/gpu_check.sh OUTDIR [full|quick]        (default: full)
+# OUTDIR gets gpu_check_h200.log (this summary), bench_h200.json, ncu_variants_h200.txt and
+# logs.tgz (every log); copy the first three into data/ to commit them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-results/gpu_check}; MODE=${2:-quick}
+OUT=${1:-results/gpu_check}; MODE=${2:-full}
 mkdir -p "$OUT/logs"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-exec > >(tee "$OUT/run.log") 2>&1
-stage() { echo; echo "######## $1 ($(date +%T))"; }
+exec > >(tee "$OUT/gpu_check_h200.log") 2>&1
+T0=$(date +%s)
+stage() { echo; echo "######## $1 ($(date -u +%T), +$(( $(date +%s) - T0 )) s)"; }
 
 stage "machine"
 nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+echo "csrc/ at $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- csrc 2>/dev/null || echo ' + uncommitted changes')"
 stage "build"
 /usr/bin/time -f "build wall %e s" $PY -c "
 from qsa_lab import kernels; kernels.load(); import json; print(json.dumps(kernels.status(), indent=1))" \
@@ -23,13 +29,15 @@ timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider -rfE tests/gpu
   -k "not binding" >"$OUT/logs/pytest.log" 2>&1
 timeout 120 $PY -m pytest -q -p no:cacheprovider -rfE tests/gpu -k binding >"$OUT/logs/pytest_binding.log" 2>&1
 for f in "$OUT/logs/pytest.log" "$OUT/logs/pytest_binding.log"; do
-  echo "-- $f"; tail -1 "$f"
+  echo "-- $(basename "$f")"; tail -1 "$f"
   grep -E "^(FAILED|ERROR)|^E  |Fatal|tests/gpu/test_kernels_cuda.py\", line" "$f" | head -30
 done
+stage "sanitize"
+timeout ${SAN_TIMEOUT:-240} bash benchmarks/sanitize.sh "$OUT/logs/sanitize"
+stage "ncu"
+timeout ${NCU_TIMEOUT:-180} bash benchmarks/ncu_variants.sh "$OUT/ncu_variants_h200.txt"
 stage "bench ($MODE)"
 if [ "$MODE" = full ]; then B=""; else B="--quick"; fi
-timeout ${BENCH_TIMEOUT:-240} $PY benchmarks/bench.py $B --json "$OUT/bench.json"
-stage "sanitize"
-timeout ${SAN_TIMEOUT:-300} bash benchmarks/sanitize.sh "$OUT/logs/sanitize"
+timeout ${BENCH_TIMEOUT:-240} $PY benchmarks/bench.py $B --json "$OUT/bench_h200.json"
 stage "done"
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"

@@ -9,7 +9,7 @@ LOG=${1:-results/sanitize}
 mkdir -p "$LOG"
 CS=${COMPUTE_SANITIZER:-compute-sanitizer}
 PY=${PYTHON:-python3}
-OK="unfixed,kernel_fix,masked_load"
+OK="unfixed,kernel_fix,masked_load,early_v"
 summary() { grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^variant|^xqa|Error|error" "$1" | grep -v "^=========     " | head -20; }
 
 $PY benchmarks/sanitize_case.py --variants "$OK" >"$LOG/plain.log" 2>&1 || { cat "$LOG/plain.log"; exit 1; }

@@ -16,7 +16,7 @@ from qsa_lab.plan import plan_groups, xqa_tokens
 from qsa_lab.poison import apply_poison
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--variants", default="unfixed,kernel_fix,masked_load,kernel_fix_no_leading_barrier")
+ap.add_argument("--variants", default="unfixed,kernel_fix,masked_load,kernel_fix_no_leading_barrier,early_v")
 ap.add_argument("--kv", default="e4m3")
 ap.add_argument("--site", default="random")
 ap.add_argument("--context", type=int, default=1030)

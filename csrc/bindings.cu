@@ -106,7 +106,8 @@ void dispatch_variant(int variant, const qsa::GroupedParams& p, int groups, unsi
     case qsa::kMaskedLoad: return launch_grouped<FMT, qsa::kMaskedLoad>(p, groups, smem, stream);
     case qsa::kKernelFixNoLeadingBarrier:
       return launch_grouped<FMT, qsa::kKernelFixNoLeadingBarrier>(p, groups, smem, stream);
-    default: TORCH_CHECK(false, "variant: expected 0..3, got " + num(variant));
+    case qsa::kEarlyV: return launch_grouped<FMT, qsa::kEarlyV>(p, groups, smem, stream);
+    default: TORCH_CHECK(false, "variant: expected 0..4, got " + num(variant));
   }
 }
 
@@ -120,7 +121,7 @@ std::vector<at::Tensor> grouped_forward(const at::Tensor& q, const at::Tensor& k
   const at::Device device = q.device();
   const int q_heads = (int)q.size(1), head_dim = (int)q.size(2);
   check_kv_cache(kv_cache, (int)kv_format, head_dim, device);
-  TORCH_CHECK(variant >= 0 && variant <= 3, "variant: expected 0..3, got " + num(variant));
+  TORCH_CHECK(variant >= qsa::kUnfixed && variant <= qsa::kEarlyV, "variant: expected 0..4, got " + num(variant));
   check_cuda_tensor(group_rows_in, "group_rows", device);
   TORCH_CHECK(group_rows_in.scalar_type() == at::kLong || group_rows_in.scalar_type() == at::kInt,
               "group_rows: expected dtype int64 or int32, got " + dtype_name(group_rows_in.scalar_type()));
@@ -194,12 +195,12 @@ std::vector<at::Tensor> grouped_forward(const at::Tensor& q, const at::Tensor& k
 
 template <int FMT>
 void launch_xqa(const qsa::XqaParams& p, int n, cudaStream_t stream) {
-  const unsigned int smem = qsa::xqa_smem_bytes(p.q_heads, p.head_dim);
+  const unsigned int smem = qsa::xqa_smem_bytes(p.q_heads, p.head_dim, FMT);
   auto kernel = qsa::xqa_partition_kernel<FMT>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kernel<<<dim3(p.parts, n), qsa::xqa::kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  qsa::xqa_reduce_kernel<<<n, qsa::xqa::kThreads, 0, stream>>>(p);
+  qsa::xqa_reduce_kernel<FMT><<<n, qsa::xqa::kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -237,15 +238,18 @@ at::Tensor xqa_forward(const at::Tensor& q_rows, const at::Tensor& kv_cache, dou
   }
 
   const c10::cuda::CUDAGuard guard(device);
-  const int parts = (int)((T + qsa::xqa::kPartition - 1) / qsa::xqa::kPartition);
-  at::Tensor part_o = at::empty({n, parts, q_heads, head_dim}, q_rows.options().dtype(at::kFloat));
+  // Upstream's split: 256-token partitions with fp32 partials (fp8), 1024 with fp16 (fp16 KV).
+  const int partition = qsa::xqa::partition_tokens((int)kv_format);
+  const int parts = (int)((T + partition - 1) / partition);
+  at::Tensor part_o = at::empty({n, parts, q_heads, head_dim},
+                                q_rows.options().dtype(qsa::xqa::partial_bytes((int)kv_format) == 2 ? at::kHalf : at::kFloat));
   at::Tensor part_ml = at::empty({2, n, parts, q_heads}, q_rows.options().dtype(at::kFloat));
   qsa::XqaParams p;
   p.q = reinterpret_cast<const __half*>(q_rows.data_ptr<at::Half>());
   p.kv = reinterpret_cast<const unsigned char*>(kv_cache.data_ptr());
   p.token_index = reinterpret_cast<const long long*>(token_index.data_ptr<int64_t>());
   p.token_count = token_count.data_ptr<int>();
-  p.part_o = part_o.data_ptr<float>();
+  p.part_o = part_o.data_ptr();
   p.part_m = part_ml[0].data_ptr<float>();
   p.part_l = part_ml[1].data_ptr<float>();
   p.out = reinterpret_cast<__half*>(out.data_ptr<at::Half>());
@@ -313,7 +317,7 @@ at::Tensor decode_panel(const at::Tensor& kv_cache, const at::Tensor& microblock
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "qsa_lab compiled kernels: grouped page4 forward (unfixed / fix A / fix C), XQA page4, decoder";
+  m.doc() = "qsa_lab compiled kernels: grouped page4 forward (unfixed / fix A / fix C / early V), XQA page4, decoder";
   m.def("grouped_forward", &grouped_forward, "grouped page4 forward (see qsa_lab.kernels.grouped_forward)");
   m.def("xqa_forward", &xqa_forward, "row-wise XQA page4 forward (see qsa_lab.kernels.xqa_forward)");
   m.def("decode_panel", &decode_panel, "decode microblocks with the kernels' decoder (debug)");

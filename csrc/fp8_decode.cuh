@@ -19,9 +19,8 @@ struct KvTraits {
   static constexpr int kElemsPer16B = 16 / kBytes;  // elements in one 16-byte load
 };
 
-// E4M3 (fn variant) codes -> fp16, branch-free: the panel loader decodes 64 codes per
-// thread per tile, and a per-code if/else cost 11% of the whole grouped kernel on an
-// H200 (1.265 -> 1.127 ms on the report's geometry). Every E4M3 value is exact in fp16:
+// One E4M3 (fn variant) code -> fp16 bits, branch-free (XQA decodes element by
+// element with it). Every E4M3 value is exact in fp16:
 //   magnitude m = code & 0x7F placed at fp16 bits m << 7 reads as 2^-8 times the E4M3
 //   value, normals and subnormals alike (fp16 keeps subnormals), so one exact fp16
 //   multiply by 256 rebiases it; NaN 0x7F / 0xFF becomes fp16 0x7E00 / 0xFE00, the
@@ -41,16 +40,19 @@ __device__ __forceinline__ __half2 bits_to_half2(unsigned int bits) {
 
 __device__ __forceinline__ unsigned int half2_to_bits(__half2 h) { return *reinterpret_cast<unsigned int*>(&h); }
 
-// Two E4M3 codes, one in the low byte of each 16-bit lane of `pair`, -> two fp16 (packed).
-__device__ __forceinline__ unsigned int e4m3x2_to_half2_bits(unsigned int pair) {
-  const unsigned int mag = pair & 0x007F007Fu;
-  unsigned int bits = half2_to_bits(__hmul2(bits_to_half2(mag << 7), bits_to_half2(0x5C005C00u)));  // x 256
-  // NaN lanes (magnitude 0x7F): select 0x7E00 lane-wise without a branch.
-  const unsigned int nan_lo = (mag & 0xFFFFu) == 0x7Fu ? 0x0000FFFFu : 0u;
-  const unsigned int nan_hi = (mag >> 16) == 0x7Fu ? 0xFFFF0000u : 0u;
-  const unsigned int nan = nan_lo | nan_hi;
-  bits = (bits & ~nan) | (0x7E007E00u & nan);
-  return bits | ((pair & 0x00800080u) << 8);
+// Two E4M3 codes, one in the HIGH byte of each 16-bit lane of `hi` (low bytes zero),
+// -> two fp16 (packed). Seven instructions per pair (PRMT to build `hi`, shift, and,
+// HMUL2, HSET2, two LOP3), about half of a per-lane compare-and-select decoder: the
+// panel loader runs it on every code of every tile, so it is on the tile's critical path.
+//   magnitude at fp16 bits 7..13 (the sign bit 14 masked off) reads as 2^-8 x the E4M3
+//   value, normals and subnormals alike; one exact multiply by 256 rebiases it;
+//   magnitude 0x7F (E4M3 NaN) is 0x3F80 there, found by a lane-wise fp16 compare and
+//   replaced by 0x7E00; the sign is already at bit 15 of each lane.
+__device__ __forceinline__ unsigned int e4m3x2_hi_to_half2_bits(unsigned int hi) {
+  const unsigned int mag = (hi >> 1) & 0x3F803F80u;
+  const unsigned int scaled = half2_to_bits(__hmul2(bits_to_half2(mag), bits_to_half2(0x5C005C00u)));  // x 256
+  const unsigned int nan = __heq2_mask(bits_to_half2(mag), bits_to_half2(0x3F803F80u));  // 0xFFFF per NaN lane
+  return ((scaled & ~nan) | (0x7E007E00u & nan)) | (hi & 0x80008000u);
 }
 
 // E5M2 is the high byte of an fp16: Inf and NaN codes stay Inf and NaN.
@@ -66,37 +68,47 @@ __device__ __forceinline__ unsigned int decode_bits(unsigned int raw) {
   return raw & 0xFFFFu;
 }
 
-// Four fp8 codes packed little-endian in a word -> two words of fp16 pairs.
+// Four fp8 codes packed little-endian in a word -> two words of fp16 pairs. A byte
+// permute puts codes 0, 1 (then 2, 3) in the high bytes of the two lanes: that is
+// already E5M2's fp16, and E4M3's input form above.
 template <int FMT>
 __device__ __forceinline__ void decode_word(unsigned int w, unsigned int& lo, unsigned int& hi) {
-  const unsigned int even = (w & 0xFFu) | ((w & 0xFF00u) << 8);           // codes 0, 1 -> lanes
-  const unsigned int odd = ((w >> 16) & 0xFFu) | ((w >> 8) & 0x00FF0000u);  // codes 2, 3 -> lanes
+  const unsigned int codes01 = __byte_perm(w, 0u, 0x1404);  // bytes: 0, c0, 0, c1
+  const unsigned int codes23 = __byte_perm(w, 0u, 0x3424);  // bytes: 0, c2, 0, c3
   if (FMT == kE4M3) {
-    lo = e4m3x2_to_half2_bits(even);
-    hi = e4m3x2_to_half2_bits(odd);
-  } else {  // E5M2: each code becomes the high byte of its lane
-    lo = even << 8;
-    hi = odd << 8;
+    lo = e4m3x2_hi_to_half2_bits(codes01);
+    hi = e4m3x2_hi_to_half2_bits(codes23);
+  } else {
+    lo = codes01;
+    hi = codes23;
   }
 }
 
+// One 16-byte load of fp8 codes -> 16 fp16 values, as two 16-byte halves (codes 0..7
+// in `first`, 8..15 in `second`).
+template <int FMT>
+__device__ __forceinline__ void decode_fp8_16B(uint4 raw, uint4& first, uint4& second) {
+  static_assert(FMT == kE4M3 || FMT == kE5M2, "fp8 formats only");
+  decode_word<FMT>(raw.x, first.x, first.y);
+  decode_word<FMT>(raw.y, first.z, first.w);
+  decode_word<FMT>(raw.z, second.x, second.y);
+  decode_word<FMT>(raw.w, second.z, second.w);
+}
+
 // One 16-byte load of stored elements -> fp16 at dst (32 bytes for fp8, 16 for
-// fp16). dst must be 16-byte aligned. This is the decoder every kernel and the
-// decode_panel debug binding share.
+// fp16). dst must be 16-byte aligned. The decode_panel debug binding uses it; the
+// grouped panel loader uses decode_fp8_16B with its own store order.
 template <int FMT>
 __device__ __forceinline__ void store_decoded_16B(__half* dst, uint4 raw) {
   uint4* out = reinterpret_cast<uint4*>(dst);
-  if (FMT == kFP16) {
+  if constexpr (FMT == kFP16) {
     out[0] = raw;
-    return;
+  } else {
+    uint4 a, b;
+    decode_fp8_16B<FMT>(raw, a, b);
+    out[0] = a;
+    out[1] = b;
   }
-  uint4 a, b;
-  decode_word<FMT>(raw.x, a.x, a.y);
-  decode_word<FMT>(raw.y, a.z, a.w);
-  decode_word<FMT>(raw.z, b.x, b.y);
-  decode_word<FMT>(raw.w, b.z, b.w);
-  out[0] = a;
-  out[1] = b;
 }
 
 // One element at p (a byte for fp8, an fp16 for fp16) -> float. Used by XQA.

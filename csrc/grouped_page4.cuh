@@ -1,36 +1,51 @@
-// Grouped page4 QSA forward (SPEC §2): one CTA per group of 8 query rows.
+// Grouped page4 QSA forward: one CTA of 512 threads per group of 8 query rows, walking
+// the group's plan in tiles of 8 microblocks (32 tokens), with the per-tile structure
+// of the upstream route (1CatAI/1Cat-vLLM, flash-attention-v100/kernel/
+// flash_decode_paged.cu, flash_attention_grouped_verify_e5m2_partial_kernel with
+// SPARSE_PAGE4; fix A as in the PR author's fork, https://github.com/1CatAI/1Cat-vLLM/pull/647).
 //
-// Variants (template VARIANT), all in this one kernel so they differ only where
-// the comments marked "VARIANT:" say:
-//   kUnfixed                   the route as the report found it: padding rows are
-//                              loaded and masked by a select, so 0 * NaN reaches P@V
-//   kKernelFix                 fix A (the report's): zero unattended panel rows after
-//                              the load, between a leading and a trailing barrier
-//   kMaskedLoad                fix C (this project's): the loader writes zeros for
-//                              unattended rows instead of reading them; no barrier added
-//   kKernelFixNoLeadingBarrier fix A minus its leading barrier: test-only, shows what
-//                              that barrier protects (compute-sanitizer racecheck)
+// Per tile, in this order (K and V pass through ONE shared panel buffer, loaded
+// synchronously: the global reads of a panel are issued after the barrier before it):
+//   1. tile masks -> shared; K panel: every thread reads its 16-byte piece(s), decodes
+//      them to fp16 and stores them                                    barrier B1
+//      fix A: zero every K row no query attends (in 16-byte pieces)    barrier A1
+//   2. S = Q K^T on the tensor cores for the active M-tiles             barrier B2
+//   3. online softmax (fp32, NaN-ignoring fmaxf, P stored as fp16)      barrier B3
+//   4. rescale the output accumulators; V panel into the same buffer
+//      fix A: leading barrier A2, then zero every V row no query attends
+//                                                                       barrier B4
+//   5. O += P V on the tensor cores (0 * NaN = NaN happens here)        barrier B5
+//
+// Barriers per tile (kBarriersPerTile below, recorded in the bench JSON):
+//   kUnfixed                    5   the route as the report found it
+//   kKernelFix                  7   fix A: its K pass adds A1, its V pass the leading A2
+//   kMaskedLoad                 5   fix C (this project's): the loader writes zeros for
+//                                   rows no query attends instead of reading them
+//   kKernelFixNoLeadingBarrier  6   fix A without A2: test-only, compute-sanitizer
+//                                   racecheck shows what A2 protects
+//   kEarlyV                     5   NOT upstream, measured beside it: unfixed, with the
+//                                   tile's V bytes read into registers together with K
+//                                   (one global round trip per tile instead of two);
+//                                   stored into the panel at the same point as above
+//
+// The one departure from upstream's memory traffic in the upstream-structured variants:
+// the plan metadata of tile t+1 (its 8 microblock ids and masks, 64 bytes) is read into
+// registers while tile t runs, so a panel load waits for its data, not for the id that
+// the data's address depends on. The panel loads and barriers are unchanged by it.
+//
+// Faster than upstream inside that structure (the work per tile is the same):
+//   QK splits the head dims over two warps per (M-tile, 16-token n-tile) job (16 warps,
+//   at most 8 jobs), so a warp's dependent WMMA chain is a quarter of upstream's 16;
+//   the softmax uses 8 threads per score row (one microblock each, 3 shuffle steps)
+//   instead of a warp per row; E4M3 decodes at 7 instructions per pair of codes.
 //
 // Device code only (no torch headers): NVRTC compiles it for compute_70.
 // Only SM70 tensor-core features: WMMA 16x16x16, fp16 in, fp32 accumulate.
 //
-// Work split, 8 warps (256 threads):
-//   panel load  every thread: 16-byte loads of K/V codes, prefetched into registers one
-//               tile ahead (SM70 has no cp.async), decoded to fp16 into shared memory
-//   S = Q K^T   one warp per (active M-tile, 16-token half of the tile)
-//   softmax     4 threads per score row, 8 columns each
-//   O += P V    warp w owns output d-tiles w and w + 8 of every M-tile, as WMMA
-//               accumulators in registers for the whole walk
-//
 // Shared memory (head_dim D, ld = D + 8 halves; rows = 16 * M-tiles <= 64):
-//   Q [rows][ld] fp16 | K [32][ld] fp16 | V [32][ld] fp16 | S [rows][36] fp32 |
-//   P [rows][40] fp16 | alpha [64] | tile masks [8] | row max / sum [64] each
-//   Hq = 8, D = 256: 82 KB (V100 allows 96 KB with the opt-in).
-//
-// Speed (H200, data/bench_h200.json): one CTA walks its group's tiles in order, so a
-// batch of 16 rows runs on 2 SMs; ncu: ~10k cycles and ~1600 issued instructions per
-// warp per 32-token tile, 6.2 cycles per issued instruction (2 warps per scheduler):
-// issue/latency-bound, not memory-bound.
+//   Q [rows][ld] fp16 | KV panel [32][ld] fp16 | S [2][rows][36] fp32 (k-halves) |
+//   P [rows][40] fp16 | row scale [64] | tile masks [8] | row max / sum [64] each
+//   Hq = 6, D = 256: 60 KB; Hq = 8, D = 256: 75 KB (V100 allows 96 KB with the opt-in).
 #pragma once
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -44,7 +59,13 @@ enum Variant : int {
   kKernelFix = 1,
   kMaskedLoad = 2,
   kKernelFixNoLeadingBarrier = 3,
+  kEarlyV = 4,
 };
+
+// __syncthreads() per tile of each variant (see the file comment).
+__host__ __device__ constexpr int kBarriersPerTile(int variant) {
+  return variant == kKernelFix ? 7 : variant == kKernelFixNoLeadingBarrier ? 6 : 5;
+}
 
 namespace grouped {
 
@@ -55,32 +76,36 @@ constexpr int kWmma = 16;           // WMMA m = n = k
 constexpr int kMaxMTiles = 4;       // 8 queries x at most 8 heads = 64 score rows
 constexpr int kMaxScoreRows = kMaxMTiles * kWmma;
 constexpr int kMaxHeadDim = 256;
-constexpr int kWarps = 8;
+constexpr int kWarps = 16;          // 512 threads, as upstream
 constexpr int kThreads = kWarps * 32;
-constexpr int kThreadsPerRow = 4;                       // softmax threads per score row
+constexpr int kNTiles = kTileTokens / kWmma;            // QK n-tiles per tile
+constexpr int kQkJobs = kMaxMTiles * kNTiles;           // (M-tile, n-tile) jobs
+constexpr int kKSplit = kWarps / kQkJobs;               // warps per job, each a range of head dims
+constexpr int kThreadsPerRow = kThreads / kMaxScoreRows;  // softmax threads per score row
 constexpr int kColsPerThread = kTileTokens / kThreadsPerRow;
-constexpr int kDTilesPerWarp = kMaxHeadDim / kWmma / kWarps;
-constexpr int kRowPad = 8;               // halves added to each Q/K/V row: spreads banks
+constexpr int kMaxFrags = kMaxMTiles * (kMaxHeadDim / kWmma) / kWarps;  // P@V accumulators per warp
+constexpr int kRowPad = 8;               // halves added to each Q/panel row: spreads banks
 constexpr int kSLd = kTileTokens + 4;    // S row stride (floats)
 constexpr int kPLd = kTileTokens + 8;    // P row stride (halves)
 
 static_assert(kTileTokens == kEntriesPerTile * 4, "a microblock is 4 tokens");
 static_assert(kTileTokens == 2 * kWmma, "QK has two 16-token n-tiles, P@V two k-steps");
-static_assert(kThreads == kMaxScoreRows * kThreadsPerRow, "softmax: 4 threads per score row");
-static_assert(kColsPerThread == 8, "softmax: a thread's 8 columns span exactly 2 microblocks");
-static_assert(kMaxHeadDim % (kWmma * kWarps) == 0, "warps own equal numbers of d-tiles");
-static_assert(kWarps >= 2 * kMaxMTiles, "one QK job (M-tile x n-tile) per warp");
-static_assert(kMaxScoreRows / kWarps * kThreadsPerRow == 32,
-              "a warp's softmax rows lie in one M-tile, so its skip decision is warp-uniform");
+static_assert(kQkJobs * kKSplit == kWarps && kKSplit == 2, "QK: every warp has one job half");
+static_assert(kThreadsPerRow * kMaxScoreRows == kThreads && kColsPerThread == 4,
+              "softmax: 8 threads per score row, each exactly one microblock (4 columns)");
+static_assert(32 % kThreadsPerRow == 0 && kWmma * kThreadsPerRow % 32 == 0,
+              "softmax: a warp's rows lie in one M-tile (its guards are warp-uniform)");
+static_assert(kMaxFrags * kWarps == kMaxMTiles * (kMaxHeadDim / kWmma), "P@V: equal fragment split");
+static_assert(kThreads >= kEntriesPerTile, "one thread per tile mask");
 static_assert((kRowPad * 2) % 16 == 0 && kSLd % 4 == 0 && kPLd % 8 == 0,
-              "WMMA ldm: multiple of 16 bytes");
+              "WMMA ldm and 16-byte vector accesses: multiples of 16 bytes");
 
 // Byte offsets of the shared-memory regions, each 128-byte aligned. Host and
 // device compute the same layout from (q_heads, head_dim).
 struct SmemLayout {
-  int ld;       // Q/K/V row stride in halves
+  int ld;       // Q / panel row stride in halves
   int m_tiles;  // ceil(8 * q_heads / 16)
-  unsigned int q, k, v, s, p, alpha, tile_mask, row_m, row_l, total;
+  unsigned int q, kv, s, s_half, p, scale, tile_mask, row_m, row_l, total;
 };
 
 __host__ __device__ inline unsigned int align128(unsigned int x) { return (x + 127u) & ~127u; }
@@ -92,21 +117,26 @@ __host__ __device__ inline SmemLayout smem_layout(int q_heads, int head_dim) {
   const unsigned int rows = (unsigned int)L.m_tiles * kWmma;
   unsigned int off = 0;
   L.q = off;         off = align128(off + rows * L.ld * 2);
-  L.k = off;         off = align128(off + kTileTokens * L.ld * 2);
-  L.v = off;         off = align128(off + kTileTokens * L.ld * 2);
-  L.s = off;         off = align128(off + rows * kSLd * 4);
+  L.kv = off;        off = align128(off + kTileTokens * L.ld * 2);
+  L.s = off;         L.s_half = rows * kSLd;  // floats between the two k-halves of S
+  off = align128(off + kKSplit * rows * kSLd * 4);
   L.p = off;         off = align128(off + rows * kPLd * 2);
-  L.alpha = off;     off = align128(off + kMaxScoreRows * 4);
-  L.tile_mask = off; off = align128(off + kEntriesPerTile * 4);
+  L.scale = off;     off = align128(off + kMaxScoreRows * 4);
+  // tile masks [8] | M-tile query bits [4] | per-warp "a row scale is not 1" flags [16 bytes]
+  L.tile_mask = off; off = align128(off + (kEntriesPerTile + kMaxMTiles) * 4 + kWarps);
   L.row_m = off;     off = align128(off + kMaxScoreRows * 4);
   L.row_l = off;     off = align128(off + kMaxScoreRows * 4);
   L.total = off;
   return L;
 }
 
+constexpr float kNegInf = -1.0e30f;  // masked score and initial row max, as upstream
+constexpr float kExpFloor = -80.f;   // exponent clamp of P and of the rescale factor
+
 }  // namespace grouped
 
-// Arguments of the grouped forward. Shapes are checked by the binding.
+// Arguments of the grouped forward (plain C: pointers, int, long long, float). Shapes
+// are checked by the binding.
 struct GroupedParams {
   const __half* q;               // [rows, q_heads, head_dim]
   const unsigned char* kv;       // [pages, 2, page_size, 1, head_dim] codes (fp8) or fp16
@@ -133,9 +163,13 @@ grouped_page4_forward(const GroupedParams p) {
   using FragV = wmma::fragment<wmma::matrix_b, kWmma, kWmma, kWmma, __half, wmma::row_major>;
   using FragAcc = wmma::fragment<wmma::accumulator, kWmma, kWmma, kWmma, float>;
   static_assert(FragAcc::num_elements == 8, "accumulator element map holds 8 entries");
+  static_assert(VARIANT >= kUnfixed && VARIANT <= kEarlyV, "unknown variant");
+  constexpr bool kFixA = VARIANT == kKernelFix || VARIANT == kKernelFixNoLeadingBarrier;
+  constexpr bool kMasked = VARIANT == kMaskedLoad;
+  constexpr bool kVEarly = VARIANT == kEarlyV;
 
-  // Stored elements per 16-byte load, and the register slots a thread needs to hold
-  // one 32-token panel of the largest head_dim.
+  // Stored elements per 16-byte load, and the 16-byte pieces ("slots") a thread loads
+  // per panel at the largest head_dim: one for fp8, two for fp16.
   constexpr int kElems16 = KvTraits<FMT>::kElemsPer16B;
   constexpr int kSlots = kTileTokens * kMaxHeadDim / kElems16 / kThreads;
   static_assert(kSlots * kThreads * kElems16 == kTileTokens * kMaxHeadDim, "even panel split");
@@ -143,12 +177,13 @@ grouped_page4_forward(const GroupedParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const SmemLayout L = smem_layout(p.q_heads, p.head_dim);
   __half* Qs = reinterpret_cast<__half*>(smem + L.q);
-  __half* Ks = reinterpret_cast<__half*>(smem + L.k);
-  __half* Vs = reinterpret_cast<__half*>(smem + L.v);
+  __half* KVs = reinterpret_cast<__half*>(smem + L.kv);
   float* Ss = reinterpret_cast<float*>(smem + L.s);
   __half* Ps = reinterpret_cast<__half*>(smem + L.p);
-  float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
+  float* scale_s = reinterpret_cast<float*>(smem + L.scale);
   unsigned int* tile_mask_s = reinterpret_cast<unsigned int*>(smem + L.tile_mask);
+  unsigned int* mtile_bits_s = tile_mask_s + kEntriesPerTile;
+  unsigned char* rescale_s = reinterpret_cast<unsigned char*>(mtile_bits_s + kMaxMTiles);
   float* row_m_s = reinterpret_cast<float*>(smem + L.row_m);
   float* row_l_s = reinterpret_cast<float*>(smem + L.row_l);
 
@@ -183,251 +218,331 @@ grouped_page4_forward(const GroupedParams p) {
   // element (r, c) holds r * 16 + c. Ss is free scratch until the first tile.
   for (int i = tid; i < kWmma * kWmma; i += kThreads) Ss[(i / kWmma) * kSLd + i % kWmma] = (float)i;
   __syncthreads();  // the map matrix is written before any warp loads it
-  int elem_rc[FragAcc::num_elements];
+  // Packed 4 bits per element (row in elem_row, column in elem_col): registers are
+  // the scarce resource at 512 threads (128 per thread).
+  unsigned int elem_row = 0, elem_col = 0;
   {
     FragAcc map;
     wmma::load_matrix_sync(map, Ss, kSLd, wmma::mem_row_major);
 #pragma unroll
-    for (int e = 0; e < FragAcc::num_elements; ++e) elem_rc[e] = (int)map.x[e];
+    for (int e = 0; e < FragAcc::num_elements; ++e) {
+      elem_row |= ((unsigned int)map.x[e] / kWmma) << (4 * e);
+      elem_col |= ((unsigned int)map.x[e] % kWmma) << (4 * e);
+    }
   }
-  __syncthreads();  // every warp has read the map before Ss holds scores
 
-  // ---- Per-thread state.
-  // Softmax: score row r, columns 8*quarter .. 8*quarter+7 of each tile.
-  const int r = tid / kThreadsPerRow, quarter = tid % kThreadsPerRow;
-  const int query = r / Hq;  // >= 8 for padding rows: they attend nothing
-  float row_m = -1e30f, row_l = 0.f;
-  // O: this warp's d-tiles (warp + i * kWarps) of every M-tile, in registers.
-  FragAcc acc_o[kMaxMTiles][kDTilesPerWarp];
-#pragma unroll
-  for (int mt = 0; mt < kMaxMTiles; ++mt)
-#pragma unroll
-    for (int i = 0; i < kDTilesPerWarp; ++i) wmma::fill_fragment(acc_o[mt][i], 0.f);
+  // ---- Softmax role: score row srow, columns 4*seg .. 4*seg+3 = microblock seg of the tile.
+  const int srow = tid / kThreadsPerRow, seg = tid % kThreadsPerRow;
+  const int squery = srow / Hq;  // >= 8 for padding rows: they attend nothing
+  float row_max = kNegInf, row_sum = 0.f;
 
-  // ---- Panel loader. Slot s of this thread is the 16-byte piece c = tid + s*kThreads
-  // of the panel: token j = c / per_row, piece c % per_row, in both the K and V plane.
-  // Software pipeline, since SM70 has no cp.async: while tile t is computed, the bytes
-  // of tile t+1 are in flight into kreg/vreg, and the microblock ids of tile t+2 (which
-  // t+2's addresses depend on) into slot_mb/slot_bits.
+  // ---- P@V role: accumulator i of this warp is output tile warp + 16 i, i.e. M-tile
+  // f_mt, d-tile f_dt (for D = 256: d-tile `warp` of every M-tile, as upstream).
+  // Packed a byte per fragment: M-tile in bits 6..7, d-tile in bits 0..4; bit 5 set (and
+  // M-tile, d-tile 0, valid addresses) when the warp has no such fragment.
+  FragAcc acc[kMaxFrags];
+  unsigned int frag_pos = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxFrags; ++i) {
+    wmma::fill_fragment(acc[i], 0.f);
+    const int idx = warp + i * kWarps;
+    const int mt = idx / d_tiles, dt = idx % d_tiles;
+    frag_pos |= (mt < m_tiles ? (unsigned int)(mt << 6 | dt) : 0x20u) << (8 * i);
+  }
+  auto frag_ok = [&](int i) { return ((frag_pos >> (8 * i)) & 0x20u) == 0u; };
+  // This warp's fragments are a prefix 0 .. n_frags-1 (output tile warp + 16 i exists
+  // while it is below m_tiles * d_tiles).
+  int n_frags = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxFrags; ++i) n_frags += frag_ok(i) ? 1 : 0;
+  auto frag_mt = [&](int i) { return (int)((frag_pos >> (8 * i + 6)) & 3u); };
+  auto frag_dt = [&](int i) { return (int)((frag_pos >> (8 * i)) & 0x1Fu); };
+  static_assert(kMaxMTiles <= 4 && kMaxHeadDim / kWmma <= 32, "fragment position packing");
+  // Queries of each M-tile as mask nibbles, in shared memory: M-tile m is active in a
+  // tile when the OR of the tile's masks has a bit in mtile_bits_s[m].
+  if (tid < kMaxMTiles) {
+    unsigned int bits = 0;
+    if (tid < m_tiles)
+      for (int qq = (tid * kWmma) / Hq; qq <= min(kQueries - 1, (tid * kWmma + kWmma - 1) / Hq); ++qq)
+        bits |= 0xFu << (4 * qq);
+    mtile_bits_s[tid] = bits;
+  }
+  __syncthreads();  // every warp has read the element map before Ss holds scores; mtile_bits_s is visible
+
+  // ---- Panel loader role. Slot s of this thread is the 16-byte piece c = tid + s*512
+  // of the panel: token j = c / per_row, first column (c % per_row) * kElems16.
   const int per_row = D / kElems16;
   const int panel_pieces = kTileTokens * per_row;
-  const int mb_per_page = p.page_size / 4;
+  const int page_size = p.page_size;
+  const int mb_per_page = page_size / 4;
+  const bool page_pow2 = (mb_per_page & (mb_per_page - 1)) == 0;
+  const int mb_shift = __ffs(mb_per_page) - 1;
   const size_t row_bytes = (size_t)D * KvTraits<FMT>::kBytes;
-  const size_t plane_bytes = (size_t)p.page_size * row_bytes;
-  int slot_j[kSlots], slot_col[kSlots];  // token and first column of each slot (-1: no slot)
+  const size_t plane_bytes = (size_t)page_size * row_bytes;
+  int slot_j[kSlots], slot_col[kSlots];
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
     const int c = tid + s * kThreads;
     slot_j[s] = c < panel_pieces ? c / per_row : -1;
     slot_col[s] = (c % per_row) * kElems16;
   }
-  int slot_mb[kSlots];
-  unsigned int slot_bits[kSlots];  // mask bits of the slot's token (any query)
-  uint4 kreg[kSlots], vreg[kSlots];
-
-  auto load_ids = [&](int t) {
+  // Plan metadata of the next tile, read one tile ahead (see the file comment).
+  int next_mb[kSlots];
+  bool next_read[kSlots];
+  unsigned int next_tile_mask = 0;
+  auto load_meta = [&](int t) {
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
+      next_mb[s] = -1;  // -1: nothing to read, the piece stays zero
+      next_read[s] = false;
       const int j = slot_j[s];
-      slot_mb[s] = -1;  // -1: nothing to read
-      slot_bits[s] = 0;
       if (j >= 0 && t < n_tiles) {
         const int e = t * kEntriesPerTile + j / 4;
         const int mb = __ldg(mb_g + e);
-        slot_mb[s] = (mb >= 0 && mb < p.n_microblocks) ? mb : -1;
-        slot_bits[s] = __ldg(mask_g + e) & (0x11111111u << (j & 3));
+        next_mb[s] = (mb >= 0 && mb < p.n_microblocks) ? mb : -1;
+        // VARIANT: fix C never reads a token that no query attends.
+        next_read[s] = !kMasked || (__ldg(mask_g + e) & (0x11111111u << (j & 3))) != 0u;
       }
     }
+    if (tid < kEntriesPerTile) next_tile_mask = t < n_tiles ? __ldg(mask_g + t * kEntriesPerTile + tid) : 0u;
   };
-  auto load_data = [&](int t) {
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      kreg[s] = make_uint4(0, 0, 0, 0);
-      vreg[s] = make_uint4(0, 0, 0, 0);
-      // VARIANT: fix C never reads a token that no query attends (its zeros stay).
-      const bool read = slot_mb[s] >= 0 && (VARIANT != kMaskedLoad || slot_bits[s] != 0);
-      if (read) {
-        const int page = slot_mb[s] / mb_per_page;
-        const int in_page = (slot_mb[s] - page * mb_per_page) * 4 + (slot_j[s] & 3);
-        const unsigned char* k_src =
-            p.kv + (size_t)page * 2 * plane_bytes + (size_t)in_page * row_bytes + (size_t)slot_col[s] * KvTraits<FMT>::kBytes;
-        kreg[s] = __ldg(reinterpret_cast<const uint4*>(k_src));
-        vreg[s] = __ldg(reinterpret_cast<const uint4*>(k_src + plane_bytes));
-      }
+  // Global address of slot s's piece in the K plane (the V plane is plane_bytes on).
+  // 32-bit index math (ids are int32); only the final byte offset is 64-bit.
+  auto piece_src = [&](int s, int mb) {
+    const int page = page_pow2 ? (mb >> mb_shift) : mb / mb_per_page;
+    const int in_page = (mb - page * mb_per_page) * 4 + (slot_j[s] & 3);
+    return p.kv + ((size_t)page * 2 * page_size + in_page) * row_bytes + (size_t)slot_col[s] * KvTraits<FMT>::kBytes;
+  };
+  auto store_piece = [&](int s, uint4 raw) {
+    __half* dst = KVs + slot_j[s] * ld + slot_col[s];
+    if constexpr (FMT == kFP16) {
+      *reinterpret_cast<uint4*>(dst) = raw;
+    } else {
+      uint4 first, second;
+      decode_fp8_16B<FMT>(raw, first, second);
+      reinterpret_cast<uint4*>(dst)[0] = first;
+      reinterpret_cast<uint4*>(dst)[1] = second;
     }
   };
-  auto store_panels = [&]() {
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      if (slot_j[s] >= 0) {
-        store_decoded_16B<FMT>(Ks + slot_j[s] * ld + slot_col[s], kreg[s]);
-        store_decoded_16B<FMT>(Vs + slot_j[s] * ld + slot_col[s], vreg[s]);
-      }
+  // Fix A's zeroing pass: every 16-byte piece of a panel row no query attends, with a
+  // thread mapping other than the loader's (as upstream), so without a barrier between
+  // them a loader store of another thread may land after the zero.
+  auto zero_unattended_rows = [&]() {
+    const int vec_per_row = D / 8;
+    for (int i = tid; i < kTileTokens * vec_per_row; i += kThreads) {
+      const int j = i / vec_per_row;
+      if ((tile_mask_s[j / 4] & (0x11111111u << (j & 3))) == 0u)
+        *reinterpret_cast<uint4*>(KVs + j * ld + (i % vec_per_row) * 8) = make_uint4(0, 0, 0, 0);
     }
   };
 
-  load_ids(0);
-  load_data(0);
-  load_ids(1);
-  unsigned int next_tile_mask = (tid < kEntriesPerTile && n_tiles > 0) ? __ldg(mask_g + tid) : 0u;
-
+  load_meta(0);
   for (int t = 0; t < n_tiles; ++t) {
-    // ---- 1. Panels of tile t -> shared memory; start loading tile t+1.
-    store_panels();
+    int cur_mb[kSlots];
+    bool cur_read[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      cur_mb[s] = next_mb[s];
+      cur_read[s] = next_read[s] && next_mb[s] >= 0;
+    }
     if (tid < kEntriesPerTile) tile_mask_s[tid] = next_tile_mask;
-    load_data(t + 1);
-    load_ids(t + 2);
-    next_tile_mask = (tid < kEntriesPerTile && t + 1 < n_tiles)
-                         ? __ldg(mask_g + (t + 1) * kEntriesPerTile + tid) : 0u;
+    // Loop-invariant values the compiler would otherwise expand once into ~60 live
+    // registers (every element's scale address, every slot's offsets): re-derived per
+    // tile from these few words instead, which keeps the kernel under 128 registers
+    // (512 threads) without spilling.
+    asm volatile("" : "+r"(elem_row), "+r"(elem_col), "+r"(frag_pos));
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) asm volatile("" : "+r"(slot_j[s]), "+r"(slot_col[s]));
 
-    // VARIANT: fix A zeroes every panel row that no query attends, so P@V computes
-    // 0 * 0 instead of 0 * NaN. Rows are zeroed in 16-byte pieces by a thread mapping
-    // other than the loader's, as in the real route: another thread's panel store
-    // could land after the zero and bring the NaN back, hence the leading barrier.
-    if (VARIANT == kKernelFix || VARIANT == kKernelFixNoLeadingBarrier) {
-      // VARIANT: kKernelFixNoLeadingBarrier omits this barrier on purpose (racecheck demo).
-      if (VARIANT == kKernelFix) __syncthreads();  // panel stores and tile masks land before the zeroing
-      const int vec_per_row = D / 8;
-      for (int i = tid; i < 2 * kTileTokens * vec_per_row; i += kThreads) {
-        const int plane = i / (kTileTokens * vec_per_row);
-        const int j = (i / vec_per_row) % kTileTokens;
-        if ((tile_mask_s[j / 4] & (0x11111111u << (j & 3))) == 0u) {
-          __half* panel = plane == 0 ? Ks : Vs;
-          *reinterpret_cast<uint4*>(panel + j * ld + (i % vec_per_row) * 8) = make_uint4(0, 0, 0, 0);
-        }
+    // ---- 1. K panel (and, for kEarlyV only, the V bytes into registers).
+    uint4 k_raw[kSlots], v_raw[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      k_raw[s] = v_raw[s] = make_uint4(0, 0, 0, 0);
+      if (slot_j[s] >= 0 && cur_read[s]) {
+        const unsigned char* src = piece_src(s, cur_mb[s]);
+        k_raw[s] = __ldg(reinterpret_cast<const uint4*>(src));
+        if (kVEarly) v_raw[s] = __ldg(reinterpret_cast<const uint4*>(src + plane_bytes));  // VARIANT
       }
     }
-    __syncthreads();  // panels (zeroed rows included, for fix A) and tile masks are visible to QK, softmax, P@V
-
-    // ---- 2. Active M-tiles: those touched by a query with any bit in the tile.
-    unsigned int tile_or = 0;
+    load_meta(t + 1);  // in flight during this tile; used by the next one
 #pragma unroll
-    for (int e = 0; e < kEntriesPerTile; ++e) tile_or |= tile_mask_s[e];
-    unsigned int active = 0;
-    for (int qq = 0; qq < kQueries; ++qq)
-      if ((tile_or >> (4 * qq)) & 0xFu)
-        for (int mt = (qq * Hq) / kWmma; mt <= (qq * Hq + Hq - 1) / kWmma; ++mt) active |= 1u << mt;
-
-    // ---- 3. S = Q K^T for the active M-tiles (unscaled, fp32).
-    for (int job = warp; job < 2 * m_tiles; job += kWarps) {
-      const int mt = job / 2, nt = job % 2;
-      if (!((active >> mt) & 1u)) continue;  // warp-uniform
-      // Two accumulators (even / odd k-steps) halve the dependent MMA chain; their
-      // fragments share one layout, so they add element-wise.
-      FragAcc s_acc[2];
-      wmma::fill_fragment(s_acc[0], 0.f);
-      wmma::fill_fragment(s_acc[1], 0.f);
-      for (int kt = 0; kt < d_tiles; kt += 2) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (kt + h >= d_tiles) break;  // d_tiles is odd for head_dim 16, 48, ...
-          FragA a;
-          FragKt b;
-          wmma::load_matrix_sync(a, Qs + mt * kWmma * ld + (kt + h) * kWmma, ld);
-          wmma::load_matrix_sync(b, Ks + nt * kWmma * ld + (kt + h) * kWmma, ld);
-          wmma::mma_sync(s_acc[h], a, b, s_acc[h]);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < FragAcc::num_elements; ++e) s_acc[0].x[e] += s_acc[1].x[e];
-      wmma::store_matrix_sync(Ss + mt * kWmma * kSLd + nt * kWmma, s_acc[0], kSLd, wmma::mem_row_major);
+    for (int s = 0; s < kSlots; ++s)
+      if (slot_j[s] >= 0) store_piece(s, k_raw[s]);
+    __syncthreads();  // B1: K panel and tile masks are visible to every warp
+    if (kFixA) {  // VARIANT: fix A's K pass
+      zero_unattended_rows();
+      __syncthreads();  // A1: the zeroed K rows are visible to QK
     }
-    __syncthreads();  // S is complete before the softmax reads it
 
-    // ---- 4. Online softmax, 4 threads per row; masking is a select, so NaN in an
-    // unattended K row is discarded here (V is another matter: step 5).
-    if (r < m_tiles * kWmma && ((active >> (r / kWmma)) & 1u)) {  // warp-uniform
-      float s[kColsPerThread];
-      bool att[kColsPerThread];
-      float tile_max = -1e30f;
-#pragma unroll
-      for (int c = 0; c < kColsPerThread; ++c) {
-        const int col = quarter * kColsPerThread + c;
-        att[c] = query < kQueries && ((tile_mask_s[col / 4] >> (query * 4 + (col & 3))) & 1u);
-        s[c] = att[c] ? Ss[r * kSLd + col] * p.qk_scale : -1e30f;
-        tile_max = fmaxf(tile_max, s[c]);
-      }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(row_m, tile_max);
-      const float alpha = expf(row_m - m_new);
-      float sum = 0.f;
-#pragma unroll
-      for (int c = 0; c < kColsPerThread; ++c) {
-        // P is rounded to fp16 (it feeds the tensor cores); the row sum adds the rounded values.
-        const __half ph = __float2half_rn(att[c] ? expf(fmaxf(s[c] - m_new, -80.f)) : 0.f);
-        Ps[r * kPLd + quarter * kColsPerThread + c] = ph;
-        sum += __half2float(ph);
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      row_l = row_l * alpha + sum;
-      row_m = m_new;
-      if (quarter == 0) alpha_s[r] = alpha;
-    }
-    __syncthreads();  // P and alpha are complete before P@V reads them
+    // Active M-tiles of this tile (identical in every thread).
+    static_assert(kEntriesPerTile == 8 && kMaxMTiles == 4, "masks read as two uint4, M-tile bits as one");
+    const uint4 ma = reinterpret_cast<const uint4*>(tile_mask_s)[0], mb4 = reinterpret_cast<const uint4*>(tile_mask_s)[1];
+    const unsigned int tile_or = ma.x | ma.y | ma.z | ma.w | mb4.x | mb4.y | mb4.z | mb4.w;
+    const uint4 qb = reinterpret_cast<const uint4*>(mtile_bits_s)[0];
+    const unsigned int active = ((tile_or & qb.x) != 0u ? 1u : 0u) | ((tile_or & qb.y) != 0u ? 2u : 0u) |
+                                ((tile_or & qb.z) != 0u ? 4u : 0u) | ((tile_or & qb.w) != 0u ? 8u : 0u);
 
-    // ---- 5. O = O * alpha + P V on the tensor cores. Every P, zero included, is
-    // multiplied: 0 * NaN = NaN is the bug being reproduced, so nothing is skipped.
+    // ---- 2. S = Q K^T (unscaled fp32): warp -> job (M-tile, n-tile) and k-half.
     {
-      FragV v_frag[kDTilesPerWarp][2];
+      const int job = warp % kQkJobs, half = warp / kQkJobs;
+      const int mt = job / kNTiles, nt = job % kNTiles;
+      if (mt < m_tiles && ((active >> mt) & 1u)) {  // warp-uniform
+        const int k_per_half = (d_tiles + 1) / 2;
+        const int k_begin = half * k_per_half, k_end = min(d_tiles, k_begin + k_per_half);
+        // Two accumulators (even / odd k-steps) halve the dependent MMA chain again;
+        // their fragments share one layout, so they add element-wise.
+        FragAcc s_acc[2];
+        wmma::fill_fragment(s_acc[0], 0.f);
+        wmma::fill_fragment(s_acc[1], 0.f);
+#pragma unroll 2
+        for (int kt = k_begin; kt < k_end; kt += 2) {
 #pragma unroll
-      for (int i = 0; i < kDTilesPerWarp; ++i) {
-        const int dt = warp + i * kWarps;
-        if (dt < d_tiles) {
-#pragma unroll
-          for (int kk = 0; kk < 2; ++kk)
-            wmma::load_matrix_sync(v_frag[i][kk], Vs + kk * kWmma * ld + dt * kWmma, ld);
+          for (int h = 0; h < 2; ++h) {
+            if (kt + h >= k_end) break;
+            FragA a;
+            FragKt b;
+            wmma::load_matrix_sync(a, Qs + mt * kWmma * ld + (kt + h) * kWmma, ld);
+            wmma::load_matrix_sync(b, KVs + nt * kWmma * ld + (kt + h) * kWmma, ld);
+            wmma::mma_sync(s_acc[h], a, b, s_acc[h]);
+          }
         }
-      }
 #pragma unroll
-      for (int mt = 0; mt < kMaxMTiles; ++mt) {
-        if (mt >= m_tiles || !((active >> mt) & 1u)) continue;  // warp-uniform
-        FragA p_frag[2];
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-          wmma::load_matrix_sync(p_frag[kk], Ps + mt * kWmma * kPLd + kk * kWmma, kPLd);
-        float alpha[FragAcc::num_elements];  // per element: its row's rescale factor
-#pragma unroll
-        for (int e = 0; e < FragAcc::num_elements; ++e) alpha[e] = alpha_s[mt * kWmma + elem_rc[e] / kWmma];
-#pragma unroll
-        for (int i = 0; i < kDTilesPerWarp; ++i) {
-          if (warp + i * kWarps >= d_tiles) continue;  // warp-uniform
-#pragma unroll
-          for (int e = 0; e < FragAcc::num_elements; ++e) acc_o[mt][i].x[e] *= alpha[e];
-          wmma::mma_sync(acc_o[mt][i], p_frag[0], v_frag[i][0], acc_o[mt][i]);
-          wmma::mma_sync(acc_o[mt][i], p_frag[1], v_frag[i][1], acc_o[mt][i]);
-        }
+        for (int e = 0; e < FragAcc::num_elements; ++e) s_acc[0].x[e] += s_acc[1].x[e];
+        wmma::store_matrix_sync(Ss + half * L.s_half + mt * kWmma * kSLd + nt * kWmma, s_acc[0], kSLd,
+                                wmma::mem_row_major);
       }
     }
-    __syncthreads();  // P@V and the softmax are done with K, V, P, alpha and tile masks before tile t+1 overwrites them
+    __syncthreads();  // B2: both k-halves of S are complete before the softmax reads them
+
+    // ---- 3. Online softmax, as upstream: masking is a select to -1e30; fmaxf ignores a
+    // NaN score, whose probability is then exp(-80) (0 in fp16); the row sum adds the
+    // fp32 probabilities; max and sum move only when the tile adds mass (tile_sum > 0).
+    // Rows of inactive M-tiles see no mask bit, so they change nothing (scale 1) and
+    // their stale S is never used.
+    if (srow < m_tiles * kWmma) {  // warp-uniform
+      const unsigned int vis = squery < kQueries ? (tile_mask_s[seg] >> (4 * squery)) & 0xFu : 0u;
+      const float4 a = *reinterpret_cast<const float4*>(Ss + srow * kSLd + seg * 4);
+      const float4 b = *reinterpret_cast<const float4*>(Ss + L.s_half + srow * kSLd + seg * 4);
+      float sc[kColsPerThread] = {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w};
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int c = 0; c < kColsPerThread; ++c) {
+        sc[c] = ((vis >> c) & 1u) ? sc[c] * p.qk_scale : kNegInf;
+        tile_max = fmaxf(tile_max, sc[c]);
+      }
+#pragma unroll
+      for (int off = 1; off < kThreadsPerRow; off *= 2)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+      const float new_max = fmaxf(row_max, tile_max);
+      float pr[kColsPerThread], tile_sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < kColsPerThread; ++c) {
+        pr[c] = ((vis >> c) & 1u) ? __expf(fmaxf(sc[c] - new_max, kExpFloor)) : 0.f;
+        tile_sum += pr[c];
+      }
+#pragma unroll
+      for (int off = 1; off < kThreadsPerRow; off *= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, off);
+      const float exp_diff = tile_sum > 0.f ? __expf(fmaxf(row_max - new_max, kExpFloor)) : 1.f;
+      const __half2 p01 = __floats2half2_rn(pr[0], pr[1]), p23 = __floats2half2_rn(pr[2], pr[3]);
+      uint2 packed;
+      packed.x = half2_to_bits(p01);
+      packed.y = half2_to_bits(p23);
+      *reinterpret_cast<uint2*>(Ps + srow * kPLd + seg * 4) = packed;
+      if (tile_sum > 0.f) {
+        row_sum = row_sum * exp_diff + tile_sum;
+        row_max = new_max;
+      }
+      if (seg == 0) scale_s[srow] = exp_diff;
+      // Per warp (4 rows of one M-tile): does any row rescale? P@V skips multiplying by
+      // 1 (exact) for M-tiles whose running maxima all stayed put, most tiles of a walk.
+      const bool moved = __any_sync(0xffffffffu, exp_diff != 1.f);
+      if ((tid & 31) == 0) rescale_s[warp] = moved ? 1 : 0;
+    }
+    __syncthreads();  // B3: P and the row scales are complete; every warp is done with the K panel
+
+    // ---- 4. V panel into the same buffer. Its global reads are issued first, so the
+    // accumulator rescale below runs while they are in flight.
+    if (!kVEarly) {
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s)
+        if (slot_j[s] >= 0 && cur_read[s])
+          v_raw[s] = __ldg(reinterpret_cast<const uint4*>(piece_src(s, cur_mb[s]) + plane_bytes));
+    }
+    {
+      static_assert(kWmma * kThreadsPerRow / 32 == 4, "4 softmax warps (4 flag bytes) per M-tile");
+      const unsigned int* flags = reinterpret_cast<const unsigned int*>(rescale_s);
+#pragma unroll
+      for (int i = 0; i < kMaxFrags; ++i) {
+        // warp-uniform; inactive M-tiles (scale 1) and M-tiles whose rows all keep their max are skipped
+        if (!frag_ok(i) || !((active >> frag_mt(i)) & 1u) || flags[frag_mt(i)] == 0u) continue;
+        const float* row_scale = scale_s + frag_mt(i) * kWmma;
+#pragma unroll
+        for (int e = 0; e < FragAcc::num_elements; ++e) acc[i].x[e] *= row_scale[(elem_row >> (4 * e)) & 0xFu];
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+      if (slot_j[s] >= 0) store_piece(s, v_raw[s]);
+    if (kFixA) {  // VARIANT: fix A's V pass
+      // VARIANT: kKernelFixNoLeadingBarrier omits A2 on purpose (racecheck demo).
+      if (VARIANT == kKernelFix) __syncthreads();  // A2: every V store landed before any zeroing
+      zero_unattended_rows();
+    }
+    __syncthreads();  // B4: the V panel (zeroed rows included, for fix A) is visible to P@V
+
+    // ---- 5. O += P V on the tensor cores. Every P, zero included, is multiplied:
+    // 0 * NaN = NaN is the bug being reproduced, so nothing is skipped but inactive M-tiles.
+    // The warp's fragments run as straight-line code (one copy per fragment count), so
+    // their loads and MMAs interleave; an inactive M-tile's result is discarded by a
+    // select (its rows must not see this tile, not even 0 * NaN).
+    auto p_at_v = [&](int i) {  // fragment i (a constant at every call, so acc[i] stays in registers)
+      FragV vb[2];
+      FragA pa[2];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        wmma::load_matrix_sync(vb[kk], KVs + kk * kWmma * ld + frag_dt(i) * kWmma, ld);
+        wmma::load_matrix_sync(pa[kk], Ps + frag_mt(i) * kWmma * kPLd + kk * kWmma, kPLd);
+      }
+      FragAcc sum = acc[i];
+      wmma::mma_sync(sum, pa[0], vb[0], sum);
+      wmma::mma_sync(sum, pa[1], vb[1], sum);
+      const bool on = (active >> frag_mt(i)) & 1u;
+#pragma unroll
+      for (int e = 0; e < FragAcc::num_elements; ++e) acc[i].x[e] = on ? sum.x[e] : acc[i].x[e];
+    };
+    static_assert(kMaxFrags == 4, "one case per fragment count");
+    switch (n_frags) {  // warp-uniform, the same every tile
+      case 4: p_at_v(0); p_at_v(1); p_at_v(2); p_at_v(3); break;
+      case 3: p_at_v(0); p_at_v(1); p_at_v(2); break;
+      case 2: p_at_v(0); p_at_v(1); break;
+      case 1: p_at_v(0); break;
+      default: break;
+    }
+    __syncthreads();  // B5: P@V is done with the panel, P and the tile masks before tile t+1 overwrites them
   }
 
-  // ---- 6. out = O * v_scale / l (l == 0, a row that attended nothing, gives NaN).
-  if (quarter == 0 && r < kMaxScoreRows) {
-    row_m_s[r] = row_m;
-    row_l_s[r] = row_l;
+  // ---- 6. out = O * v_scale / sum (0 when the sum is 0); lse = max + log(sum) (-1e30).
+  if (seg == 0) {
+    row_m_s[srow] = row_max;
+    row_l_s[srow] = row_sum;
   }
   __syncthreads();  // row sums are visible to the warps that own the rows' outputs
 #pragma unroll
-  for (int mt = 0; mt < kMaxMTiles; ++mt) {
-    if (mt >= m_tiles) continue;
+  for (int i = 0; i < kMaxFrags; ++i) {
+    if (!frag_ok(i)) continue;
 #pragma unroll
-    for (int i = 0; i < kDTilesPerWarp; ++i) {
-      const int dt = warp + i * kWarps;
-      if (dt >= d_tiles) continue;
-#pragma unroll
-      for (int e = 0; e < FragAcc::num_elements; ++e) {
-        const int row = mt * kWmma + elem_rc[e] / kWmma;
-        if (row >= score_rows) continue;
-        const int col = dt * kWmma + elem_rc[e] % kWmma;
-        const size_t o = (((size_t)g * kQueries + row / Hq) * Hq + row % Hq) * D + col;
-        p.out[o] = __float2half_rn(acc_o[mt][i].x[e] * p.v_scale / row_l_s[row]);
-      }
+    for (int e = 0; e < FragAcc::num_elements; ++e) {
+      const int row = frag_mt(i) * kWmma + ((elem_row >> (4 * e)) & 0xFu);
+      if (row >= score_rows) continue;
+      const int col = frag_dt(i) * kWmma + ((elem_col >> (4 * e)) & 0xFu);
+      const float l = row_l_s[row];
+      const size_t o = (((size_t)g * kQueries + row / Hq) * Hq + row % Hq) * D + col;
+      p.out[o] = __float2half_rn(l > 0.f ? acc[i].x[e] * p.v_scale / l : 0.f);
     }
   }
-  if (p.lse != nullptr && quarter == 0 && r < score_rows)
-    p.lse[((size_t)g * kQueries + query) * Hq + r % Hq] = row_m + logf(row_l);
+  if (p.lse != nullptr && seg == 0 && srow < score_rows)
+    p.lse[((size_t)g * kQueries + squery) * Hq + srow % Hq] = row_sum > 0.f ? row_max + logf(row_sum) : kNegInf;
 }
 
 }  // namespace qsa

@@ -1,11 +1,15 @@
-// Row-wise XQA page4 route (SPEC §3): the clean comparison route.
+// Row-wise XQA page4 route: the clean comparison route.
 //
 // Each row reads only its token_count real tokens (unused slots hold INT64_MAX,
 // sorted last, and are never touched), so the null block is never read.
-// Tokens are split into partitions of 256: xqa_partition_kernel writes fp32
-// partials (max, sum, unnormalised O) per (row, partition, head), and
-// xqa_reduce_kernel merges them. CUDA cores only: this route is the reference
-// for the grouped kernel's finite values, not a speed record.
+// Tokens are split into partitions as upstream splits them: 256 tokens with fp32
+// partials for fp8 caches, 1024 tokens with fp16 partials for fp16 caches.
+// xqa_partition_kernel<FMT> writes, per (row, partition, head), the partition's
+// normalised output O_p * v_scale / l_p in the partial dtype plus its max logit m_p
+// and exp sum l_p (fp32); xqa_reduce_kernel<FMT> weighs partition p by
+// exp(m_p - M) * l_p (M the max over partitions) and divides by the sum of the weights.
+// CUDA cores only: this route is the reference for the grouped kernel's finite
+// values, not a speed record.
 //
 // Device code only (no torch headers): NVRTC compiles it for compute_70.
 #pragma once
@@ -15,44 +19,68 @@
 
 namespace qsa {
 namespace xqa {
-constexpr int kPartition = 256;  // tokens per partition (the real route's split)
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxHeads = 8;
 constexpr int kMaxHeadDim = 256;
 static_assert(kWarps == kMaxHeads, "softmax: one warp per head");
 static_assert(kThreads >= kMaxHeadDim, "P@V: one thread per head dim");
+
+// Tokens per partition and the partials' dtype, per KV format (upstream's split).
+// (A local type switch: NVRTC builds have no <type_traits>.)
+template <bool HALF> struct PartialType { using type = float; };
+template <> struct PartialType<true> { using type = __half; };
+template <int FMT>
+struct Partition {
+  static constexpr int kTokens = FMT == kFP16 ? 1024 : 256;
+  using Partial = typename PartialType<FMT == kFP16>::type;
+};
+__host__ __device__ constexpr int partition_tokens(int kv_format) { return kv_format == kFP16 ? 1024 : 256; }
+__host__ __device__ constexpr int partial_bytes(int kv_format) { return kv_format == kFP16 ? 2 : 4; }
+static_assert(Partition<kFP16>::kTokens == partition_tokens(kFP16) &&
+              Partition<kE4M3>::kTokens == partition_tokens(kE4M3), "one partition size per format");
+
+__device__ __forceinline__ float partial_to_float(float x) { return x; }
+__device__ __forceinline__ float partial_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ void store_partial(float* dst, float x) { *dst = x; }
+__device__ __forceinline__ void store_partial(__half* dst, float x) { *dst = __float2half_rn(x); }
 }  // namespace xqa
 
+// Arguments of both XQA kernels (plain C: pointers, int, long long, float).
 struct XqaParams {
   const __half* q;                // [n, q_heads, head_dim]
   const unsigned char* kv;        // [pages, 2, page_size, 1, head_dim]
   const long long* token_index;   // [n, T] physical token = page * page_size + in_page
   const int* token_count;         // [n] real tokens per row (<= T)
-  float* part_o;                  // [n, parts, q_heads, head_dim] scratch
+  void* part_o;                   // [n, parts, q_heads, head_dim] normalised partials:
+                                  //   fp32 (fp8 KV) or fp16 (fp16 KV), see xqa::Partition
   float* part_m;                  // [n, parts, q_heads]
   float* part_l;                  // [n, parts, q_heads]
   __half* out;                    // [n, q_heads, head_dim]
-  int q_heads, head_dim, page_size, T, parts;
+  int q_heads, head_dim, page_size, T, parts;  // parts = ceil(T / partition_tokens(format))
   long long n_tokens;             // pages * page_size
   float qk_scale;                 // sm_scale * k_scale
   float v_scale;
 };
 
-// Shared memory: q [heads][D] f32 | p [heads][256] f32 | token byte offsets [256].
-__host__ __device__ inline unsigned int xqa_smem_bytes(int q_heads, int head_dim) {
-  return (unsigned int)(q_heads * head_dim * 4 + q_heads * xqa::kPartition * 4 + xqa::kPartition * 8);
+// Shared memory: token byte offsets [P] | q [heads][D] f32 | p [heads][P] f32.
+__host__ __device__ inline unsigned int xqa_smem_bytes(int q_heads, int head_dim, int kv_format) {
+  const int P = xqa::partition_tokens(kv_format);
+  return (unsigned int)(P * 8 + q_heads * head_dim * 4 + q_heads * P * 4);
 }
 
 // grid (parts, n): partition blockIdx.x of row blockIdx.y.
 template <int FMT>
 __global__ void __launch_bounds__(xqa::kThreads) xqa_partition_kernel(const XqaParams p) {
   using namespace xqa;
+  constexpr int kPartition = Partition<FMT>::kTokens;
+  using Partial = typename Partition<FMT>::Partial;
   extern __shared__ __align__(128) unsigned char smem[];
   const int Hq = p.q_heads, D = p.head_dim;
   long long* tok_off = reinterpret_cast<long long*>(smem);  // byte offset of the token's K row
   float* q_s = reinterpret_cast<float*>(smem + kPartition * 8);
   float* p_s = q_s + Hq * D;
+  float* l_s = q_s;  // reused after the scores: the heads' exp sums (q is no longer read)
 
   const int row = blockIdx.y, part = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -115,11 +143,14 @@ __global__ void __launch_bounds__(xqa::kThreads) xqa_partition_kernel(const XqaP
       const size_t o = ((size_t)row * p.parts + part) * Hq + warp;
       p.part_m[o] = m;
       p.part_l[o] = l;
+      l_s[warp] = l;
     }
   }
-  __syncthreads();  // probabilities replace the scores before P@V reads them
+  __syncthreads();  // probabilities replace the scores, and the exp sums are shared, before P@V
 
-  // Partial O = sum_i p_i * v_i (fp32), one thread per head dim, all heads at once.
+  // Partial O = sum_i p_i * v_i (fp32), one thread per head dim, all heads at once;
+  // stored normalised (O * v_scale / l) in the partial dtype.
+  Partial* part_o = reinterpret_cast<Partial*>(p.part_o);
   for (int d = tid; d < D; d += kThreads) {
     float o[kMaxHeads];
 #pragma unroll
@@ -135,27 +166,32 @@ __global__ void __launch_bounds__(xqa::kThreads) xqa_partition_kernel(const XqaP
     }
 #pragma unroll
     for (int h = 0; h < kMaxHeads; ++h)
-      if (h < Hq) p.part_o[(((size_t)row * p.parts + part) * Hq + h) * D + d] = o[h];
+      if (h < Hq)
+        store_partial(part_o + (((size_t)row * p.parts + part) * Hq + h) * D + d, o[h] * p.v_scale / l_s[h]);
   }
 }
 
-// grid (n): merge the partitions of row blockIdx.x; out = O * v_scale / l.
+// grid (n): merge the partitions of row blockIdx.x: out = sum_p w_p * partial_p / sum_p w_p,
+// w_p = exp(m_p - M) * l_p.
+template <int FMT>
 __global__ void __launch_bounds__(xqa::kThreads) xqa_reduce_kernel(const XqaParams p) {
+  using Partial = typename xqa::Partition<FMT>::Partial;
   const int row = blockIdx.x, Hq = p.q_heads, D = p.head_dim;
-  const int used = (min(p.token_count[row], p.T) + xqa::kPartition - 1) / xqa::kPartition;
+  const int used = (min(p.token_count[row], p.T) + xqa::Partition<FMT>::kTokens - 1) / xqa::Partition<FMT>::kTokens;
+  const Partial* part_o = reinterpret_cast<const Partial*>(p.part_o);
   for (int i = threadIdx.x; i < Hq * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
     float m = __int_as_float(0xff800000u);  // -inf
     for (int part = 0; part < used; ++part)
       m = fmaxf(m, p.part_m[((size_t)row * p.parts + part) * Hq + h]);
-    float o = 0.f, l = 0.f;
+    float o = 0.f, wsum = 0.f;
     for (int part = 0; part < used; ++part) {
       const size_t s = ((size_t)row * p.parts + part) * Hq + h;
-      const float w = expf(p.part_m[s] - m);
-      o += w * p.part_o[s * D + d];
-      l += w * p.part_l[s];
+      const float w = expf(p.part_m[s] - m) * p.part_l[s];
+      o += w * xqa::partial_to_float(part_o[s * D + d]);
+      wsum += w;
     }
-    p.out[(size_t)row * Hq * D + i] = __float2half_rn(o * p.v_scale / l);
+    p.out[(size_t)row * Hq * D + i] = __float2half_rn(o / wsum);
   }
 }
 

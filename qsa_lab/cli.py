@@ -206,6 +206,98 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+# -- canary -----------------------------------------------------------------------------------------
+
+CANARY_FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
+                "dims": "--dims"}
+VERDICT_MARKS = {"clean": ".", "nan-leak": "N", "inf-leak": "I", "finite-leak": "F"}
+
+
+def _name_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _canary_matrix(report) -> str:
+    """Kernels down, region/plane/payload across: . clean, N NaN, I Inf, F finite leak."""
+    import pandas as pd
+
+    df = report.frame()
+    if df.empty:
+        return "(no results)"
+    df["mark"] = df.verdict.map(VERDICT_MARKS)
+    t = df.pivot_table(index="kernel", columns=["region", "plane", "payload"], values="mark", aggfunc="first",
+                       sort=False).fillna("-")
+    with pd.option_context("display.width", 250, "display.max_columns", 200):
+        return t.to_string()
+
+
+def cmd_canary(args) -> int:
+    """qsa-lab canary: every kernel x region x plane x payload, a control and a poisoned run."""
+    from .canary import run_canary
+    from .canary.kernels import builtin_kernels
+
+    if args.json and args.json != "-":
+        _writable("--json", args.json, args.force)
+    kernels = (args.kernels or []) + (args.kernel or [])
+    try:
+        report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads, backend=args.backend,
+                            kv_dtype=args.kv_dtype, progress=sys.stderr.isatty() and args.json != "-")
+    except (ValueError, TypeError) as e:
+        arg, _, problem = str(e).partition(": ")
+        if arg in CANARY_FLAGS:  # name the option, not the Python argument
+            raise UsageError(f"argument {CANARY_FLAGS[arg]}: {problem}") from None
+        raise
+    doc = report.to_json()
+    leaks = report.leaks()
+    builtin = set(builtin_kernels())
+    user_failed = [s for s in report.skipped if s.get("kernel") and s["kernel"] not in builtin]
+    if args.json == "-":
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; "
+              f"backend {report.backend}, device {report.device}")
+        print(f"# regions (slots): {doc['regions']}; payload bits: {doc['payload_bits']}")
+        print(_canary_matrix(report))
+        print("# . clean   N NaN leak   I Inf leak   F finite leak (bits changed)   - not run")
+        for s in report.skipped:
+            what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
+            print(f"# skipped {what}: {s['reason']}")
+        print(f"# {len(leaks)} leaking of {len(report.results)} results")
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=2))
+            print(f"# wrote {args.json}")
+    if args.fail_on_leak and (leaks or user_failed):
+        return 1
+    return 0
+
+
+def _add_canary_parser(sub):
+    from .case import KV_DTYPES
+    from .routes import BACKENDS
+
+    c = sub.add_parser("canary", help="poison every byte a paged-attention call does not attend; which kernels leak",
+                       description="For each kernel x region x plane (k, v) x payload: a zero-filled control run and "
+                                   "a poisoned run; verdict clean, nan-leak, inf-leak or finite-leak.")
+    c.add_argument("--kernels", type=_name_list, metavar="K,..",
+                   help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
+                        "or module:function / file.py:function (default: every built-in kernel)")
+    c.add_argument("--kernel", action="append", metavar="module:function",
+                   help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim] (repeatable)")
+    c.add_argument("--regions", type=_name_list, metavar="R,..",
+                   help="null-block, stale-tail, stale-microblock, free-pages, unselected (default: all)")
+    c.add_argument("--payloads", type=_name_list, metavar="P,..", help="nan, inf, max, zero (default nan,inf,max)")
+    c.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="qsa routes: compiled kernels or emulation; torch kernels on the GPU unless 'emulate'")
+    c.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16", help="the pool's storage dtype (fp16)")
+    c.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.canary/1 document (- for stdout)")
+    c.add_argument("--force", action="store_true", help="allow --json to overwrite a file")
+    c.add_argument("--fail-on-leak", action="store_true",
+                   help="exit 1 when anything leaks (or a module:function kernel could not run)")
+
+
 def build_parser():
     p = _Parser(prog="qsa-lab", description="Reproduce, fingerprint and fix the grouped page4 null-block NaN.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -225,13 +317,15 @@ def build_parser():
     b = sub.add_parser("bench", help="GPU timings of every route and fix")
     b.add_argument("--json", metavar="PATH")
     sub.add_parser("doctor", help="what this machine can do")
+    _add_canary_parser(sub)
     return p
 
 
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return {"diff": cmd_diff, "repro": cmd_repro, "bench": cmd_bench, "doctor": cmd_doctor}[args.cmd](args)
+        return {"diff": cmd_diff, "repro": cmd_repro, "bench": cmd_bench, "doctor": cmd_doctor,
+                "canary": cmd_canary}[args.cmd](args)
     except (UsageError, ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"qsa-lab: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_BAD_ARGS

@@ -1,43 +1,89 @@
 """Poison sites: write foreign bytes where the grouped route reads but nobody attends,
 or (attended-k, attended-v) into tokens that rows do attend.
 
-The null-block and stale-tail sites work on the raw bytes of the cache. For an fp8
-cache one element is one byte, so a NaN code is a NaN element. For an fp16 cache the
-same byte lands in the low byte of an fp16 element and reads back as a finite value:
-that is why the bug hides with fp16 KV. A `payload` ('nan' or 'inf') instead writes
-whole elements in the cache's storage dtype (E4M3 NaN 0x7F, E5M2 NaN 0x7F / Inf 0x7C,
-fp16 NaN 0x7E00 / Inf 0x7C00), so the value is non-finite in every dtype.
+Every site is one place in qsa_lab.regions (where a call's unattended bytes are) times
+one payload (what is written there), so the sites and the canary share one model:
 
-attended-k / attended-v write the chosen dims of the one token that the most rows
-attend (ties: the lowest physical token), on the K or V plane: the grouped route's
-softmax drops a NaN key silently (its running max ignores NaN and the token's
-probability becomes e^-80, 0 in fp16), where XQA and the reference give NaN.
+    site          region                                      payload (default)
+    none          -                                           -
+    zeros         null-block                                  zero elements
+    targeted      null-block, first microblock (tokens 0-3:   NaN byte 0x7F at `dims`
+                  what padding entries point at)
+    random        null-block                                  uniform random bytes
+    fp16-state    null-block                                  fp16 state-like values, byte by byte
+    stale-tail    stale-microblock (never-written tokens      NaN byte 0x7F at `dims`
+                  inside a request's last partial microblock;
+                  the canary's stale-tail region is the whole
+                  rest of the last page)
+    attended-k/v  the one token most rows attend              NaN element at `dims`, own plane
+
+A NaN byte works on the raw bytes: for an fp8 cache one element is one byte, so it is a
+NaN element; for an fp16 cache it lands in the low byte of an element and reads back as
+a finite value: that is why the bug hides with fp16 KV. A `payload` ('nan', 'inf', 'max',
+'zero') instead writes whole elements in the cache's storage dtype (E4M3 NaN 0x7F, E5M2
+NaN 0x7F / Inf 0x7C, fp16 NaN 0x7E00 / Inf 0x7C00), so the value is what it says in every
+dtype.
+
+attended-k / attended-v: the grouped route's softmax drops a NaN key silently (its running
+max ignores NaN and the token's probability becomes e^-80, 0 in fp16), where XQA and the
+reference give NaN.
 """
 from __future__ import annotations
 
 import torch
 
 from .case import Case, kv_values
+from .regions import region_slots, stale_slots
 
 SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail", "attended-k", "attended-v")
 PLANES = {"k": (0,), "v": (1,), "kv": (0, 1)}
 REPORT_DIMS = (102, 152, 168, 170, 230)
 ATTENDED_SITES = {"attended-k": "k", "attended-v": "v"}  # site -> the plane it writes (its own)
 DIM_SITES = ("targeted", "stale-tail") + tuple(ATTENDED_SITES)  # sites that write chosen head dims only
+#: site -> the region of qsa_lab.regions it writes (attended-k / attended-v: one attended token)
+SITE_REGIONS = {"zeros": "null-block", "targeted": "null-block", "random": "null-block",
+                "fp16-state": "null-block", "stale-tail": "stale-microblock"}
 NAN_BYTE = 0x7F  # NaN in both e4m3 and e5m2
-PAYLOADS = ("nan", "inf")
-#: (kv_dtype, payload) -> the element's bit pattern in the storage dtype; E4M3 (fn) has no Inf code
+PAYLOADS = ("nan", "inf", "max", "zero")
+#: (kv_dtype, payload) -> one element's bit pattern in the storage dtype. E4M3 (fn) has no Inf
+#: code; "max" is the largest finite value (a kernel that gives an unattended slot any weight
+#: at all changes its output with it)
 PAYLOAD_BITS = {("e4m3", "nan"): 0x7F, ("e5m2", "nan"): 0x7F, ("e5m2", "inf"): 0x7C,
-                ("fp16", "nan"): 0x7E00, ("fp16", "inf"): 0x7C00}
+                ("fp16", "nan"): 0x7E00, ("fp16", "inf"): 0x7C00,
+                ("e4m3", "max"): 0x7E, ("e5m2", "max"): 0x7B, ("fp16", "max"): 0x7BFF,
+                ("e4m3", "zero"): 0x00, ("e5m2", "zero"): 0x00, ("fp16", "zero"): 0x0000}
 
 
 def payload_bits(kv_dtype: str, payload: str) -> int:
-    """The storage bits of one non-finite element; ValueError naming `payload` when the dtype has none."""
+    """The storage bits of one payload element; ValueError naming `payload` when the dtype has none."""
     if payload not in PAYLOADS:
         raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
     if (kv_dtype, payload) not in PAYLOAD_BITS:
         raise ValueError(f"payload: {kv_dtype} has no {payload} encoding")
     return PAYLOAD_BITS[(kv_dtype, payload)]
+
+
+def write_payload(kv_cache: torch.Tensor, slots: torch.Tensor, planes, kv_dtype: str, payload: str,
+                  dims=None) -> torch.Tensor:
+    """Write `payload` as whole elements into `slots` ([pages, page_size] bool) on `planes`
+    (0 = K, 1 = V), at every head dim or only `dims`, in place.
+    -> [pages, 2, page_size, head_dim] bool: the elements written."""
+    bits = payload_bits(kv_dtype, payload)
+    written = _elements(kv_cache, slots, planes, dims)
+    elems = kv_cache.view(torch.int16 if kv_dtype == "fp16" else torch.uint8)[:, :, :, 0, :]
+    elems[written.to(kv_cache.device)] = bits - 0x10000 if bits >= 0x8000 and kv_dtype == "fp16" else bits
+    return written
+
+
+def _elements(kv_cache: torch.Tensor, slots: torch.Tensor, planes, dims=None) -> torch.Tensor:
+    """[pages, 2, page_size, head_dim] bool: `slots` on `planes` at `dims` (default all)."""
+    pages, _, ps, _, D = kv_cache.shape
+    cols = torch.zeros(D, dtype=torch.bool)
+    cols[list(range(D)) if dims is None else list(dims)] = True
+    out = torch.zeros((pages, 2, ps, D), dtype=torch.bool)
+    for p in planes:
+        out[:, p] = slots.cpu().unsqueeze(-1) & cols
+    return out
 
 
 def attended_token(case: Case) -> tuple[int, int]:
@@ -50,6 +96,19 @@ def attended_token(case: Case) -> tuple[int, int]:
     best = int(torch.bincount(tok.cpu()).argmax())   # argmax returns the first maximum
     ps = case.geometry.page_size
     return best // ps, best % ps
+
+
+def site_slots(case: Case, site: str) -> torch.Tensor:
+    """[pages, page_size] bool: the token slots a site writes."""
+    pages, ps = case.kv_cache.shape[0], case.geometry.page_size
+    slots = torch.zeros(pages, ps, dtype=torch.bool)
+    if site in ATTENDED_SITES:
+        slots[attended_token(case)] = True
+    elif site in SITE_REGIONS:
+        slots = region_slots(case, SITE_REGIONS[site])
+        if site == "targeted":
+            slots[:, 4:] = False  # the null block's first microblock: padding entries point at it
+    return slots
 
 
 def check_site(site: str, plane: str) -> None:
@@ -65,13 +124,9 @@ def default_dims(head_dim: int) -> list[int]:
 
 def stale_tokens(case: Case) -> list[tuple[int, int]]:
     """(physical page, token in page) of every never-written token inside a request's
-    last partial microblock: positions seq_len .. round_up(seq_len, 4) - 1."""
-    ps = case.geometry.page_size
-    out = []
-    for r, s in enumerate(case.seq_lens.tolist()):
-        for pos in range(s, -(-s // 4) * 4):
-            out.append((int(case.block_table[r, pos // ps]), pos % ps))
-    return out
+    last partial microblock (positions seq_len .. round_up(seq_len, 4) - 1): the slots of
+    the stale-microblock region, which site 'stale-tail' writes."""
+    return stale_slots(case, "stale-microblock")
 
 
 def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None, seed: int = 0,
@@ -93,7 +148,7 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
     if payload is not None:
         if site not in DIM_SITES:
             raise ValueError(f"payload only applies to sites {DIM_SITES}, not {site!r}")
-        bits = payload_bits(g.kv_dtype, payload)
+        payload_bits(g.kv_dtype, payload)  # a payload the dtype has no code for is refused here
     if site in DIM_SITES:
         dims = default_dims(g.head_dim) if dims is None else [int(d) for d in dims]
         if not dims or any(not 0 <= d < g.head_dim for d in dims):
@@ -104,50 +159,32 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
 
     out = case.clone()
-    extra = {}
     kv = out.kv_cache  # [pages, 2, page_size, 1, D]
-    gen = torch.Generator().manual_seed(seed)
+    slots = site_slots(out, site)
+    if site == "stale-tail" and not slots.any():
+        raise ValueError("site 'stale-tail' needs a request whose seq_len is not a multiple of 4 "
+                         f"(seq_lens {out.seq_lens.tolist()}): use requests >= 2 or a context not divisible by 4")
     planes = PLANES[plane]
-    region = torch.zeros(kv.shape[:3] + (g.head_dim,), dtype=torch.bool)  # [pages, 2, ps, D] elements written
+    region = _elements(kv, slots, planes, dims if site in DIM_SITES else None)  # [pages, 2, ps, D] written
     cells = kv.view(torch.uint8).view(kv.shape[0], 2, g.page_size, g.head_dim, -1)  # [..., D, bytes/elem]
     nbytes = cells.shape[-1]
-    if site == "zeros":
-        for p in planes:
-            cells[0, p] = 0
-            region[0, p] = True
-    elif site == "targeted":
-        for p in planes:  # page 0 tokens 0..3 = the null block's microblock
-            region[0, p, :4, dims] = True
-    elif site in ATTENDED_SITES:
-        page, tok = attended_token(out)
-        region[page, PLANES[plane][0], tok, dims] = True
-        extra = {"token": [page, tok]}
-    elif site == "stale-tail":
-        if not stale_tokens(out):
-            raise ValueError("site 'stale-tail' needs a request whose seq_len is not a multiple of 4 "
-                             f"(seq_lens {out.seq_lens.tolist()}): use requests >= 2 or a context not divisible by 4")
-        for page, tok in stale_tokens(out):
-            for p in planes:
-                region[page, p, tok, dims] = True
-    elif site in ("random", "fp16-state"):
-        for p in planes:
-            region[0, p] = True
-    if payload is not None:  # whole elements in the storage dtype
-        elems = kv.view(kv.shape[0], 2, g.page_size, g.head_dim)
-        value = torch.tensor([bits], dtype=torch.int16).view(torch.float16) if kv.dtype == torch.float16 \
-            else torch.tensor([bits], dtype=torch.uint8)
-        elems[region.to(kv.device)] = value.to(kv.device)
+    payload_written = "zero" if site == "zeros" else payload
+    if site == "none":
+        pass
+    elif payload_written is not None:  # whole elements in the storage dtype
+        write_payload(kv, slots, planes, g.kv_dtype, payload_written, dims if site in DIM_SITES else None)
     elif site in ("targeted", "stale-tail"):
-        low = cells[..., 0]
-        low[region.to(kv.device)] = NAN_BYTE
-    elif site in ("random", "fp16-state"):
+        cells[..., 0][region.to(kv.device)] = NAN_BYTE
+    else:  # random / fp16-state: a page of foreign bytes per plane, from the seeded generator
+        gen = torch.Generator().manual_seed(seed)
+        n = int(slots.sum()) * g.head_dim * nbytes
         for p in planes:
-            n = g.page_size * g.head_dim * nbytes
             if site == "random":
                 data = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int64).to(torch.uint8)
             else:  # recurrent state: fp16 activations of unit-ish scale, laid byte by byte
                 data = (torch.randn(n // 2 + 1, generator=gen) * 0.5).to(torch.float16).view(torch.uint8)[:n]
-            cells[0, p] = data.view(g.page_size, g.head_dim, nbytes).to(kv.device)
+            cells[:, p][slots.to(kv.device)] = data.view(-1, g.head_dim, nbytes).to(kv.device)
+    extra = {"token": list(torch.nonzero(slots)[0].tolist())} if site in ATTENDED_SITES else {}
     values = kv_values(kv[:, :, :, 0, :], g.kv_dtype).cpu()
     nan_here = torch.isnan(values) & region          # region is empty for 'none'
     inf_here = torch.isinf(values) & region          # E5M2 Inf: 0 * Inf = NaN leaks the same way
@@ -162,3 +199,4 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
         **extra,
     }
     return out
+

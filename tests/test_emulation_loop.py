@@ -132,3 +132,16 @@ def test_the_loop_itself_sees_the_report_nan():
     out = loop_grouped(case, plan_groups(case), "unfixed")
     nan_dims = torch.nonzero(torch.isnan(out).flatten(0, 2).any(dim=0)).flatten().tolist()
     assert nan_dims == [3, 200] and not math.isnan(float(loop_grouped(case, plan_groups(case), "kernel_fix").sum()))
+
+
+def test_an_infinite_attended_score_matches_the_loop():
+    """A +Inf score (E5M2 Inf in an attended key) becomes the running max: every p is then
+    exp(-80), nothing is NaN; a max that turned +Inf into the largest float gave NaN here."""
+    case = apply_poison(build_case(Geometry(rows=9, context=24, topk=2, page_size=4, q_heads=1, head_dim=16,
+                                            kv_dtype="e5m2")), "attended-k", dims=[0], payload="inf")
+    plan = plan_groups(case)
+    got = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+                                  plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                  sm_scale=case.sm_scale, variant="unfixed")
+    want = loop_grouped(case, plan, "unfixed")
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and not torch.isnan(want).any()

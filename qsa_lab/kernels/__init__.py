@@ -32,7 +32,13 @@ CUDA_FLAGS = ("-O3", "-lineinfo", "-Xptxas=-warn-spills")
 STALE_LOCK_S = 600  # a torch build lock older than this was left by a killed build
 
 KV_FORMATS = {"e4m3": 0, "e5m2": 1, "fp16": 2}
-VARIANTS = {"unfixed": 0, "kernel_fix": 1, "masked_load": 2, "kernel_fix_no_leading_barrier": 3}
+# Kernel variants of the grouped forward (csrc/grouped_page4.cuh). early_v is not an
+# upstream variant: the unfixed kernel with each tile's V bytes read together with K.
+VARIANTS = {"unfixed": 0, "kernel_fix": 1, "masked_load": 2, "kernel_fix_no_leading_barrier": 3, "early_v": 4}
+# __syncthreads() per 32-token tile of each variant (kBarriersPerTile in the header).
+BARRIERS_PER_TILE = {"unfixed": 5, "kernel_fix": 7, "masked_load": 5, "kernel_fix_no_leading_barrier": 6, "early_v": 5}
+# XQA partitions per KV format, as upstream: (tokens per partition, partial dtype).
+XQA_PARTITIONS = {"e4m3": (256, "float32"), "e5m2": (256, "float32"), "fp16": (1024, "float16")}
 MAX_Q_HEADS = 8
 MAX_HEAD_DIM = 256
 

@@ -24,7 +24,7 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 DEVICE_HEADERS = ("fp8_decode.cuh", "grouped_page4.cuh", "xqa_page4.cuh")
 
 FORMATS = ("qsa::kE4M3", "qsa::kE5M2", "qsa::kFP16")
-VARIANTS = ("qsa::kUnfixed", "qsa::kKernelFix", "qsa::kMaskedLoad", "qsa::kKernelFixNoLeadingBarrier")
+VARIANTS = ("qsa::kUnfixed", "qsa::kKernelFix", "qsa::kMaskedLoad", "qsa::kKernelFixNoLeadingBarrier", "qsa::kEarlyV")
 
 # Instructions an SM70 build must not contain (SPEC "Compiled kernels").
 FORBIDDEN_PTX = ("cp.async", "ldmatrix", "wgmma", "cp.async.bulk", "cp.reduce.async", "redux.sync")
@@ -33,7 +33,9 @@ FORBIDDEN_TYPES = (".bf16", ".bf16x2", ".e4m3x2", ".e5m2x2")
 
 
 def instantiation_source() -> str:
-    """A translation unit that includes every device header and instantiates every kernel."""
+    """A translation unit that includes every device header and instantiates every kernel
+    entry point: decode_panel_kernel, xqa_partition_kernel and xqa_reduce_kernel per format,
+    grouped_page4_forward per format and variant."""
     lines = [f'#include "{h}"' for h in DEVICE_HEADERS]
     for fmt in FORMATS:
         lines.append(
@@ -41,6 +43,7 @@ def instantiation_source() -> str:
             "const unsigned char*, const int*, int, int, int, int, __half*);"
         )
         lines.append(f"template __global__ void qsa::xqa_partition_kernel<{fmt}>(const qsa::XqaParams);")
+        lines.append(f"template __global__ void qsa::xqa_reduce_kernel<{fmt}>(const qsa::XqaParams);")
         for variant in VARIANTS:
             lines.append(
                 f"template __global__ void qsa::grouped_page4_forward<{fmt}, {variant}>(const qsa::GroupedParams);"

@@ -87,7 +87,8 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks
     # 4. online softmax. A row without an attended token in a tile leaves max and sum
     # alone (tile_sum 0), so the running max is the NaN-ignoring running max of tile maxima.
     tile_max = fmax_reduce(s, -1)                                              # [G, nt, R]
-    run_max = torch.cummax(torch.nan_to_num(tile_max, nan=-torch.inf), dim=1).values.clamp(min=MASKED_SCORE)
+    run_max = torch.cummax(torch.where(torch.isnan(tile_max), -torch.inf, tile_max), dim=1).values
+    run_max = run_max.clamp(min=MASKED_SCORE)                                  # +inf stays +inf
     old_max = torch.cat([torch.full_like(run_max[:, :1], MASKED_SCORE), run_max[:, :-1]], dim=1)
     p = torch.where(attended, torch.exp(torch.fmax(s - run_max.unsqueeze(-1), torch.tensor(EXP_FLOOR))), 0.0)
     tile_sum = p.sum(dim=-1)                                                   # fp32 probabilities

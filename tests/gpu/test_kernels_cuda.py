@@ -1,9 +1,10 @@
 """The compiled kernels against their PyTorch twin (qsa_lab.routes.emulate) and the
 float64 reference. Runs only where a CUDA GPU is visible; skips cleanly elsewhere.
 
-Tolerance (finite values, CUDA vs emulation, stated once): |cuda - emu| <= ATOL + RTOL * |emu|.
-The two differ only in fp32 summation order (tensor-core QK and P@V, row sums), which can
-move an fp16 P by one ulp; the NaN masks must be bitwise equal.
+Tolerance (finite values, CUDA vs emulation, stated once): |cuda - emu| <= ATOL + RTOL * |emu|;
+NaN and Inf positions (and the Inf signs) must be equal.
+The two differ only in fp32 summation order (tensor-core QK and P@V, row sums) and in the
+kernel's fast exp (__expf, as upstream), which can move an fp16 P by one ulp.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 from qsa_lab import kernels  # noqa: E402
 from qsa_lab.case import Geometry, build_case  # noqa: E402
 from qsa_lab.plan import pad_fix, plan_groups  # noqa: E402
-from qsa_lab.poison import SITES, apply_poison  # noqa: E402
+from qsa_lab.poison import ATTENDED_SITES, PAYLOAD_BITS, SITES, apply_poison  # noqa: E402
 from qsa_lab.routes import emulate, run_routes  # noqa: E402
 
 ATOL, RTOL = 4e-3, 1e-2          # CUDA vs emulation
@@ -33,9 +34,9 @@ def built():
     kernels.load()  # a build failure fails here, with the compiler's output
 
 
-def case_for(kv_dtype, site, plane="v", seed=0, **kw):
+def case_for(kv_dtype, site, plane="v", seed=0, payload=None, **kw):
     g = Geometry(**{**GEOM, **kw, "kv_dtype": kv_dtype, "seed": seed})
-    return apply_poison(build_case(g), site, plane=plane, seed=seed)
+    return apply_poison(build_case(g), site, plane=plane, seed=seed, payload=payload)
 
 
 def bits(x):
@@ -45,7 +46,11 @@ def bits(x):
 def assert_close_to(cuda, emu, atol, rtol, what):
     nan_c, nan_e = torch.isnan(cuda), torch.isnan(emu)
     assert torch.equal(nan_c, nan_e), f"{what}: NaN masks differ ({int(nan_c.sum())} vs {int(nan_e.sum())})"
-    c, e = cuda[~nan_c].double(), emu[~nan_e].double()
+    inf_c, inf_e = torch.isinf(cuda), torch.isinf(emu)
+    assert torch.equal(inf_c, inf_e), f"{what}: Inf masks differ ({int(inf_c.sum())} vs {int(inf_e.sum())})"
+    assert torch.equal(cuda[inf_c], emu[inf_e]), f"{what}: Inf signs differ"
+    finite = ~(nan_c | inf_c)
+    c, e = cuda[finite].double(), emu[finite].double()
     err = (c - e).abs() - (atol + rtol * e.abs())
     assert err.numel() == 0 or err.max() <= 0, f"{what}: max excess {float(err.max()):.3g} over tolerance"
 
@@ -59,6 +64,8 @@ def test_routes_match_emulation(kv_dtype, site):
     for route, out in cuda.outputs.items():
         if route != "reference":
             assert_close_to(out, emu.outputs[route], ATOL, RTOL, f"{route} {kv_dtype} {site}")
+    if site in ATTENDED_SITES:
+        return  # poison in attended tokens: no route is clean (test_attended_poison_* below)
     # fixes A and C are clean and right everywhere; fix B wherever the poison is null-block padding
     fixed = ["grouped+kernel_fix", "grouped+masked_load", "grouped+both_fixes", "xqa"]
     if site in NULL_BLOCK_SITES:
@@ -68,6 +75,55 @@ def test_routes_match_emulation(kv_dtype, site):
         out = cuda.outputs[route]
         assert not torch.isnan(out).any(), f"{route} {kv_dtype} {site}: NaN"
         assert_close_to(out.double(), ref, REF_ATOL, REF_RTOL, f"{route} vs reference")
+
+
+ATTENDED_CASES = [(kv, site, payload) for kv in KV_DTYPES for site in ATTENDED_SITES for payload in ("nan", "inf")
+                  if (kv, payload) in PAYLOAD_BITS]
+
+
+@pytest.mark.parametrize("kv_dtype,site,payload", ATTENDED_CASES)
+def test_attended_poison_matches_emulation(kv_dtype, site, payload):
+    """NaN / Inf in a token that rows attend, K or V plane: every route, CUDA = emulation
+    (bitwise NaN masks, values within the tolerance), lse included for the grouped kernels."""
+    case = case_for(kv_dtype, site, payload=payload)
+    assert case.poison["bytes_written"] > 0
+    cuda = run_routes(case, backend="cuda")
+    emu = run_routes(case, backend="emulate")
+    for route, out in cuda.outputs.items():
+        if route != "reference":
+            assert_close_to(out, emu.outputs[route], ATOL, RTOL, f"{route} {kv_dtype} {site} {payload}")
+    c = case.to("cuda")
+    plan = plan_groups(c)
+    for variant in ("unfixed", "kernel_fix", "masked_load"):
+        kw = dict(kv_format=kv_dtype, sm_scale=c.sm_scale, variant=variant, return_lse=True)
+        _, lse_c = kernels.grouped_forward(*grouped_args(c, plan), **kw)
+        _, lse_e = emulate.grouped_forward(*grouped_args(c, plan), **kw)
+        assert_close_to(lse_c, lse_e, 1e-4, 1e-5, f"lse {variant} {kv_dtype} {site} {payload}")
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_attended_k_nan_dropped_by_grouped_not_by_xqa(kv_dtype):
+    """The second route divergence: a NaN key that rows attend is silently dropped by the
+    grouped route (fmaxf running max, probability e^-80 -> 0 in fp16), while XQA and the
+    reference give NaN on those rows."""
+    case = case_for(kv_dtype, "attended-k", payload="nan")
+    out = run_routes(case, routes=["xqa", "grouped", "grouped+kernel_fix", "grouped+masked_load"],
+                     backend="cuda").outputs
+    assert torch.isnan(out["xqa"]).any(), "XQA should propagate the NaN key"
+    for route in ("grouped", "grouped+kernel_fix", "grouped+masked_load"):
+        assert not torch.isnan(out[route]).any(), f"{route}: the grouped softmax drops a NaN key"
+
+
+def test_early_v_bitwise_equals_unfixed():
+    """early_v only moves the V panel's global reads earlier: same arithmetic, same bits."""
+    for kv_dtype in KV_DTYPES:
+        case = case_for(kv_dtype, "targeted", payload="nan").to("cuda")  # null-block NaN in every dtype
+        plan = plan_groups(case)
+        kw = dict(kv_format=kv_dtype, sm_scale=case.sm_scale, return_lse=True)
+        out_u, lse_u = kernels.grouped_forward(*grouped_args(case, plan), variant="unfixed", **kw)
+        out_e, lse_e = kernels.grouped_forward(*grouped_args(case, plan), variant="early_v", **kw)
+        assert torch.isnan(out_u).any(), "the case should show the bug"
+        assert torch.equal(bits(out_u), bits(out_e)) and torch.equal(lse_u.view(torch.int32), lse_e.view(torch.int32))
 
 
 def test_unfixed_leaks_on_targeted_e4m3():
