@@ -165,12 +165,14 @@ def test_the_smem_formula_is_read_from_the_header():
 
 
 def test_shared_memory_tables(built):
-    manifest, _ = built
+    manifest, _ptx = built
     grouped = manifest["smem"]["grouped"]
     assert len(grouped) == 8 * 16 and all(v % 128 == 0 for v in grouped.values())
     assert grouped["1,16"] < grouped["8,16"] < grouped["8,256"] and grouped["8,128"] < grouped["8,256"]
     # the largest geometry needs the opt-in above 48 KB and fits what a V100 allows
     assert ptx70.DEFAULT_SMEM_LIMIT < max(grouped.values()) <= ptx70.V100_MAX_SMEM_OPTIN
+    if manifest["features"]["smem_layout_constexpr"]:  # NVRTC's own evaluation, read from the PTX
+        assert ptx70.ptx_int_array(_ptx, ptx70.SMEM_TABLE) == list(grouped.values())
     for f, part in manifest["constants"]["xqa_partition"].items():
         assert manifest["smem"]["xqa"][f"8,256,{f}"] == part * 8 + 8 * 256 * 4 + 8 * part * 4
 

@@ -45,6 +45,7 @@ DEFAULT_SMEM_LIMIT = 48 * 1024   # above this a kernel must opt in (every arch)
 
 PROBE = "qsa_ptx70_smem_probe"
 CONSTANTS = "qsa_ptx70_constants"
+SMEM_TABLE = "qsa_ptx70_grouped_smem"
 Q_HEADS = range(1, 9)           # every geometry the kernels take (qsa_lab.kernels limits)
 HEAD_DIMS = range(16, 257, 16)
 
@@ -132,6 +133,7 @@ def header_features(headers: str) -> dict:
         "partition_per_format": bool(re.search(r"\bpartition_tokens\s*\(\s*int\b", text)),
         "partial_bytes": bool(re.search(r"\bpartial_bytes\s*\(\s*int\b", text)),
         "xqa_smem_takes_format": bool(re.search(r"\bxqa_smem_bytes\s*\(\s*int\s+\w+\s*,\s*int\s+\w+\s*,\s*int\b", text)),
+        "smem_layout_constexpr": bool(re.search(r"\bconstexpr\s+SmemLayout\s+smem_layout\s*\(", text)),
     }
 
 
@@ -148,7 +150,12 @@ def probe_source(formats, features: dict) -> str:
     xqa = "".join(
         f"  xqa[i * {len(formats)} + {k}] = qsa::xqa_smem_bytes(q_heads[i], head_dims[i]"
         f"{', ' + f if features['xqa_smem_takes_format'] else ''});\n" for k, f in enumerate(formats))
+    # A constexpr smem_layout is evaluated by NVRTC itself for every geometry (read back on the CPU).
+    table = "" if not features.get("smem_layout_constexpr") else (
+        f'extern "C" __device__ const unsigned int {SMEM_TABLE}[{len(Q_HEADS) * len(HEAD_DIMS)}] = {{'
+        + ", ".join(f"qsa::grouped::smem_layout({h}, {d}).total" for h in Q_HEADS for d in HEAD_DIMS) + "};")
     return f"""
+{table}
 extern "C" __device__ const int {CONSTANTS}[{len(values)}] = {{{", ".join(values)}}};
 extern "C" __global__ void {PROBE}(int n, const int* q_heads, const int* head_dims,
                                    unsigned int* grouped, unsigned int* xqa) {{
@@ -255,18 +262,22 @@ def entry_params(ptx: str, lowered: str) -> ParamInfo:
                      len(params), maxntid)
 
 
+def ptx_int_array(ptx: str, name: str) -> list[int]:
+    """The initializer of the 32-bit array `name` in `ptx` (written as words or as bytes)."""
+    m = re.search(rf"\.global\s+\.align\s+\d+\s+\.(?:u32|b32|s32)\s+{name}\[(\d+)\]\s*=\s*\{{([^}}]*)\}}", ptx)
+    if m:
+        return [int(v) for v in m.group(2).split(",")]
+    m = re.search(rf"\.global\s+\.align\s+\d+\s+\.b8\s+{name}\[(\d+)\]\s*=\s*\{{([^}}]*)\}}", ptx)
+    if not m:
+        raise StaleError(f"{name} not found in the PTX")
+    raw = bytes(int(v) for v in m.group(2).split(","))
+    raw += bytes(int(m.group(1)) - len(raw))  # trailing zero bytes are left out of the initializer
+    return [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+
+
 def ptx_constants(ptx: str, formats) -> dict:
     """The launch constants array of probe_source(), read from its PTX initializer."""
-    m = re.search(rf"\.global\s+\.align\s+\d+\s+\.(?:u32|b32|s32)\s+{CONSTANTS}\[(\d+)\]\s*=\s*\{{([^}}]*)\}}", ptx)
-    if m:
-        values = [int(v) for v in m.group(2).split(",")]
-    else:  # some NVRTC versions print arrays as bytes: little-endian words
-        m = re.search(rf"\.global\s+\.align\s+\d+\s+\.b8\s+{CONSTANTS}\[(\d+)\]\s*=\s*\{{([^}}]*)\}}", ptx)
-        if not m:
-            raise StaleError(f"{CONSTANTS} not found in the PTX")
-        raw = bytes(int(v) for v in m.group(2).split(","))
-        raw += bytes(int(m.group(1)) - len(raw))  # trailing zero bytes are left out of the initializer
-        values = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    values = ptx_int_array(ptx, CONSTANTS)
     keys = [format_key(f) for f in formats]
     if len(values) != 2 + 2 * len(keys):
         raise StaleError(f"{CONSTANTS}: expected {2 + 2 * len(keys)} values, got {values}")
@@ -398,7 +409,7 @@ def grouped_smem_formula(header: str):
             pass
     program = []
     for stmt in (st.strip() for st in m.group(3).split(";")):
-        if not stmt or re.fullmatch(r"SmemLayout\s+L|return\s+L", stmt):
+        if not stmt or re.fullmatch(r"SmemLayout\s+L\s*(?:\{\s*\})?|return\s+L", stmt):
             continue
         sm = re.fullmatch(r"(?:const\s+)?(?:unsigned\s+int\s+|int\s+)?(L\.\w+|\w+)\s*=\s*(.+)", stmt, re.S)
         if not sm:
@@ -543,12 +554,19 @@ def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) ->
         if mutate(compiled.ptx, low, mu.old, mu.new)[1] == 0:
             raise StaleError(f"mutation {mu.name}: constant {mu.old:#x} is not in {low}; update ptx70.MUTATIONS")
     constants = ptx_constants(compiled.ptx, nv.FORMATS)
+    smem = smem_tables(csrc, nv, constants)
+    if features["smem_layout_constexpr"]:  # the formula against NVRTC's own evaluation
+        compiled_table = ptx_int_array(compiled.ptx, SMEM_TABLE)
+        differ = [f"{k}: header {v}, formula {smem['grouped'][k]}"
+                  for k, v in zip(smem["grouped"], compiled_table) if v != smem["grouped"][k]]
+        if differ:
+            raise StaleError("the smem_layout formula read from the header differs from NVRTC's: " + "; ".join(differ[:5]))
     manifest = {
         "schema": SCHEMA, "arch": ARCH, "nvrtc_version": compiled.version, "nvrtc_options": compiled.options[:3],
         "csrc": csrc_hashes(csrc), "formats": list(nv.FORMATS), "variants": list(nv.VARIANTS),
         "ptx": {"file": PTX_FILE, "sha256": sha256(compiled.ptx.encode()), "bytes": len(compiled.ptx)},
         "features": features, "constants": constants, "structs": structs, "entry_points": entries,
-        "smem": smem_tables(csrc, nv, constants), "nvrtc_log": compiled.log,
+        "smem": smem, "nvrtc_log": compiled.log,
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / PTX_FILE).write_text(compiled.ptx)
