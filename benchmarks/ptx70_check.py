@@ -36,6 +36,12 @@ SHAPES = ((1, 16, 4), (3, 64, 8), (5, 128, 16), (8, 256, 32), (2, 48, 16))
 # fix A without its leading barrier is a race for compute-sanitizer to see, not another
 # result; early_v is the unfixed kernel with V's bytes read earlier.
 EMULATION_TWIN = {"kernel_fix_no_leading_barrier": "kernel_fix", "early_v": "unfixed"}
+# Fix A without its leading barrier races on purpose (the racecheck demo): another thread's
+# panel store can land after the zeroing and bring an unattended row's NaN back, on one
+# run and not the next, in the sm_90 build as in this one (seen on the H200). Its output is
+# bounded, not fixed: NaN wherever fix A has NaN, perhaps also where the unfixed kernel has
+# NaN, nowhere else; fix A's values everywhere else.
+RACY = {"kernel_fix_no_leading_barrier": ("kernel_fix", "unfixed")}
 DEVICE = "cuda"
 
 
@@ -72,6 +78,20 @@ class Log:
         if self.file:
             self.file.write(line + "\n")
             self.file.flush()
+
+
+def compare_racy(t, got, fixed, unfixed, what: str) -> str | None:
+    """None when `got` lies within the race's bounds (RACY): NaN of `fixed` <= NaN of `got`
+    <= NaN of `unfixed`, and `fixed`'s values (GPU tests' tolerance) wherever `got` is finite."""
+    import torch
+
+    nan = torch.isnan(got)
+    if (torch.isnan(fixed) & ~nan).any():
+        return f"{what}: finite where fix A has NaN"
+    outside = int((nan & ~torch.isnan(unfixed)).sum())
+    if outside:
+        return f"{what}: {outside} NaN where even the unfixed kernel has none"
+    return compare(t, got[~nan], fixed[~nan], what)
 
 
 def compare(t, got, want, what: str) -> str | None:
@@ -122,7 +142,8 @@ class Prepared:
         return impl.xqa_forward(*self.xqa_args(on_gpu), **kw)
 
     def references(self, key):
-        """(sm_90 extension output, emulation output, emulation variant used) for `key`."""
+        """(sm_90 extension output, emulation output, emulation variant used, emulation of
+        the race's upper bound or None) for `key`."""
         if key not in self.cache:
             from qsa_lab import kernels
             from qsa_lab.routes import emulate
@@ -131,7 +152,8 @@ class Prepared:
             twin = variant if variant in emulate.VARIANTS or kind != "grouped" else EMULATION_TWIN.get(variant)
             ext = self.run(kernels, key, on_gpu=True)  # first: its binding checks every input
             emu = self.run(emulate, (kind, fmt, twin), on_gpu=False) if twin or kind != "grouped" else None
-            self.cache[key] = (ext, emu, twin)
+            bound = self.run(emulate, (kind, fmt, RACY[variant][1]), on_gpu=False) if variant in RACY else None
+            self.cache[key] = (ext, emu, twin, bound)
         return self.cache[key]
 
 
@@ -140,7 +162,7 @@ def check_entry(t, prep: Prepared, impl, key, label: str, what: str) -> tuple[bo
     import torch
 
     try:
-        ext, emu, twin = prep.references(key)
+        ext, emu, twin, bound = prep.references(key)
     except (RuntimeError, ValueError) as e:
         return False, f"FAIL {label:<58} | {what:<28} | sm_90 extension or emulation: {e}"
     try:
@@ -148,15 +170,24 @@ def check_entry(t, prep: Prepared, impl, key, label: str, what: str) -> tuple[bo
     except RuntimeError as e:  # a launch or kernel error is a failure of this entry, not of the run
         return False, f"FAIL {label:<58} | {what:<28} | launch: {e}"
     problems = []
-    why = compare(t, out, ext, "vs sm_90")
+    if bound is None:
+        why = compare(t, out, ext, "vs sm_90")
+    else:  # both builds race: compare where neither brought a NaN back
+        both = ~torch.isnan(out) & ~torch.isnan(ext)
+        why = compare(t, out[both], ext[both], "vs sm_90 (where both finite)")
     problems += [why] if why else []
     if emu is None:
         problems.append(f"vs emulation: it has no twin of variant {key[2]!r}")
-    else:
+    elif bound is None:
         why = compare(t, out.cpu(), emu, "vs emulation")
+        problems += [why] if why else []
+    else:
+        why = compare_racy(t, out.cpu(), emu, bound, "vs emulation")
         problems += [why] if why else []
     bitwise = torch.equal(out.view(torch.int16), ext.view(torch.int16))
     note = "" if twin in (None, key[2]) else f" (emulation: {twin})"
+    if bound is not None:
+        note += f"; a race: NaN within {RACY[key[2]][1]}'s (sm_90 run: {int(torch.isnan(ext).sum())} NaN)"
     status = "PASS" if not problems else "FAIL"
     detail = "; ".join(problems) if problems else (
         f"sm_90 {'bitwise' if bitwise else 'within tol'}, emulation within tol{note}")

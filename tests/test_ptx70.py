@@ -348,3 +348,18 @@ def test_case_list_covers_every_kv_dtype_site_and_shape():
     assert {(s["kv_dtype"], s["site"]) for s in specs if "plane" not in s} >= {(k, s) for k in T.KV_DTYPES for s in SITES}
     assert {s.get("plane") for s in specs} == {None, "k"}
     assert {(s.get("q_heads"), s.get("head_dim")) for s in specs} >= {(1, 16), (8, 256), (2, 48)}
+
+
+def test_the_racy_variant_is_held_to_its_bounds():
+    """Fix A without its leading barrier may bring NaN back only where the unfixed kernel
+    has NaN, and must otherwise give fix A's values."""
+    mod = script()
+    t = mod.gpu_tests()
+    nan = float("nan")
+    fixed = torch.tensor([1.0, 2.0, 3.0, nan])
+    unfixed = torch.tensor([nan, 2.0, nan, nan])
+    assert mod.compare_racy(t, torch.tensor([nan, 2.0, 3.0, nan]), fixed, unfixed, "x") is None
+    assert mod.compare_racy(t, fixed.clone(), fixed, unfixed, "x") is None
+    assert "unfixed kernel has none" in mod.compare_racy(t, torch.tensor([1.0, nan, 3.0, nan]), fixed, unfixed, "x")
+    assert "finite where fix A has NaN" in mod.compare_racy(t, torch.tensor([1.0, 2.0, 3.0, 4.0]), fixed, unfixed, "x")
+    assert "over tolerance" in mod.compare_racy(t, torch.tensor([1.0, 2.5, 3.0, nan]), fixed, unfixed, "x")
