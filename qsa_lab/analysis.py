@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from .case import Case, token_values
+from .case import Case, neighbour_overlap, token_values
+from .extensions import extensions_used
 from .plan import GROUP, TILE_ENTRIES, GroupedPlan, tile_active_m_tiles, unattended_tokens
 from .routes import ROUTES, RunResult
 
@@ -128,7 +129,7 @@ def attribute(result: RunResult, route: str = "grouped"):
 
 
 def group_summary(plan: GroupedPlan) -> list[dict]:
-    """CONTRACT's `groups`: rows, tiles and real/padded entries per category."""
+    """The diff document's `groups`: rows, tiles and real/padded entries per category."""
     out = []
     inside, padding = plan.in_plan(), plan.padding()
     for gi in range(plan.groups):
@@ -139,6 +140,17 @@ def group_summary(plan: GroupedPlan) -> list[dict]:
         out.append({"group": gi, "rows": plan.group_rows[gi].tolist(),
                     "tiles": int(plan.seq_len[gi]) // (4 * TILE_ENTRIES), "categories": cats})
     return out
+
+
+def selection_summary(case: Case, plan: GroupedPlan) -> dict:
+    """How the selections overlap and what that costs the grouped route: the generator, its
+    target overlap (indexer only), the measured mean neighbour overlap and tiles per group."""
+    g = case.geometry
+    overlap = neighbour_overlap(case)
+    tiles = (plan.seq_len.long() // (4 * TILE_ENTRIES)).tolist()
+    return {"generator": g.selection, "overlap_target": float(g.overlap) if g.selection == "indexer" else None,
+            "neighbour_overlap": None if overlap is None else round(overlap, 4),
+            "tiles_per_group": tiles, "max_tiles_per_group": max(tiles, default=0)}
 
 
 def route_table(result: RunResult):
@@ -156,7 +168,7 @@ def route_table(result: RunResult):
 
 
 def diff_json(result: RunResult) -> dict:
-    """The `qsa_lab.diff/1` document of CONTRACT.md."""
+    """The `qsa_lab.diff/1` document (README: `--json` output of `diff`)."""
     g = result.case.geometry
     table = route_table(result)
     p = result.case.poison
@@ -168,7 +180,8 @@ def diff_json(result: RunResult) -> dict:
         "schema": "qsa_lab.diff/1",
         "backend": result.backend,
         "geometry": {k: getattr(g, k) for k in ("rows", "requests", "layout", "context", "topk", "page_size",
-                                                "q_heads", "head_dim", "kv_dtype", "group_rows", "seed")},
+                                                "q_heads", "head_dim", "kv_dtype", "group_rows", "seed",
+                                                "selection", "overlap")},
         "poison": {"site": p["site"], "plane": p["plane"], "nan_bytes": p["nan_bytes"],
                    "poisoned_dims": p["poisoned_dims"]},
         "groups": group_summary(result.plan),
@@ -176,4 +189,6 @@ def diff_json(result: RunResult) -> dict:
                        "max_abs_diff_vs_reference": num(row.max_abs_diff_vs_reference),
                        "max_abs_diff_vs_xqa": num(row.max_abs_diff_vs_xqa)}
                    for r, row in table.iterrows()},
+        "selection": selection_summary(result.case, result.plan),
+        "extensions": extensions_used(g, result.outputs),
     }

@@ -1,4 +1,4 @@
-"""A case: the tensors the route reads (SPEC §1), built from a Geometry.
+"""A case: the tensors the route reads, built from a Geometry.
 
     q            [rows, q_heads, head_dim] fp16
     kv_cache     [pages, 2, page_size, 1, head_dim] uint8 codes (e4m3/e5m2) or fp16
@@ -14,6 +14,7 @@ writes to it). Scales are per-tensor: value = decode(code) * scale.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -25,8 +26,31 @@ from . import fp8
 KV_DTYPES = ("e4m3", "e5m2", "fp16")
 LAYOUTS = ("contiguous", "scatter")
 GROUPINGS = ("consecutive", "request")
+SELECTIONS = ("indexer", "random")
 SINK_BLOCKS = 4      # leading blocks every row keeps (attention sink)
 WINDOW_BLOCKS = 128  # trailing complete blocks every row keeps (local window; topk // 4 if fewer)
+# The upstream indexer (its benchmark's score_reference): 4 heads of dim 128, one key per 4-token block,
+# block score = sum over heads of ReLU(q . k) / sqrt(128), top-k by (score desc, block id asc).
+INDEXER_HEADS = 4
+INDEXER_DIM = 128
+DEFAULT_OVERLAP = 0.8
+CALIBRATION_BLOCKS = 2048  # key sample on which the overlap knob is calibrated
+CALIBRATION_PAIRS = 32
+SCORE_CHUNK = 64           # rows scored at once
+#: inclusive range of every integer Geometry field. The bounds keep each size far beyond the
+#: report's (19 rows, 8192 tokens, topk 512, page 32, 6 heads, dim 256) yet small enough that
+#: one field alone cannot ask for an absurd allocation; combinations are bounded by the memory
+#: estimate in qsa_lab.resources.
+RANGES = {
+    "rows": (1, 1 << 16),
+    "requests": (1, 1 << 12),
+    "context": (5, 1 << 20),
+    "topk": (1, 1 << 16),
+    "page_size": (4, 1024),
+    "q_heads": (1, 16),
+    "head_dim": (16, 1024),
+    "seed": (0, (1 << 63) - 1),   # torch.Generator.manual_seed takes 64 bits
+}
 
 
 @dataclass(frozen=True)
@@ -44,30 +68,32 @@ class Geometry:
     kv_dtype: str = "e4m3"
     seed: int = 0
     group_rows: str = "consecutive"
+    selection: str = "indexer"
+    overlap: float = DEFAULT_OVERLAP
 
     def __post_init__(self):
         def need(ok, arg, what):
             if not ok:
-                raise ValueError(f"{arg} must be {what}, got {getattr(self, arg)!r}")
+                raise ValueError(f"{arg}: must be {what}, got {getattr(self, arg)!r}")
 
-        for name in ("rows", "requests", "context", "topk", "page_size", "q_heads", "head_dim", "seed"):
-            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
-                 name, "an int")
-        need(self.rows >= 1, "rows", ">= 1")
-        need(self.requests >= 1, "requests", ">= 1")
+        for name in RANGES:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name}: must be an int, got {type(v).__name__} {v!r}")
+            lo, hi = RANGES[name]
+            need(lo <= v <= hi, name, f"in {lo}..{hi}")
         need(self.rows >= self.requests, "rows", f">= requests ({self.requests})")
         need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}")
         need(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}")
         need(self.group_rows in GROUPINGS, "group_rows", f"one of {GROUPINGS}")
-        need(self.page_size >= 4 and self.page_size % 4 == 0, "page_size", "a positive multiple of 4")
-        need(self.head_dim >= 16 and self.head_dim % 16 == 0, "head_dim", "a positive multiple of 16")
-        need(1 <= self.q_heads <= 16, "q_heads", "in 1..16")
-        need(self.topk >= 1, "topk", ">= 1")
-        need(self.seed >= 0, "seed", ">= 0")
+        need(self.selection in SELECTIONS, "selection", f"one of {SELECTIONS}")
+        need(isinstance(self.overlap, (int, float)) and not isinstance(self.overlap, bool)
+             and 0.0 <= self.overlap <= 1.0, "overlap", "a number in [0, 1] (mean neighbour overlap)")
+        need(self.page_size % 4 == 0, "page_size", "a multiple of 4 (one microblock is 4 tokens)")
+        need(self.head_dim % 16 == 0, "head_dim", "a multiple of 16 (one WMMA tile)")
         rows_per_req = -(-self.rows // self.requests)
         need(self.context - self.requests + 1 >= rows_per_req + 4, "context",
              f">= rows per request + requests + 3 ({rows_per_req + self.requests + 3})")
-        need(self.context <= 1 << 20, "context", "<= 1048576")
 
     @property
     def m_tiles(self) -> int:
@@ -128,8 +154,16 @@ class Case:
     def describe(self) -> str:
         g = self.geometry
         return (f"rows {g.rows}, {g.requests} req, {g.layout}, ctx {g.context}, topk {g.topk}, "
-                f"page {g.page_size}, Hq {g.q_heads}, D {g.head_dim}, {g.kv_dtype}, seed {g.seed}; "
-                f"poison {self.poison['site']}/{self.poison['plane']}")
+                f"page {g.page_size}, Hq {g.q_heads}, D {g.head_dim}, {g.kv_dtype}, seed {g.seed}, "
+                f"{self.describe_selection()}; poison {self.poison['site']}/{self.poison['plane']}")
+
+    def describe_selection(self) -> str:
+        """'indexer selection, overlap 0.8 (measured 0.79)' or 'random selection, overlap 0.40'."""
+        measured = neighbour_overlap(self)
+        got = "n/a" if measured is None else f"{measured:.2f}"
+        if self.geometry.selection == "indexer":
+            return f"indexer selection, overlap {self.geometry.overlap:g} (measured {got})"
+        return f"random selection, overlap {got}"
 
 
 def kv_values(raw: torch.Tensor, kv_dtype: str) -> torch.Tensor:
@@ -166,17 +200,126 @@ def _selections(visible: torch.Tensor, topk: int, gen: torch.Generator) -> torch
     return out
 
 
-def build_case(geometry: Geometry | None = None, device: str | torch.device = "cpu", **overrides) -> Case:
+def _indexer_queries(positions: torch.Tensor, rho: float, gen: torch.Generator) -> torch.Tensor:
+    """[n, heads, 128] float32 indexer queries of one request's rows (positions ascending):
+    an AR(1) chain over positions, each query N(0, I), rows p apart correlated rho**p."""
+    n = positions.numel()
+    e = torch.randn((n, INDEXER_HEADS * INDEXER_DIM), generator=gen, dtype=torch.float64)
+    a = rho ** (positions[1:] - positions[:-1]).double()         # carried-over share per step
+    c = torch.sqrt(1.0 - a * a)                                     # fresh share keeps unit variance
+    q = e.clone()
+    for i in range(1, n):  # one vector op per row
+        q[i] = a[i - 1] * q[i - 1] + c[i - 1] * e[i]
+    return q.view(n, INDEXER_HEADS, INDEXER_DIM).float()
+
+
+def _indexer_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [n, heads, 128], keys [blocks, 128] -> [n, blocks]: sum over heads of ReLU(q . k) / sqrt(128)."""
+    return torch.relu(q @ keys.T).sum(dim=-2) / math.sqrt(INDEXER_DIM)
+
+
+def _top_blocks(scores: torch.Tensor, complete: torch.Tensor, topk: int) -> torch.Tensor:
+    """Lexicographic top-k (score descending, block id ascending) over each row's fully visible
+    blocks (< complete; fewer than topk -> all of them); -> [n, topk] int32 ascending ids, -1 padded."""
+    n, blocks = scores.shape
+    visible = torch.arange(blocks) < complete.unsqueeze(1)
+    # a stable sort keeps equal scores (ReLU zeros) in ascending block order
+    ranked = torch.sort(torch.where(visible, scores, -torch.inf), dim=1, descending=True, stable=True).indices
+    width = min(topk, blocks)
+    count = complete.clamp(max=topk).unsqueeze(1)
+    unused = torch.arange(width) >= count
+    ids = torch.where(unused, blocks, ranked[:, :width]).sort(dim=1).values     # unused sort last
+    out = torch.full((n, topk), -1, dtype=torch.int32)
+    out[:, :width] = torch.where(unused, -1, ids).to(torch.int32)
+    return out
+
+
+def indexer_correlation(overlap: float, candidates: int, topk: int) -> float:
+    """Correlation rho of neighbouring indexer queries whose top-k share `overlap` of their blocks.
+
+    Neighbour overlap is a function of rho and of the selected fraction topk / candidates only,
+    so it is calibrated once per (overlap, fraction) and cached: CALIBRATION_PAIRS query pairs
+    scored on a sample of at most CALIBRATION_BLOCKS keys, with the fraction kept, over a grid
+    of rho = 1 - 2**-x, then interpolated. Below the overlap of independent queries -> 0.
+    """
+    if candidates <= topk or overlap >= 1.0:
+        return 1.0                                  # every candidate is selected / identical queries
+    n = min(candidates, CALIBRATION_BLOCKS)
+    return _calibrated_rho(float(overlap), n, max(1, round(topk * n / candidates)))
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrated_rho(overlap: float, n: int, k: int) -> float:
+    gen = torch.Generator().manual_seed(0)          # a property of the model, not of a case's seed
+    keys = torch.randn((n, INDEXER_DIM), generator=gen)
+    q0, fresh = (torch.randn((CALIBRATION_PAIRS, INDEXER_HEADS, INDEXER_DIM), generator=gen) for _ in range(2))
+    A, B = q0 @ keys.T, fresh @ keys.T                                        # [pairs, heads, n]
+    x = torch.linspace(0.0, 16.0, 65)
+    rho = (1.0 - 2.0 ** -x).view(-1, 1, 1, 1)
+    near = torch.relu(rho * A + torch.sqrt(1.0 - rho * rho) * B).sum(dim=2)  # [grid, pairs, n]
+    first = torch.zeros((CALIBRATION_PAIRS, n), dtype=torch.bool)
+    first.scatter_(1, torch.relu(A).sum(dim=1).topk(k, dim=1).indices, True)
+    shared = first.expand(x.numel(), -1, -1).gather(2, near.topk(k, dim=2).indices)
+    curve = torch.cummax(shared.float().mean(dim=(1, 2)), dim=0).values       # overlap per grid point
+    if overlap <= curve[0]:
+        return 0.0
+    i = int(torch.searchsorted(curve, torch.tensor([overlap])))
+    if i >= x.numel():
+        return float(rho[-1])
+    t = float((overlap - curve[i - 1]) / (curve[i] - curve[i - 1]))
+    return 1.0 - 2.0 ** -float(x[i - 1] + t * (x[i] - x[i - 1]))
+
+
+def _indexer_selections(g: Geometry, positions, token_to_req, visible, gen) -> torch.Tensor:
+    """[rows, topk] int32: each request's block keys and its rows' correlated indexer queries,
+    scored and ranked as upstream's indexer does. -1 padded, ascending."""
+    complete = visible // 4
+    rho = indexer_correlation(g.overlap, int(complete.float().median()), g.topk)
+    out = torch.full((positions.numel(), g.topk), -1, dtype=torch.int32)
+    for r in range(g.requests):
+        rows = torch.nonzero(token_to_req == r).flatten()
+        keys = torch.randn((int(complete[rows].max()), INDEXER_DIM), generator=gen)
+        q = _indexer_queries(positions[rows], rho, gen)
+        for c in range(0, rows.numel(), SCORE_CHUNK):  # bounds the [chunk, heads, blocks] scores
+            part = rows[c:c + SCORE_CHUNK]
+            out[part] = _top_blocks(_indexer_scores(q[c:c + SCORE_CHUNK], keys), complete[part], g.topk)
+    return out
+
+
+def neighbour_overlap(case: Case) -> float | None:
+    """Mean over neighbouring rows of one request of |A & B| / max(|A|, |B|), A and B their
+    selected block sets; None when no request has two rows."""
+    sel, req = case.selected.cpu().long(), case.token_to_req.cpu()
+    pair = torch.nonzero(req[1:] == req[:-1]).flatten()
+    if pair.numel() == 0:
+        return None
+    a, b = sel[pair], sel[pair + 1]
+    both = torch.cat([a, b], dim=1).sort(dim=1).values
+    shared = ((both[:, 1:] == both[:, :-1]) & (both[:, 1:] >= 0)).sum(dim=1)  # ids are unique per row
+    size = torch.maximum((a >= 0).sum(dim=1), (b >= 0).sum(dim=1)).clamp(min=1)
+    return float((shared / size).mean())
+
+
+def build_case(geometry: Geometry | None = None, device: str | torch.device = "cpu", *,
+               max_memory: int | None = None, **overrides) -> Case:
     """Build a case from a Geometry (or keyword overrides of the defaults).
 
     Each request r holds seq_len = context - r tokens (so requests differ in their
     partial last microblock); its rows are its last positions (decode-like, causal
     among themselves). K/V ~ N(0, 1) written through the saturating encoder with
     scale amax / max_finite; page 0 (the null block) stays zero.
+
+    Before allocating anything, the case's peak memory is estimated (qsa_lab.resources) and a
+    case above `max_memory` bytes (default: half the memory available now) is refused.
     """
+    from . import resources
+
     g = geometry if geometry is not None else Geometry()
+    if not isinstance(g, Geometry):
+        raise TypeError(f"geometry: expected a Geometry, got {type(g).__name__}")
     if overrides:
         g = g.replace(**overrides)
+    resources.require(g, max_memory)
     gen = torch.Generator().manual_seed(g.seed)
 
     seq_lens = torch.tensor([g.context - r for r in range(g.requests)], dtype=torch.int32)
@@ -217,10 +360,36 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
                                 fp8.encode(kv[:, 1] / v_scale, g.kv_dtype)], dim=1)
 
     visible = torch.minimum(positions + 1, seq_lens.long()[token_to_req.long()])
-    selected = _selections(visible, g.topk, gen)
+    if g.selection == "random":
+        selected = _selections(visible, g.topk, gen)
+    else:
+        selected = _indexer_selections(g, positions, token_to_req, visible, gen)
     case = Case(g, q, kv_cache.contiguous(), k_scale, v_scale, block_table, seq_lens,
                 token_to_req, positions, selected)
     return case.to(device) if str(device) != "cpu" else case
+
+
+def relocate_pages(case: Case, seed: int = 1, spare: int = 3) -> Case:
+    """The same case with every request page moved to another physical page.
+
+    Page 0 stays the null block; the pool grows by `spare` unused pages so pages can land
+    anywhere. block_table is remapped and the kv_cache pages move with it: every logical
+    token keeps its bytes, only the allocation differs (upstream's planner promises the
+    same result for any allocation).
+    """
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if not isinstance(spare, int) or spare < 0:
+        raise ValueError(f"spare must be an int >= 0, got {spare!r}")
+    pages = case.kv_cache.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    new_of_old = torch.zeros(pages, dtype=torch.int64)
+    new_of_old[1:] = 1 + torch.randperm(pages - 1 + spare, generator=gen)[:pages - 1]
+    dev = case.kv_cache.device
+    kv = case.kv_cache.new_zeros((pages + spare,) + tuple(case.kv_cache.shape[1:]))
+    kv[new_of_old.to(dev)] = case.kv_cache
+    table = new_of_old.to(dev)[case.block_table.long()].to(torch.int32)
+    return dataclasses.replace(case, kv_cache=kv, block_table=table, poison=dict(case.poison))
 
 
 def geometry_from_json(text: str) -> Geometry:
@@ -229,12 +398,28 @@ def geometry_from_json(text: str) -> Geometry:
 
 def validate_case(case: Case) -> Case:
     """Raise ValueError naming the argument when a tensor has the wrong shape, dtype or range."""
+    if not isinstance(case, Case):
+        raise TypeError(f"case: expected a qsa_lab Case, got {type(case).__name__}")
+    if not isinstance(case.geometry, Geometry):
+        raise TypeError(f"geometry: expected a Geometry, got {type(case.geometry).__name__}")
     g = case.geometry
     rows, hq, d = g.rows, g.q_heads, g.head_dim
 
     def need(ok, arg, what):
         if not ok:
             raise ValueError(f"{arg}: expected {what}")
+
+    tensors = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
+               if f.name not in ("geometry", "poison", "k_scale", "v_scale")}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    devices = {t.device for t in tensors.values()}
+    need(len(devices) == 1, "case", f"every tensor on one device, got {sorted(map(str, devices))}")
+    dev = devices.pop()
+    need(dev.type in ("cpu", "cuda"), "device", f"cpu or cuda, got {dev}")
+    need(dev.type != "cuda" or (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()),
+         "device", f"a visible CUDA device, got {dev}")
 
     need(tuple(case.q.shape) == (rows, hq, d) and case.q.dtype == torch.float16,
          "q", f"[rows={rows}, q_heads={hq}, head_dim={d}] float16, got {list(case.q.shape)} {case.q.dtype}")
@@ -256,6 +441,13 @@ def validate_case(case: Case) -> Case:
          "block_table", f"physical pages in [0, {kv.shape[0]})")
     need(int(case.seq_lens.max()) <= case.block_table.shape[1] * g.page_size and int(case.seq_lens.min()) >= 1,
          "seq_lens", "in [1, max_pages * page_size]")
+    # page 0 is the null block: a request's pages inside its seq_len must all be real
+    used = (torch.arange(case.block_table.shape[1], device=dev) * g.page_size).unsqueeze(0) \
+        < case.seq_lens.long().unsqueeze(1)
+    bad = (case.block_table == 0) & used
+    if bool(bad.any()):
+        r, p = torch.nonzero(bad)[0].tolist()
+        need(False, "block_table", f"no page 0 (the null block) inside seq_len; request {r}, logical page {p} is 0")
     need(tuple(case.token_to_req.shape) == (rows,) and case.token_to_req.dtype == torch.int32
          and 0 <= int(case.token_to_req.min()) and int(case.token_to_req.max()) < reqs,
          "token_to_req", f"[rows={rows}] int32 in [0, {reqs})")
@@ -269,6 +461,9 @@ def validate_case(case: Case) -> Case:
     complete = (visible_tokens(case) // 4).unsqueeze(1)
     need(bool(((sel == -1) | ((sel >= 0) & (sel < complete))).all()), "selected",
          "-1 or a fully visible logical block id (< visible // 4)")
+    real = sel >= 0
+    need(not bool((real[:, 1:] & ~real[:, :-1]).any()), "selected",
+         "each row's block ids first, then -1 padding (a -1 before a real id)")
     srt = sel.sort(dim=1).values
     need(not bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()), "selected",
          "no block id twice in one row")

@@ -1,12 +1,18 @@
 """Export a figure for a bug report: PNG, SVG and PDF with the case, backend, GPU and
-qsa_lab version embedded in each file's own metadata. Never overwrites silently."""
+qsa_lab version embedded in each file's own metadata. Never overwrites silently.
+
+The same figure and metadata give byte-identical files: no creation dates, a fixed seed for
+the SVG element ids, and every file written whole through qsa_lab.outputs."""
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
 
+from .outputs import check_folder, writing
+
 FORMATS = ("png", "svg", "pdf")
+SVG_HASHSALT = "qsa_lab"  # seeds the SVG element ids, which matplotlib otherwise draws at random
 META_KEYS = ("case", "backend", "gpu", "qsa_lab_version")
 
 
@@ -45,23 +51,46 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
     """
     if not name or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
         raise ValueError(f"name must be a plain file stem ([A-Za-z0-9_.+-]), got {name!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = _paths(out_dir, name, None)
-    n = 0
-    while not overwrite and any(p.exists() for p in paths.values()):
-        n += 1
-        paths = _paths(out_dir, name, n)
+    out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
     m = full_meta(meta)
     blob = json.dumps(m, sort_keys=True)
     title = f"qsa_lab {name}"
-    fig.savefig(paths["png"], dpi=dpi, metadata={"Title": title, "Description": blob, "Software": "qsa_lab",
-                                                 **{f"qsa_lab:{k}": v for k, v in m.items()}})
-    fig.savefig(paths["svg"], metadata={"Title": title, "Description": blob, "Creator": "qsa_lab",
-                                        "Keywords": [f"{k}={v}" for k, v in m.items()]})
-    fig.savefig(paths["pdf"], metadata={"Title": title, "Subject": blob, "Creator": "qsa_lab",
-                                        "Keywords": "; ".join(f"{k}={v}" for k, v in m.items())})
-    return [paths[f] for f in FORMATS]
+    # Date / CreationDate None: no timestamp, so the same inputs give the same bytes
+    meta_of = {"png": {"Title": title, "Description": blob, "Software": "qsa_lab",
+                       **{f"qsa_lab:{k}": v for k, v in m.items()}},
+               "svg": {"Title": title, "Description": blob, "Creator": "qsa_lab", "Date": None,
+                       "Keywords": [f"{k}={v}" for k, v in m.items()]},
+               "pdf": {"Title": title, "Subject": blob, "Creator": "qsa_lab", "CreationDate": None,
+                       "Keywords": "; ".join(f"{k}={v}" for k, v in m.items())}}
+    n = 0
+    while True:
+        paths = _paths(out_dir, name, n or None)
+        if overwrite or not any(p.exists() or p.is_symlink() for p in paths.values()):
+            try:
+                return _write_all(fig, paths, meta_of, dpi, overwrite)
+            except FileExistsError:
+                if overwrite:
+                    raise
+        n += 1  # a file of this stem exists (or appeared while writing): the next number
+
+
+def _write_all(fig, paths: dict, meta_of: dict, dpi: int, overwrite: bool) -> list[Path]:
+    """All three files or none: a stem taken half-way is rolled back."""
+    import matplotlib
+
+    done = []
+    try:
+        with matplotlib.rc_context({"svg.hashsalt": SVG_HASHSALT}):
+            for f in FORMATS:
+                with writing(paths[f], "out_dir", force=overwrite) as tmp:
+                    fig.savefig(tmp, format=f, dpi=dpi if f == "png" else "figure", metadata=meta_of[f])
+                done.append(paths[f])
+    except BaseException:
+        if not overwrite:
+            for p in done:
+                p.unlink(missing_ok=True)
+        raise
+    return done
 
 
 def read_png_meta(path) -> dict:

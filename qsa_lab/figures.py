@@ -60,7 +60,7 @@ def write_repro_figures(results, out_dir="figures", table=None, overwrite: bool 
     r = _pick(results, 19, "targeted")
     if r is not None:
         case = r.case.describe()
-        save(_figure(plotting.plot_plan, figdata.plan_table(r.plan), (9, 4)), "02_plan", case)
+        save(_figure(plotting.plot_plan, figdata.plan_table(r.plan, r.case), (9, 4)), "02_plan", case)
         nm = figdata.nan_map(r, "grouped")
         save(_figure(plotting.plot_nan_map, nm, (11, 0.045 * nm["values"].shape[0] + 1.6)), "02_nan_maps", case)
         save(_figure(plotting.plot_attribution, figdata.attribution_map(r), (10, 2.8)), "02_attribution", case)

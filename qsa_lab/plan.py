@@ -1,4 +1,4 @@
-"""The grouped page4 planner (SPEC §2), its pad-fix (fix B), and XQA's token lists.
+"""The grouped page4 planner, its pad-fix (fix B), and XQA's token lists.
 
 Everything is torch ops on the case's device. Shapes:
     attended microblocks per row: microblock [rows, topk+1] int64 (-1 unused),
@@ -19,6 +19,7 @@ GROUP = 8            # query rows per CTA
 TILE_ENTRIES = 8     # microblocks per 32-token tile
 INT64_MAX = torch.iinfo(torch.int64).max
 TOKEN_BITS = 0x11111111  # token t of every query is TOKEN_BITS << t
+OWNER_NONE = 1 << 32     # above every (query << 29) | logical block
 
 
 @dataclass
@@ -87,6 +88,12 @@ def attended_microblocks(case: Case, rows: torch.Tensor | None = None):
     Columns 0..topk-1 are the first `complete` selected blocks (all 4 tokens);
     column topk is the tail: tokens 4*(visible//4) .. visible-1 of the block the row sits in.
     """
+    mb, nibble, _ = _attended(case, rows)
+    return mb, nibble
+
+
+def _attended(case: Case, rows: torch.Tensor | None = None):
+    """attended_microblocks plus each column's logical 4-token block id [n, topk+1]."""
     g = case.geometry
     rows = torch.arange(g.rows, device=case.device) if rows is None else rows.to(case.device)
     visible = visible_tokens(case)[rows]
@@ -102,7 +109,7 @@ def attended_microblocks(case: Case, rows: torch.Tensor | None = None):
     page = case.block_table.long()[req.unsqueeze(1), (tok // g.page_size).clamp(max=case.block_table.shape[1] - 1)]
     mb = page * (g.page_size // 4) + (tok % g.page_size) // 4
     mb = torch.where(nibble != 0, mb, -1)
-    return mb, nibble
+    return mb, nibble, blocks
 
 
 def group_rows(case: Case, grouping: str | None = None):
@@ -139,26 +146,27 @@ def plan_groups(case: Case, grouping: str | None = None) -> GroupedPlan:
         empty = torch.zeros((0, 0), dtype=torch.int32, device=dev)
         return GroupedPlan(grows, xrows, empty, empty, empty, torch.zeros(0, dtype=torch.int32, device=dev),
                            g.q_heads)
-    mb, nib = attended_microblocks(case, grows.flatten())            # [G*8, K]
+    mb, nib, logical = _attended(case, grows.flatten())               # [G*8, K]
     K = mb.shape[1]
     gid = torch.arange(G, device=dev).repeat_interleave(GROUP * K)
     query = torch.arange(GROUP, device=dev).repeat_interleave(K).repeat(G)
-    mb, nib = mb.flatten(), nib.flatten()
+    mb, nib, logical = mb.flatten(), nib.flatten(), logical.flatten()
     keep = mb >= 0
-    gid, query, mb, nib = gid[keep], query[keep], mb[keep], nib[keep]
+    gid, query, mb, nib, logical = gid[keep], query[keep], mb[keep], nib[keep], logical[keep]
     # 1-2. union per group, one 32-bit mask per microblock (bits of distinct queries never overlap)
     n_mb = case.kv_cache.shape[0] * (g.page_size // 4)
     keys, inv = torch.unique(gid * n_mb + mb, return_inverse=True)
     masks = torch.zeros(keys.numel(), dtype=torch.int64, device=dev).scatter_add_(0, inv, nib << (4 * query))
-    owner = torch.full((keys.numel(),), GROUP, dtype=torch.int64, device=dev).scatter_reduce_(
-        0, inv, query, reduce="amin")
+    # owner as upstream: the smallest (query << 29) | logical block among the contributors, so
+    # the order depends on who attends a microblock, never on where its page was allocated
+    owner = torch.full((keys.numel(),), OWNER_NONE, dtype=torch.int64, device=dev).scatter_reduce_(
+        0, inv, (query << 29) | logical, reduce="amin")
     egroup, emb = keys // n_mb, keys % n_mb
     # 3. category: OR of the M-tiles its queries touch
     cat = mask_m_tile_bits(masks, g.q_heads)
-    # 4. sort by (group, category, owner query, microblock): keys are already by (group, microblock)
-    order = torch.argsort(owner, stable=True)
-    order = order[torch.argsort(cat[order], stable=True)]
-    order = order[torch.argsort(egroup[order], stable=True)]
+    # 4. sort by (group, category, owner), categories ascending; owners are unique in a group
+    # (one query's logical block names one microblock), so the order is total
+    order = torch.argsort((egroup << 40) | (cat << 32) | owner)
     egroup, emb, masks, cat = egroup[order], emb[order], masks[order], cat[order]
     # pad each (group, category) up to a multiple of 8 entries with the null entry (0, 0)
     n_cat = 1 << nmt
@@ -196,13 +204,20 @@ def pad_fix(plan: GroupedPlan) -> GroupedPlan:
 
 
 def xqa_tokens(case: Case, rows: torch.Tensor | None = None):
-    """XQA's view of rows: token_index [n, T] int64 physical tokens (page*page_size + token),
-    sorted ascending, unused slots INT64_MAX (sorted last); token_count [n] int32."""
-    mb, nib = attended_microblocks(case, rows)
+    """XQA's view of rows: token_index [n, T] int64 physical tokens (page*page_size + token)
+    in logical token order (so the tail comes last), unused slots INT64_MAX (sorted last);
+    token_count [n] int32.
+
+    Upstream sorts by logical token, not by physical page, so the row's reduction order does
+    not depend on where its pages were allocated.
+    """
+    mb, nib, blocks = _attended(case, rows)
     t = torch.arange(4, device=mb.device)
     tok = (mb.unsqueeze(-1) * 4 + t).flatten(1)
+    logical = (blocks.unsqueeze(-1) * 4 + t).flatten(1)
     valid = (((nib.unsqueeze(-1) >> t) & 1) != 0).flatten(1)
-    tok = torch.where(valid, tok, INT64_MAX).sort(dim=1).values
+    order = torch.where(valid, logical, INT64_MAX).sort(dim=1).indices
+    tok = torch.where(valid, tok, INT64_MAX).gather(1, order)
     count = valid.sum(dim=1)
     width = max(int(count.max()) if count.numel() else 0, 1)
     return tok[:, :width].contiguous(), count.to(torch.int32)

@@ -196,7 +196,12 @@ def plot_plan(table, ax=None):
     ax.set_xlabel("category (M-tiles its queries touch)")
     ax.set_ylabel("plan entries (microblocks)")
     pad = int(table["padded"].sum())
-    ax.set_title(f"grouped plan: {len(groups)} groups, {pad} padding entries -> (microblock 0, mask 0)")
+    title = f"grouped plan: {len(groups)} groups, {pad} padding entries -> (microblock 0, mask 0)"
+    if "tiles_per_group" in table.attrs:  # what the selections' overlap costs: tiles each group walks
+        title += f"\ntiles per group {table.attrs['tiles_per_group']}"
+        if "selection" in table.attrs:
+            title += f"; {table.attrs['selection']}"
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=len(groups), loc="upper left")
     return ax
 

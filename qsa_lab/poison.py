@@ -30,6 +30,8 @@ reference give NaN.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .case import Case, kv_values
@@ -129,6 +131,22 @@ def stale_tokens(case: Case) -> list[tuple[int, int]]:
     return stale_slots(case, "stale-microblock")
 
 
+def _int_list(values, arg: str) -> list[int]:
+    """Integers only: a string is refused (iterating '102' would give dims 1, 0, 2) and so is
+    1.5 (int() would silently truncate it)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{arg}: must be a list of ints, got {type(values).__name__} {values!r}")
+    out = []
+    for v in values:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))  # ints, numpy / torch integers; never floats or strings
+        except TypeError:
+            raise TypeError(f"{arg}: must be a list of ints, got {v!r} in it") from None
+    return out
+
+
 def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None, seed: int = 0,
                  payload: str | None = None) -> Case:
     """Return a copy of `case` with the site written; `case.poison` records what it wrote:
@@ -150,13 +168,15 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
             raise ValueError(f"payload only applies to sites {DIM_SITES}, not {site!r}")
         payload_bits(g.kv_dtype, payload)  # a payload the dtype has no code for is refused here
     if site in DIM_SITES:
-        dims = default_dims(g.head_dim) if dims is None else [int(d) for d in dims]
+        dims = default_dims(g.head_dim) if dims is None else _int_list(dims, "dims")
         if not dims or any(not 0 <= d < g.head_dim for d in dims):
             raise ValueError(f"dims must be a non-empty list of head dims in [0, {g.head_dim}), got {dims}")
     elif dims is not None:
         raise ValueError(f"dims only applies to sites {DIM_SITES}, not {site!r}")
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed: must be an int, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 1 << 63:  # torch.Generator.manual_seed takes 64 bits
+        raise ValueError(f"seed: must be in 0..{(1 << 63) - 1}, got {seed!r}")
 
     out = case.clone()
     kv = out.kv_cache  # [pages, 2, page_size, 1, D]

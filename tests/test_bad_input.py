@@ -63,8 +63,8 @@ def test_bad_poison_and_route_arguments():
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["diff", "--page-size", "30"], "page_size"), (["diff", "--head-dim", "40"], "head_dim"),
-    (["diff", "--rows", "0"], "rows"), (["diff", "--poison", "targeted", "--dims", "300"], "dims"),
+    (["diff", "--page-size", "30"], "--page-size"), (["diff", "--head-dim", "40"], "--head-dim"),
+    (["diff", "--rows", "0"], "--rows"), (["diff", "--poison", "targeted", "--dims", "300"], "--dims"),
     (["diff", "--poison", "nowhere"], "--poison"), (["diff", "--rows", "x"], "--rows"),
     (["diff", "--backend", "tpu"], "--backend"), (["diff", "--dims", "1,a"], "--dims"),
     (["frobnicate"], "frobnicate"),

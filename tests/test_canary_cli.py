@@ -56,12 +56,12 @@ def test_a_user_kernel_that_cannot_run_fails_the_gate(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--kernels", "qsa:nope"], "argument --kernels: unknown qsa route"),
-    (["--kernels", "torch:sdpa"], "argument --kernels: unknown torch kernel"),
-    (["--kernels", "not_a_module_xyz:fn"], "argument --kernels: 'not_a_module_xyz:fn': cannot import"),
-    (["--regions", "null-block,tail"], "argument --regions: unknown ['tail']"),
-    (["--payloads", "nan,snan"], "argument --payloads: unknown ['snan']"),
-    (["--backend", "gpu"], "argument --backend: invalid choice"),
+    (["--kernels", "qsa:nope"], "--kernels: unknown qsa route"),
+    (["--kernels", "torch:sdpa"], "--kernels: unknown torch kernel"),
+    (["--kernels", "not_a_module_xyz:fn"], "--kernels: 'not_a_module_xyz:fn': cannot import"),
+    (["--regions", "null-block,tail"], "--regions: unknown ['tail']"),
+    (["--payloads", "nan,snan"], "--payloads: unknown ['snan']"),
+    (["--backend", "gpu"], "--backend: invalid choice"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     rc, out, err = run(capsys, *argv)
@@ -83,4 +83,4 @@ def test_cuda_backend_without_a_gpu_is_a_usage_error(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     rc, _, err = run(capsys, "--kernels", "qsa:xqa", "--backend", "cuda")
-    assert rc == 2 and err.startswith("qsa-lab: error: argument --backend: 'cuda' needs a CUDA GPU")
+    assert rc == 2 and err.startswith("qsa-lab: error: --backend: 'cuda' needs a CUDA GPU")

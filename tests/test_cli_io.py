@@ -18,7 +18,7 @@ def test_diff_json_follows_the_contract(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "qsa_lab.diff/1" and doc["backend"] == "emulate"
     assert set(doc["geometry"]) == {"rows", "requests", "layout", "context", "topk", "page_size", "q_heads",
-                                    "head_dim", "kv_dtype", "group_rows", "seed"}
+                                    "head_dim", "kv_dtype", "group_rows", "seed", "selection", "overlap"}
     assert doc["poison"] == {"site": "targeted", "plane": "v", "nan_bytes": 20, "poisoned_dims": list(REPORT_DIMS)}
     assert set(doc["routes"]) == set(ROUTES)
     assert doc["routes"]["grouped"]["nan_count"] == 480 and doc["routes"]["grouped"]["nan_dims"] == list(REPORT_DIMS)

@@ -214,7 +214,7 @@ def _scales(**scales) -> None:
 
 def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len, *,
                     kv_format, sm_scale, variant, return_lse=False):
-    """Grouped page4 forward on the GPU, one CTA per group (SPEC §2).
+    """Grouped page4 forward on the GPU, one CTA per group.
 
     q [rows, Hq, D] fp16; kv_cache [pages, 2, page_size, 1, D] uint8 codes or fp16;
     group_rows [groups, 8] int64/int32; microblocks, masks [groups, cap] int32;
@@ -241,7 +241,7 @@ def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, mask
 
 
 def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
-    """Row-wise XQA page4 on the GPU (SPEC §3): only each row's token_count real tokens.
+    """Row-wise XQA page4 on the GPU: only each row's token_count real tokens.
 
     q_rows [n, Hq, D] fp16; token_index [n, T] int64 (page*page_size + token, INT64_MAX
     unused, sorted last); token_count [n] int32. Returns [n, Hq, D] fp16.

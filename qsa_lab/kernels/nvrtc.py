@@ -26,7 +26,7 @@ DEVICE_HEADERS = ("fp8_decode.cuh", "grouped_page4.cuh", "xqa_page4.cuh")
 FORMATS = ("qsa::kE4M3", "qsa::kE5M2", "qsa::kFP16")
 VARIANTS = ("qsa::kUnfixed", "qsa::kKernelFix", "qsa::kMaskedLoad", "qsa::kKernelFixNoLeadingBarrier", "qsa::kEarlyV")
 
-# Instructions an SM70 build must not contain (SPEC "Compiled kernels").
+# Instructions an SM70 build must not contain (WMMA and plain loads only: the V100 has nothing newer).
 FORBIDDEN_PTX = ("cp.async", "ldmatrix", "wgmma", "cp.async.bulk", "cp.reduce.async", "redux.sync")
 # Operand types an SM70 lacks (bf16, fp8 conversions), matched as PTX type suffixes.
 FORBIDDEN_TYPES = (".bf16", ".bf16x2", ".e4m3x2", ".e5m2x2")

@@ -1,11 +1,12 @@
 """Run a case through every route on one backend.
 
-Routes (CONTRACT): reference, xqa, grouped, grouped+kernel_fix (fix A), grouped+pad_fix
+Routes: reference, xqa, grouped, grouped+kernel_fix (fix A), grouped+pad_fix
 (fix B), grouped+both_fixes (A and B), grouped+masked_load (fix C). A grouped route runs
 the planner's groups through the grouped kernel and its remainder rows through XQA.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -37,9 +38,14 @@ class RunResult:
     reference64: torch.Tensor | None = None
 
 
+VARIANTS = tuple(dict.fromkeys(v for v, _ in GROUPED.values()))  # kernel variants: unfixed, kernel_fix, masked_load
+
+
 def check_routes(routes) -> tuple:
+    if isinstance(routes, str):  # a lone name would otherwise be read letter by letter
+        routes = (routes,)
     routes = ROUTES if routes is None else tuple(routes)
-    bad = [r for r in routes if r not in ROUTES]
+    bad = [r for r in routes if not isinstance(r, str) or r not in ROUTES]
     if bad:
         raise ValueError(f"routes: unknown route(s) {bad}; choose from {ROUTES}")
     return routes
@@ -85,9 +91,44 @@ def backend_module(backend: str):
     return emulate
 
 
-def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl) -> torch.Tensor:
+def check_variant(variant) -> str:
+    if not isinstance(variant, str) or variant not in VARIANTS:
+        raise ValueError(f"variant: must be one of {VARIANTS}, got {variant!r}")
+    return variant
+
+
+def check_plan(case: Case, plan: GroupedPlan, grouping: str | None = None) -> GroupedPlan:
+    """Refuse a plan made for another case (ValueError naming 'plan'): its rows, heads and
+    attended entries must be those the planner gives this case (padding entries may differ,
+    as pad_fix repoints them); every microblock must lie inside the cache."""
+    if not isinstance(plan, GroupedPlan):
+        raise TypeError(f"plan: expected a GroupedPlan, got {type(plan).__name__}")
+    g = case.geometry
+    plan = plan.to(case.device)
+    ref = plan_groups(case, grouping)
+    blocks = case.kv_cache.shape[0] * g.page_size // 4
+    same = (plan.q_heads == g.q_heads and plan.microblocks.shape == ref.microblocks.shape
+            and plan.masks.shape == ref.masks.shape and plan.seq_len.shape == ref.seq_len.shape
+            and plan.microblocks.dtype == torch.int32 and plan.masks.dtype == torch.int32)
+    same = same and torch.equal(plan.group_rows, ref.group_rows) and torch.equal(plan.xqa_rows, ref.xqa_rows)
+    same = same and torch.equal(plan.masks, ref.masks) and torch.equal(plan.seq_len, ref.seq_len)
+    same = same and torch.equal(torch.where(ref.masks != 0, plan.microblocks, 0),
+                                torch.where(ref.masks != 0, ref.microblocks, 0))
+    if not same:
+        raise ValueError(f"plan: does not belong to this case ({case.describe()}); make it with plan_groups(case)")
+    if plan.microblocks.numel() and not (0 <= int(plan.microblocks.min()) and int(plan.microblocks.max()) < blocks):
+        raise ValueError(f"plan: microblocks must lie in [0, {blocks}) for this cache")
+    return plan
+
+
+def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl, checked: bool = False) -> torch.Tensor:
     """The grouped route's full output [rows, Hq, D]: groups through the grouped kernel,
-    remainder rows through XQA."""
+    remainder rows through XQA. checked=True: the caller made `plan` from `case` (or ran
+    check_plan) and the case is validated, so the re-planning check is skipped."""
+    check_variant(variant)
+    if not checked:
+        validate_case(case)
+        check_plan(case, plan)
     out = torch.empty_like(case.q)
     if plan.groups:
         g = impl.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
@@ -105,27 +146,33 @@ def xqa_output(case: Case, rows: torch.Tensor, impl) -> torch.Tensor:
                             token_count, kv_format=case.kv_format, sm_scale=case.sm_scale)
 
 
-def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | None = None) -> RunResult:
-    """Run `case` through `routes` (default all). Outputs come back on the CPU."""
+def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | None = None, *,
+               plan: GroupedPlan | None = None, progress: bool = False) -> RunResult:
+    """Run `case` through `routes` (default all). Outputs come back on the CPU.
+
+    plan: the grouped plan before any fix, when the caller already has it (checked to belong
+    to this case); progress: a progress bar over the routes on stderr."""
     routes = check_routes(routes)
     validate_case(case)
     backend = resolve_backend(backend, case.geometry)
     impl = backend_module(backend)
     dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
     run_case = case.to(dev)
-    plan = plan_groups(run_case, grouping)
+    plan = plan_groups(run_case, grouping) if plan is None else check_plan(run_case, plan, grouping)
     fixed_plan = pad_fix(plan) if any(GROUPED.get(r, ("", False))[1] for r in routes) else None
     result = RunResult(case, backend, plan.to("cpu"))
     ref = reference_forward(case)
     result.reference64 = ref
     all_rows = torch.arange(case.geometry.rows, device=dev)
-    for route in routes:
+    from tqdm import tqdm  # plain text on stderr: the CLI's long runs
+
+    for route in tqdm(routes, desc="routes", disable=not progress, file=sys.stderr):
         if route == "reference":
             out = ref.to(torch.float16)
         elif route == "xqa":
             out = xqa_output(run_case, all_rows, impl)
         else:
             variant, fixed = GROUPED[route]
-            out = grouped_output(run_case, fixed_plan if fixed else plan, variant, impl)
+            out = grouped_output(run_case, fixed_plan if fixed else plan, variant, impl, checked=True)
         result.outputs[route] = out.cpu()
     return result
