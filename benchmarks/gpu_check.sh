@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Everything the compiled kernels need checked on a GPU node, in one run (about 5-8 minutes
-# on an H200): build -> tests/gpu -> compute-sanitizer (memcheck on every variant, racecheck)
-# -> ncu counters of the grouped variants -> benchmark.
-#   bash benchmarks/gpu_check.sh OUTDIR [full|quick]        (default: full)
-# OUTDIR gets gpu_check_h200.log (this summary), bench_h200.json, ncu_variants_h200.txt and
-# logs.tgz (every log); copy the first three into data/ to commit them.
+# Everything the compiled kernels need checked on a GPU node, in one run (about 8-10 minutes
+# on an H200): build -> tests/gpu and the canary's GPU tests -> compute-sanitizer (memcheck on
+# every variant, racecheck) -> ncu counters of the grouped variants -> benchmark -> the canary
+# over every GPU kernel -> the compute_70 PTX run check (when PTX_DIR holds PTX made by
+# `python benchmarks/ptx70_check.py generate --out PTX_DIR` from this csrc/).
+#   bash benchmarks/gpu_check.sh OUTDIR [full|quick]        (default: full; PTX_DIR default build/ptx70)
+# OUTDIR gets gpu_check_h200.log (this summary), bench_h200.json, ncu_variants_h200.txt,
+# canary_h200.json, ptx70_h200.log and logs.tgz (every log); copy all but the last into data/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/gpu_check}; MODE=${2:-full}
@@ -18,7 +20,7 @@ stage() { echo; echo "######## $1 ($(date -u +%T), +$(( $(date +%s) - T0 )) s)";
 
 stage "machine"
 nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-echo "csrc/ at $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- csrc 2>/dev/null || echo ' + uncommitted changes')"
+echo "csrc/ sha256: $(cd csrc && sha256sum * | cut -c1-12 | paste -sd" ")"
 stage "build"
 /usr/bin/time -f "build wall %e s" $PY -c "
 from qsa_lab import kernels; kernels.load(); import json; print(json.dumps(kernels.status(), indent=1))" \
@@ -39,5 +41,16 @@ timeout ${NCU_TIMEOUT:-180} bash benchmarks/ncu_variants.sh "$OUT/ncu_variants_h
 stage "bench ($MODE)"
 if [ "$MODE" = full ]; then B=""; else B="--quick"; fi
 timeout ${BENCH_TIMEOUT:-240} $PY benchmarks/bench.py $B --json "$OUT/bench_h200.json"
+stage "canary (every GPU kernel)"
+timeout ${CANARY_TIMEOUT:-200} $PY -m qsa_lab canary --backend cuda --json "$OUT/canary_h200.json" --force \
+  >"$OUT/logs/canary.log" 2>&1; echo "canary exit $?"; tail -40 "$OUT/logs/canary.log"
+stage "compute_70 PTX run check"
+PTX_DIR=${PTX_DIR:-build/ptx70}
+if [ -f "$PTX_DIR/manifest.json" ]; then
+  timeout ${PTX_TIMEOUT:-200} $PY benchmarks/ptx70_check.py check --ptx "$PTX_DIR" --log "$OUT/ptx70_h200.log" \
+    >"$OUT/logs/ptx70.log" 2>&1; echo "ptx70 exit $?"; tail -25 "$OUT/logs/ptx70.log"
+else
+  echo "no PTX in $PTX_DIR (make it on a machine with the NVRTC wheels: benchmarks/ptx70_check.py generate)"
+fi
 stage "done"
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"
