@@ -17,7 +17,7 @@ import ctypes
 import importlib.util
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -91,10 +91,17 @@ class NvrtcResult:
     ok: bool
     log: str
     ptx: str
+    lowered: dict = field(default_factory=dict)   # name expression -> mangled entry name
+    version: str = ""                              # NVRTC major.minor
+    options: list = field(default_factory=list)
 
 
-def compile_ptx(source: str, arch: str, toolkit: Toolkit, extra_options: tuple = ()) -> NvrtcResult:
-    """Compile `source` to PTX for `arch` (e.g. "compute_70") with NVRTC."""
+def compile_ptx(source: str, arch: str, toolkit: Toolkit, extra_options: tuple = (), *, name_expressions=(),
+                include_dir: Path = CSRC, program: str = "qsa_lab_sm70_check.cu") -> NvrtcResult:
+    """Compile `source` to PTX for `arch` (e.g. "compute_70") with NVRTC.
+
+    name_expressions (e.g. "qsa::xqa_reduce_kernel<qsa::kFP16>") are registered before the
+    compile and their lowered (mangled) names read back after it, into `lowered`."""
     # The builtins library is dlopen'ed by soname from libnvrtc; loading it first
     # (globally) lets that lookup find it without LD_LIBRARY_PATH.
     ctypes.CDLL(str(toolkit.builtins), mode=ctypes.RTLD_GLOBAL)
@@ -105,27 +112,36 @@ def compile_ptx(source: str, arch: str, toolkit: Toolkit, extra_options: tuple =
         if status != 0:
             raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(status).decode()}")
 
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     prog = ctypes.c_void_p()
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"qsa_lab_sm70_check.cu",
-                                 0, None, None), "nvrtcCreateProgram")
-    options = [f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo", f"-I{CSRC}"]
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), program.encode(), 0, None, None),
+          "nvrtcCreateProgram")
+    options = [f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo", f"-I{include_dir}"]
     options += [f"-I{d}" for d in toolkit.include_dirs] + list(extra_options)
-    c_options = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-    status = lib.nvrtcCompileProgram(prog, len(options), c_options)
-
-    size = ctypes.c_size_t()
-    check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
-    buf = ctypes.create_string_buffer(size.value)
-    check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-    log = buf.value.decode(errors="replace")
-    ptx = ""
-    if status == 0:
-        check(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+    try:
+        for expr in name_expressions:
+            check(lib.nvrtcAddNameExpression(prog, expr.encode()), f"nvrtcAddNameExpression({expr})")
+        c_options = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = lib.nvrtcCompileProgram(prog, len(options), c_options)
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
         buf = ctypes.create_string_buffer(size.value)
-        check(lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-        ptx = buf.value.decode(errors="replace")
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return NvrtcResult(status == 0, log, ptx)
+        check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        log = buf.value.decode(errors="replace")
+        ptx, lowered = "", {}
+        if status == 0:
+            for expr in name_expressions:
+                name = ctypes.c_char_p()
+                check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(name)), f"nvrtcGetLoweredName({expr})")
+                lowered[expr] = name.value.decode()
+            check(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+            buf = ctypes.create_string_buffer(size.value)
+            check(lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+            ptx = buf.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return NvrtcResult(status == 0, log, ptx, lowered, f"{major.value}.{minor.value}", options)
 
 
 def forbidden_instructions(ptx: str) -> list[str]:

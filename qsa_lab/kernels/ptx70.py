@@ -178,49 +178,14 @@ class Compiled:
 
 
 def compile_entry_points(source: str, expressions, include_dir: Path, toolkit, arch: str = ARCH) -> Compiled:
-    """NVRTC `source` for `arch`, returning each name expression's lowered (mangled) name.
+    """NVRTC `source` for `arch`, returning each name expression's lowered (mangled) name."""
+    from . import nvrtc
 
-    nvrtc.compile_ptx has no name expressions: those must be registered on the program
-    before it compiles and read back from it after, so this keeps its own handle."""
-    ctypes.CDLL(str(toolkit.builtins), mode=ctypes.RTLD_GLOBAL)  # found by soname from libnvrtc
-    lib = ctypes.CDLL(str(toolkit.nvrtc), mode=ctypes.RTLD_GLOBAL)
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-
-    def check(status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(status).decode()}")
-
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-    prog = ctypes.c_void_p()
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"qsa_lab_ptx70.cu", 0, None, None),
-          "nvrtcCreateProgram")
-    try:
-        for expr in expressions:
-            check(lib.nvrtcAddNameExpression(prog, expr.encode()), f"nvrtcAddNameExpression({expr})")
-        options = [f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo", f"-I{include_dir}"]
-        options += [f"-I{d}" for d in toolkit.include_dirs]
-        c_options = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-        status = lib.nvrtcCompileProgram(prog, len(options), c_options)
-        size = ctypes.c_size_t()
-        check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
-        buf = ctypes.create_string_buffer(size.value)
-        check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        log = buf.value.decode(errors="replace")
-        if status != 0:
-            raise RuntimeError(f"NVRTC {arch} failed:\n{log}")
-        lowered = {}
-        for expr in expressions:
-            name = ctypes.c_char_p()
-            check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(name)), f"nvrtcGetLoweredName({expr})")
-            lowered[expr] = name.value.decode()
-        check(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
-        buf = ctypes.create_string_buffer(size.value)
-        check(lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-        ptx = buf.value.decode()
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return Compiled(ptx, log, lowered, f"{major.value}.{minor.value}", options)
+    res = nvrtc.compile_ptx(source, arch, toolkit, name_expressions=tuple(expressions), include_dir=include_dir,
+                            program="qsa_lab_ptx70.cu")
+    if not res.ok:
+        raise RuntimeError(f"NVRTC {arch} failed:\n{res.log}")
+    return Compiled(res.ptx, res.log, res.lowered, res.version, res.options)
 
 
 # ---------------------------------------------------------------- reading the PTX
