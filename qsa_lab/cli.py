@@ -16,7 +16,6 @@ import os
 import re
 import sys
 import traceback
-from pathlib import Path
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_BAD_ARGS = EXIT_BAD_INPUT  # older name
