@@ -1,4 +1,4 @@
-"""The vectorised emulation against a plain tile-by-tile loop written from SPEC §2 alone.
+"""The vectorised emulation against a plain tile-by-tile loop written from the route's description alone (the README and emulate.py's docstring).
 
 The loop shares no helper with qsa_lab.routes.emulate or qsa_lab.analysis (it reads the
 plan's tensors and decodes with qsa_lab.fp8 only), so a bug in the shared tile helpers
@@ -19,7 +19,7 @@ from qsa_lab.routes import emulate
 
 
 def loop_grouped(case, plan, variant):
-    """SPEC §2, one group and one 32-token tile at a time -> [groups, 8, Hq, D] fp16."""
+    """The grouped route, one group and one 32-token tile at a time -> [groups, 8, Hq, D] fp16."""
     g = case.geometry
     hq, D, ps = g.q_heads, g.head_dim, g.page_size
     R = 8 * hq
