@@ -1,4 +1,4 @@
-"""The vectorised emulation against a plain tile-by-tile loop written from the route's description alone (the README and emulate.py's docstring).
+"""The vectorised emulation against a plain tile-by-tile loop written from the route's description alone.
 
 The loop shares no helper with qsa_lab.routes.emulate or qsa_lab.analysis (it reads the
 plan's tensors and decodes with qsa_lab.fp8 only), so a bug in the shared tile helpers
