@@ -320,7 +320,11 @@ def cmd_repro(args) -> int:
     print(f"# backend: {backend}")
     show = ["case", "nan_bytes", "nan[xqa]", "nan[grouped]", "nan[grouped+kernel_fix]", "nan[grouped+pad_fix]",
             "nan[grouped+masked_load]", "max|grouped+kernel_fix-xqa|", "report_grouped_nan"]
-    print(table[show].to_string(index=False))
+    shown = table[show].astype(object)
+    shown["report_grouped_nan"] = shown["report_grouped_nan"].where(shown["report_grouped_nan"].notna(), "—")
+    diff = "max|grouped+kernel_fix-xqa|"  # undefined where either output holds NaN
+    shown[diff] = [f"{v:.2g}" if v == v else "NaN in output" for v in table[diff]]
+    print(shown.to_string(index=False))
     print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
     with _blame({}, "--out"):
         check_folder(out, "--out", create=True)
