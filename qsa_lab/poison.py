@@ -205,7 +205,9 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
                 data = (torch.randn(n // 2 + 1, generator=gen) * 0.5).to(torch.float16).view(torch.uint8)[:n]
             cells[:, p][slots.to(kv.device)] = data.view(-1, g.head_dim, nbytes).to(kv.device)
     extra = {"token": list(torch.nonzero(slots)[0].tolist())} if site in ATTENDED_SITES else {}
-    values = kv_values(kv[:, :, :, 0, :], g.kv_dtype).cpu()
+    pages = torch.nonzero(slots.any(dim=1)).flatten()  # decode only the pages written: a long cache
+    region = region[pages]                              # has thousands of pages and few are poisoned
+    values = kv_values(kv[pages.to(kv.device), :, :, 0, :], g.kv_dtype).cpu()
     nan_here = torch.isnan(values) & region          # region is empty for 'none'
     inf_here = torch.isinf(values) & region          # E5M2 Inf: 0 * Inf = NaN leaks the same way
     out.poison = {
