@@ -7,7 +7,6 @@ Needs the `nvrtc` extra, like tests/test_nvrtc_sm70.py.
 import ctypes
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -16,14 +15,10 @@ import pytest
 import torch
 
 from qsa_lab import kernels
+from conftest import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc, ptx70
 
-TOOLKIT = nvrtc.find_toolkit()
-if TOOLKIT is None:
-    reason = "NVRTC wheels missing: pip install -r requirements-nvrtc.txt"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true: {reason}", pytrace=False)
-    pytest.skip(reason, allow_module_level=True)
+TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
 
 
 @pytest.fixture(scope="module")
