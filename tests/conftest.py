@@ -1,5 +1,3 @@
-import os
-
 import pytest
 
 from qsa_lab.case import Geometry, build_case
@@ -19,17 +17,3 @@ def small_geometry(**kw):
     base = dict(rows=16, requests=2, context=300, topk=48, head_dim=32, q_heads=6, page_size=16)
     base.update(kw)
     return Geometry(**base)
-
-
-def nvrtc_toolkit():
-    """The CUDA 12 NVRTC wheels (the sm_70 compile checks), or skip the calling module;
-    under CI=true a missing wheel is a failure, since `make test` installs them."""
-    from qsa_lab.kernels import nvrtc
-
-    toolkit = nvrtc.find_toolkit()
-    if toolkit is None:
-        reason = "NVRTC wheels missing: pip install -r requirements-nvrtc.txt"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true: {reason}", pytrace=False)
-        pytest.skip(reason, allow_module_level=True)
-    return toolkit

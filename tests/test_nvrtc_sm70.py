@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import nvrtc_toolkit
+from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from qsa_lab import kernels
-from conftest import nvrtc_toolkit
+from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc, ptx70
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
