@@ -33,22 +33,30 @@
 // registers while tile t runs, so a panel load waits for its data, not for the id that
 // the data's address depends on. The panel loads and barriers are unchanged by it.
 //
-// Faster than upstream inside that structure (the work per tile is the same):
+// Faster than upstream inside that structure (the same global reads, barriers, zeroing
+// passes and arithmetic per tile; results are bit-identical between these versions):
 //   QK splits the head dims over two warps per (M-tile, 16-token n-tile) job (16 warps,
-//   at most 8 jobs), so a warp's dependent WMMA chain is a quarter of upstream's 16;
-//   the softmax uses 8 threads per score row (one microblock each, 3 shuffle steps)
-//   instead of a warp per row; E4M3 decodes at 7 instructions per pair of codes; the
+//   at most 8 jobs), two accumulators each, so a warp's dependent WMMA chain is 4 deep
+//   (upstream: 16); at head_dim 256 its k-steps are straight-line code. The softmax uses
+//   8 threads per score row (one microblock each, 3 shuffle steps) instead of a warp per
+//   row, and e^x as one ex2 (its argument is clamped to >= -80, so __expf's subnormal
+//   handling never applies). E4M3 decodes at 7-8 instructions per pair of codes; a
+//   panel's 16-byte stores are ordered to avoid shared-memory bank conflicts. The
 //   accumulator rescale skips M-tiles whose 16 rows all kept their max (a multiply by
-//   exactly 1); a warp's P@V fragments run as straight-line code so their loads and
-//   MMAs overlap (an inactive M-tile's fragment is computed and discarded by a select).
+//   exactly 1) and loads two row scales per fragment. P@V runs a warp's fragments as
+//   straight-line code (an inactive M-tile's result is discarded by a select); on sm_80+
+//   the fragments of a warp share their V loads (sm_70 reloads them: registers). Fix A's
+//   zeroing passes assign 16 threads to each panel row (upstream walks the row's 16-byte
+//   pieces with a compile-time divisor): the same stores, a few instructions per thread.
+//   Global reads are read-only (__ldg), so ptxas may issue the V panel's reads before B3;
+//   its shared-memory stores stay after it.
 //
-// Speed (H200, report geometry 16 rows x 8192 tokens, E4M3; data/ncu_variants_h200.txt):
-// about 7,800 cycles (3.9 us) and 700 issued instructions per warp per tile, spread evenly
-// over the five barrier-separated phases (K panel 20 %, QK 18 %, softmax 20 %, rescale +
-// V panel 22 %, P@V 18 % of warp time). Warps wait on barriers (20 %), fixed-latency
-// dependencies (19 %) and shared-memory / shuffle results (16 %); global loads are 9 %
-// (kEarlyV, which removes one of the two global round trips, gains 2-5 %). The serial
-// chain of synchronous phases, not bandwidth, sets the per-tile time.
+// Speed (H200, report geometry 16 rows x 8192 tokens, E4M3; data/ncu_variants_h200.txt,
+// data/bench_h200.json): about 6,800 cycles (3.5 us) and 610 issued instructions per warp
+// per tile, over five barrier-separated phases (K panel 22 %, QK 18 %, softmax 15 %,
+// rescale + V panel 24 %, P@V 13 % of warp time). Leaving one part out at a time
+// (benchmarks/tile_rig.py, same run): the two synchronous global round trips cost 1.1 us
+// of the 3.5, QK 0.75, P@V 0.7, the E4M3 decode 0.2, the softmax 0.2, the rescale 0.15.
 //
 // Device code only (no torch headers): NVRTC compiles it for compute_70.
 // Only SM70 tensor-core features: WMMA 16x16x16, fp16 in, fp32 accumulate.
@@ -145,6 +153,16 @@ static_assert(smem_layout(8, kMaxHeadDim).total <= 96 * 1024, "largest shape fit
 
 constexpr float kNegInf = -1.0e30f;  // masked score and initial row max, as upstream
 constexpr float kExpFloor = -80.f;   // exponent clamp of P and of the rescale factor
+
+// e^x for x >= kExpFloor, as __expf computes it (the hardware 2^x of x * log2(e), both
+// rounded to float) minus __expf's subnormal-result handling: every argument here is
+// clamped to >= -80, so 2^(x log2 e) >= 2^-116 is a normal float and the flush-to-zero
+// form gives the same bits in one instruction instead of six.
+__device__ __forceinline__ float exp_clamped(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
 
 }  // namespace grouped
 
@@ -243,6 +261,23 @@ grouped_page4_forward(const GroupedParams p) {
       elem_col |= ((unsigned int)map.x[e] % kWmma) << (4 * e);
     }
   }
+  // The rows of this thread's elements as a pair: on the layouts seen (a thread's elements
+  // lie in two rows on sm_80+) the rescale loads two row scales instead of eight. Bits 0..3
+  // row A, 4..7 row B, 8..15 "element e is in row B", bit 16 "more than two rows" (then
+  // the rescale reads every element's row).
+  unsigned int row_pair;
+  {
+    const unsigned int ra = elem_row & 0xFu;
+    unsigned int rb = ra, in_b = 0, more = 0;
+#pragma unroll
+    for (int e = 1; e < FragAcc::num_elements; ++e) {
+      const unsigned int r = (elem_row >> (4 * e)) & 0xFu;
+      if (r != ra && rb == ra) rb = r;
+      if (r == rb && r != ra) in_b |= 1u << e;
+      else if (r != ra) more = 1;
+    }
+    row_pair = ra | rb << 4 | in_b << 8 | more << 16;
+  }
 
   // ---- Softmax role: score row srow, columns 4*seg .. 4*seg+3 = microblock seg of the tile.
   const int srow = tid / kThreadsPerRow, seg = tid % kThreadsPerRow;
@@ -299,71 +334,71 @@ grouped_page4_forward(const GroupedParams p) {
     slot_j[s] = c < panel_pieces ? c / per_row : -1;
     slot_col[s] = (c % per_row) * kElems16;
   }
-  // Plan metadata of the next tile, read one tile ahead (see the file comment).
-  int next_mb[kSlots];
-  bool next_read[kSlots];
-  unsigned int next_tile_mask = 0;
-  auto load_meta = [&](int t) {
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      next_mb[s] = -1;  // -1: nothing to read, the piece stays zero
-      next_read[s] = false;
-      const int j = slot_j[s];
-      if (j >= 0 && t < n_tiles) {
-        const int e = t * kEntriesPerTile + j / 4;
-        const int mb = __ldg(mb_g + e);
-        next_mb[s] = (mb >= 0 && mb < p.n_microblocks) ? mb : -1;
-        // VARIANT: fix C never reads a token that no query attends.
-        next_read[s] = !kMasked || (__ldg(mask_g + e) & (0x11111111u << (j & 3))) != 0u;
-      }
-    }
-    if (tid < kEntriesPerTile) next_tile_mask = t < n_tiles ? __ldg(mask_g + t * kEntriesPerTile + tid) : 0u;
-  };
-  // Global address of slot s's piece in the K plane (the V plane is plane_bytes on).
-  // 32-bit index math (ids are int32); only the final byte offset is 64-bit.
+  // Global address of slot s's piece of microblock mb in the K plane (the V plane is
+  // plane_bytes on). 32-bit index math (ids are int32); only the byte offset is 64-bit.
   auto piece_src = [&](int s, int mb) {
     const int page = page_pow2 ? (mb >> mb_shift) : mb / mb_per_page;
     const int in_page = (mb - page * mb_per_page) * 4 + (slot_j[s] & 3);
     return p.kv + ((size_t)page * 2 * page_size + in_page) * row_bytes + (size_t)slot_col[s] * KvTraits<FMT>::kBytes;
+  };
+  // Plan metadata of the next tile, read one tile ahead (see the file comment), kept as
+  // the address each slot reads (nullptr: nothing to read, the piece stays zero), so the
+  // address arithmetic runs while the current tile waits, not on the panel load's path.
+  const unsigned char* next_src[kSlots];
+  unsigned int next_tile_mask = 0;
+  auto load_meta = [&](int t) {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      next_src[s] = nullptr;
+      const int j = slot_j[s];
+      if (j >= 0 && t < n_tiles) {
+        const int e = t * kEntriesPerTile + j / 4;
+        const int mb = __ldg(mb_g + e);
+        // VARIANT: fix C never reads a token that no query attends.
+        const bool read = !kMasked || (__ldg(mask_g + e) & (0x11111111u << (j & 3))) != 0u;
+        if (read && mb >= 0 && mb < p.n_microblocks) next_src[s] = piece_src(s, mb);
+      }
+    }
+    if (tid < kEntriesPerTile) next_tile_mask = t < n_tiles ? __ldg(mask_g + t * kEntriesPerTile + tid) : 0u;
   };
   auto store_piece = [&](int s, uint4 raw) {
     __half* dst = KVs + slot_j[s] * ld + slot_col[s];
     if constexpr (FMT == kFP16) {
       *reinterpret_cast<uint4*>(dst) = raw;
     } else {
+      // The piece is two 16-byte stores. Threads 4..7 of each 8 store their halves in the
+      // other order, so the 8 first stores of a quarter-warp hit 8 different 16-byte bank
+      // groups (in piece order they would hit 4, twice each: a 2-way conflict).
+      const unsigned int swap = (tid >> 2) & 1u;
+      const uint4 in = swap ? make_uint4(raw.z, raw.w, raw.x, raw.y) : raw;
       uint4 first, second;
-      decode_fp8_16B<FMT>(raw, first, second);
-      reinterpret_cast<uint4*>(dst)[0] = first;
-      reinterpret_cast<uint4*>(dst)[1] = second;
+      decode_fp8_16B<FMT>(in, first, second);
+      reinterpret_cast<uint4*>(dst)[swap] = first;
+      reinterpret_cast<uint4*>(dst)[swap ^ 1u] = second;
     }
   };
   // Fix A's zeroing pass: every 16-byte piece of a panel row no query attends, with a
   // thread mapping other than the loader's (as upstream), so without a barrier between
   // them a loader store of another thread may land after the zero.
   auto zero_unattended_rows = [&]() {
-    const int vec_per_row = D / 8;
-    for (int i = tid; i < kTileTokens * vec_per_row; i += kThreads) {
-      const int j = i / vec_per_row;
-      if ((tile_mask_s[j / 4] & (0x11111111u << (j & 3))) == 0u)
-        *reinterpret_cast<uint4*>(KVs + j * ld + (i % vec_per_row) * 8) = make_uint4(0, 0, 0, 0);
-    }
+    constexpr int kThreadsPerRow16 = kThreads / kTileTokens;  // 16 threads per panel row
+    const int j = tid / kThreadsPerRow16;
+    if ((tile_mask_s[j / 4] & (0x11111111u << (j & 3))) == 0u)
+      for (int c = (tid % kThreadsPerRow16) * 8; c < D; c += kThreadsPerRow16 * 8)
+        *reinterpret_cast<uint4*>(KVs + j * ld + c) = make_uint4(0, 0, 0, 0);
   };
 
   load_meta(0);
   for (int t = 0; t < n_tiles; ++t) {
-    int cur_mb[kSlots];
-    bool cur_read[kSlots];
+    const unsigned char* cur_src[kSlots];
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      cur_mb[s] = next_mb[s];
-      cur_read[s] = next_read[s] && next_mb[s] >= 0;
-    }
+    for (int s = 0; s < kSlots; ++s) cur_src[s] = next_src[s];
     if (tid < kEntriesPerTile) tile_mask_s[tid] = next_tile_mask;
     // Loop-invariant values the compiler would otherwise expand once into ~60 live
     // registers (every element's scale address, every slot's offsets): re-derived per
     // tile from these few words instead, which keeps the kernel under 128 registers
     // (512 threads) without spilling.
-    asm volatile("" : "+r"(elem_row), "+r"(elem_col), "+r"(frag_pos));
+    asm volatile("" : "+r"(elem_row), "+r"(elem_col), "+r"(frag_pos), "+r"(row_pair));
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) asm volatile("" : "+r"(slot_j[s]), "+r"(slot_col[s]));
 
@@ -372,8 +407,8 @@ grouped_page4_forward(const GroupedParams p) {
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       k_raw[s] = v_raw[s] = make_uint4(0, 0, 0, 0);
-      if (slot_j[s] >= 0 && cur_read[s]) {
-        const unsigned char* src = piece_src(s, cur_mb[s]);
+      if (cur_src[s] != nullptr) {
+        const unsigned char* src = cur_src[s];
         k_raw[s] = __ldg(reinterpret_cast<const uint4*>(src));
         if (kVEarly) v_raw[s] = __ldg(reinterpret_cast<const uint4*>(src + plane_bytes));  // VARIANT
       }
@@ -401,23 +436,36 @@ grouped_page4_forward(const GroupedParams p) {
       const int job = warp % kQkJobs, half = warp / kQkJobs;
       const int mt = job / kNTiles, nt = job % kNTiles;
       if (mt < m_tiles && ((active >> mt) & 1u)) {  // warp-uniform
+        // This warp's k-steps: k0 .. k0 + nk - 1, alternating between two accumulators
+        // (even / odd k-steps: the same fragment layout, added element-wise at the end),
+        // which halves the dependent MMA chain. At the largest head_dim the steps are
+        // straight-line code: one lane offset, constant steps, loads running ahead of
+        // the MMAs (a per-step guard would make the compiler rebuild the address each step).
         const int k_per_half = (d_tiles + 1) / 2;
-        const int k_begin = half * k_per_half, k_end = min(d_tiles, k_begin + k_per_half);
-        // Two accumulators (even / odd k-steps) halve the dependent MMA chain again;
-        // their fragments share one layout, so they add element-wise.
+        const int k0 = half * k_per_half, nk = min(k_per_half, d_tiles - k0);
+        const __half* qa = Qs + mt * kWmma * ld + k0 * kWmma;
+        const __half* kb = KVs + nt * kWmma * ld + k0 * kWmma;
         FragAcc s_acc[2];
         wmma::fill_fragment(s_acc[0], 0.f);
         wmma::fill_fragment(s_acc[1], 0.f);
-#pragma unroll 2
-        for (int kt = k_begin; kt < k_end; kt += 2) {
+        auto qk_step = [&](int i, FragAcc& acc) {
+          FragA a;
+          FragKt b;
+          wmma::load_matrix_sync(a, qa + i * kWmma, ld);
+          wmma::load_matrix_sync(b, kb + i * kWmma, ld);
+          wmma::mma_sync(acc, a, b, acc);
+        };
+        constexpr int kMaxSteps = kMaxHeadDim / kWmma / kKSplit;
+        if (nk == kMaxSteps) {  // warp-uniform
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (kt + h >= k_end) break;
-            FragA a;
-            FragKt b;
-            wmma::load_matrix_sync(a, Qs + mt * kWmma * ld + (kt + h) * kWmma, ld);
-            wmma::load_matrix_sync(b, KVs + nt * kWmma * ld + (kt + h) * kWmma, ld);
-            wmma::mma_sync(s_acc[h], a, b, s_acc[h]);
+          for (int i = 0; i < kMaxSteps; i += 2) {
+            qk_step(i, s_acc[0]);
+            qk_step(i + 1, s_acc[1]);
+          }
+        } else {
+          for (int i = 0; i < nk; i += 2) {
+            qk_step(i, s_acc[0]);
+            if (i + 1 < nk) qk_step(i + 1, s_acc[1]);
           }
         }
 #pragma unroll
@@ -451,12 +499,12 @@ grouped_page4_forward(const GroupedParams p) {
       float pr[kColsPerThread], tile_sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kColsPerThread; ++c) {
-        pr[c] = ((vis >> c) & 1u) ? __expf(fmaxf(sc[c] - new_max, kExpFloor)) : 0.f;
+        pr[c] = ((vis >> c) & 1u) ? exp_clamped(fmaxf(sc[c] - new_max, kExpFloor)) : 0.f;
         tile_sum += pr[c];
       }
 #pragma unroll
       for (int off = 1; off < kThreadsPerRow; off *= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, off);
-      const float exp_diff = tile_sum > 0.f ? __expf(fmaxf(row_max - new_max, kExpFloor)) : 1.f;
+      const float exp_diff = tile_sum > 0.f ? exp_clamped(fmaxf(row_max - new_max, kExpFloor)) : 1.f;
       const __half2 p01 = __floats2half2_rn(pr[0], pr[1]), p23 = __floats2half2_rn(pr[2], pr[3]);
       uint2 packed;
       packed.x = half2_to_bits(p01);
@@ -479,8 +527,7 @@ grouped_page4_forward(const GroupedParams p) {
     if (!kVEarly) {
 #pragma unroll
       for (int s = 0; s < kSlots; ++s)
-        if (slot_j[s] >= 0 && cur_read[s])
-          v_raw[s] = __ldg(reinterpret_cast<const uint4*>(piece_src(s, cur_mb[s]) + plane_bytes));
+        if (cur_src[s] != nullptr) v_raw[s] = __ldg(reinterpret_cast<const uint4*>(cur_src[s] + plane_bytes));
     }
     {
       static_assert(kWmma * kThreadsPerRow / 32 == 4, "4 softmax warps (4 flag bytes) per M-tile");
@@ -490,8 +537,14 @@ grouped_page4_forward(const GroupedParams p) {
         // warp-uniform; inactive M-tiles (scale 1) and M-tiles whose rows all keep their max are skipped
         if (!frag_ok(i) || !((active >> frag_mt(i)) & 1u) || flags[frag_mt(i)] == 0u) continue;
         const float* row_scale = scale_s + frag_mt(i) * kWmma;
+        if (row_pair >> 16) {
 #pragma unroll
-        for (int e = 0; e < FragAcc::num_elements; ++e) acc[i].x[e] *= row_scale[(elem_row >> (4 * e)) & 0xFu];
+          for (int e = 0; e < FragAcc::num_elements; ++e) acc[i].x[e] *= row_scale[(elem_row >> (4 * e)) & 0xFu];
+        } else {
+          const float sa = row_scale[row_pair & 0xFu], sb = row_scale[(row_pair >> 4) & 0xFu];
+#pragma unroll
+          for (int e = 0; e < FragAcc::num_elements; ++e) acc[i].x[e] *= ((row_pair >> (8 + e)) & 1u) ? sb : sa;
+        }
       }
     }
 #pragma unroll
@@ -509,14 +562,14 @@ grouped_page4_forward(const GroupedParams p) {
     // The warp's fragments run as straight-line code (one copy per fragment count), so
     // their loads and MMAs interleave; an inactive M-tile's result is discarded by a
     // select (its rows must not see this tile, not even 0 * NaN).
-    auto p_at_v = [&](int i) {  // fragment i (a constant at every call, so acc[i] stays in registers)
-      FragV vb[2];
+    auto load_v = [&](int i, FragV (&vb)[2]) {
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) wmma::load_matrix_sync(vb[kk], KVs + kk * kWmma * ld + frag_dt(i) * kWmma, ld);
+    };
+    auto mma_frag = [&](int i, const FragV (&vb)[2]) {  // i is a constant at every call: acc[i] stays in registers
       FragA pa[2];
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        wmma::load_matrix_sync(vb[kk], KVs + kk * kWmma * ld + frag_dt(i) * kWmma, ld);
-        wmma::load_matrix_sync(pa[kk], Ps + frag_mt(i) * kWmma * kPLd + kk * kWmma, kPLd);
-      }
+      for (int kk = 0; kk < 2; ++kk) wmma::load_matrix_sync(pa[kk], Ps + frag_mt(i) * kWmma * kPLd + kk * kWmma, kPLd);
       FragAcc sum = acc[i];
       wmma::mma_sync(sum, pa[0], vb[0], sum);
       wmma::mma_sync(sum, pa[1], vb[1], sum);
@@ -525,12 +578,34 @@ grouped_page4_forward(const GroupedParams p) {
       for (int e = 0; e < FragAcc::num_elements; ++e) acc[i].x[e] = on ? sum.x[e] : acc[i].x[e];
     };
     static_assert(kMaxFrags == 4, "one case per fragment count");
-    switch (n_frags) {  // warp-uniform, the same every tile
-      case 4: p_at_v(0); p_at_v(1); p_at_v(2); p_at_v(3); break;
-      case 3: p_at_v(0); p_at_v(1); p_at_v(2); break;
-      case 2: p_at_v(0); p_at_v(1); break;
-      case 1: p_at_v(0); break;
-      default: break;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr bool kShareV = true;   // sm_80+: a V fragment is 4 registers per thread
+#else
+    constexpr bool kShareV = false;  // sm_70: WMMA keeps 8 per fragment; holding two through the loop spills
+#endif
+    if (kShareV && kWarps % d_tiles == 0) {  // warp-uniform: a warp's fragments share one d-tile: one V load
+      FragV vb[2];
+      load_v(0, vb);
+      switch (n_frags) {  // warp-uniform, the same every tile
+        case 4: mma_frag(0, vb); mma_frag(1, vb); mma_frag(2, vb); mma_frag(3, vb); break;
+        case 3: mma_frag(0, vb); mma_frag(1, vb); mma_frag(2, vb); break;
+        case 2: mma_frag(0, vb); mma_frag(1, vb); break;
+        case 1: mma_frag(0, vb); break;
+        default: break;
+      }
+    } else {
+      auto p_at_v = [&](int i) {
+        FragV vb[2];
+        load_v(i, vb);
+        mma_frag(i, vb);
+      };
+      switch (n_frags) {
+        case 4: p_at_v(0); p_at_v(1); p_at_v(2); p_at_v(3); break;
+        case 3: p_at_v(0); p_at_v(1); p_at_v(2); break;
+        case 2: p_at_v(0); p_at_v(1); break;
+        case 1: p_at_v(0); break;
+        default: break;
+      }
     }
     __syncthreads();  // B5: P@V is done with the panel, P and the tile masks before tile t+1 overwrites them
   }

@@ -161,7 +161,7 @@ def bench_frame(doc, source: str = ""):
     if isinstance(doc, list):
         records, meta = doc, {}
     elif doc.get("schema") == "qsa_lab.bench/1":
-        records, meta = _bench_records(doc), {k: v for k, v in doc.items() if k not in ("sweep", "report_geometry")}
+        records, meta = _bench_records(doc), {k: v for k, v in doc.items() if k not in ("sweep", "report_geometry", "report_geometry_l2_warm")}
     else:
         key = next((k for k in ("records", "results", "timings", "rows") if isinstance(doc.get(k), list)), None)
         if key is None:
