@@ -13,6 +13,7 @@ writes to it). Scales are per-tensor: value = decode(code) * scale.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -97,9 +98,37 @@ def kv_values(raw: torch.Tensor, kv_dtype: str) -> torch.Tensor:
 
 
 def token_values(kv_cache: torch.Tensor, tokens: torch.Tensor, plane: int, kv_dtype: str) -> torch.Tensor:
-    """Physical token ids (page * page_size + token, any shape) -> [..., head_dim] float32 of one plane."""
+    """Physical token ids (page * page_size + token, any shape) -> [..., head_dim] float32 of one plane.
+
+    Inside `decoded_once(kv_cache, ...)` the values are read from one decode of the whole cache
+    (the same float32 values, each token decoded once instead of at every read)."""
+    planes = _DECODED.get(id(kv_cache))
+    if planes is not None and planes[0] is kv_cache and planes[1] == kv_dtype:
+        flat = planes[2][plane]
+        return flat.index_select(0, tokens.reshape(-1)).view(*tokens.shape, flat.shape[-1])
     ps = kv_cache.shape[2]
     return kv_values(kv_cache[tokens // ps, plane, tokens % ps, 0, :], kv_dtype)
+
+
+#: id(kv_cache) -> (kv_cache, kv_dtype, [K, V] decoded [pages * page_size, head_dim] float32), while a
+#: decoded_once block on that cache runs
+_DECODED: dict = {}
+
+
+@contextlib.contextmanager
+def decoded_once(kv_cache: torch.Tensor, kv_dtype: str):
+    """Decode the cache once for the block: token_values on it reads that decode. The block must
+    not write the cache (run_routes reads it only)."""
+    if id(kv_cache) in _DECODED:  # nested: the outer block's decode serves
+        yield
+        return
+    pages, _, ps, _, d = kv_cache.shape
+    planes = [kv_values(kv_cache[:, p, :, 0, :].reshape(pages * ps, d), kv_dtype) for p in (0, 1)]
+    _DECODED[id(kv_cache)] = (kv_cache, kv_dtype, planes)
+    try:
+        yield
+    finally:
+        del _DECODED[id(kv_cache)]
 
 
 def visible_tokens(case: Case) -> torch.Tensor:
