@@ -192,20 +192,23 @@ def _emulated(case: Case, routes, plan: GroupedPlan, fixed_plan, reference: bool
     kernel for all its variants (grouped_forward_many: they share S, the softmax and the sums)."""
     shared = {}
 
-    def all_tokens():
+    def all_tokens():  # XQA's partition padding included; the reference reads the first T slots
         if "tokens" not in shared:
             token_index, token_count = xqa_tokens(case)
-            shared["tokens"] = emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format)
+            T = token_index.shape[1]
+            K, V, valid = emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format,
+                                                width=emulate.xqa_width(T, case.kv_format))
+            shared["tokens"] = (K, V, valid), (K[:, :T], V[:, :T], valid[:, :T])
         return shared["tokens"]
 
-    ref = reference_from_tokens(case, *all_tokens()) if reference or "reference" in routes else None
+    ref = reference_from_tokens(case, *all_tokens()[1]) if reference or "reference" in routes else None
     grouped = [r for r in routes if r in GROUPED]
     outputs = {}
     for route in bar:
         if route == "reference":
             outputs[route] = ref.to(torch.float16)
         elif route == "xqa":
-            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens(), case.k_scale, case.v_scale,
+            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens()[0], case.k_scale, case.v_scale,
                                                      kv_format=case.kv_format, sm_scale=case.sm_scale)
         elif route not in outputs:  # the first grouped route: all of them at once
             outputs.update(_emulated_grouped(case, grouped, plan, fixed_plan))

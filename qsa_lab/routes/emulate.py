@@ -85,14 +85,14 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     bit = (query.view(R, 1) * 4 + torch.arange(32, device=dev) % 4).view(1, 1, R, 32)
     entry_mask = masks.long().view(G, nt, 1, TILE_ENTRIES).repeat_interleave(4, dim=-1) & 0xFFFFFFFF
     attended = ((entry_mask >> bit) & 1).bool() & active.unsqueeze(-1)         # [G, nt, R, 32]
-    s = torch.where(attended, s, MASKED_SCORE)
+    s.masked_fill_(~attended, MASKED_SCORE)
     # 4. online softmax. A row without an attended token in a tile leaves max and sum
     # alone (tile_sum 0), so the running max is the NaN-ignoring running max of tile maxima.
     tile_max = fmax_reduce(s, -1)                                              # [G, nt, R]
     run_max = torch.cummax(torch.where(torch.isnan(tile_max), -torch.inf, tile_max), dim=1).values
     run_max = run_max.clamp(min=MASKED_SCORE)                                  # +inf stays +inf
     old_max = torch.cat([torch.full_like(run_max[:, :1], MASKED_SCORE), run_max[:, :-1]], dim=1)
-    p = torch.where(attended, torch.exp(torch.fmax(s - run_max.unsqueeze(-1), torch.tensor(EXP_FLOOR))), 0.0)
+    p = torch.exp(torch.fmax(s - run_max.unsqueeze(-1), torch.tensor(EXP_FLOOR))).masked_fill_(~attended, 0.0)
     tile_sum = p.sum(dim=-1)                                                   # fp32 probabilities
     exp_diff = torch.where(tile_sum > 0, torch.exp(torch.fmax(old_max - run_max, torch.tensor(EXP_FLOOR))), 1.0)
     p16 = p.to(torch.float16).float()
@@ -103,14 +103,14 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
         row_sum = row_sum * exp_diff[:, t] + tile_sum[:, t]
     scale = torch.where(row_sum > 0, torch.tensor(v_scale, dtype=f32) / row_sum, 0.0)
     lse = torch.where(row_sum > 0, run_max[:, -1] + torch.log(row_sum), MASKED_SCORE).view(G, GROUP, hq)
-    outs = []
+    outs, inactive = [], ~active.unsqueeze(-1)
     for tok, (_, variant) in zip(toks, panels):
         V = token_values(kv_cache, tok, 1, kv_format)
         if variant != "unfixed":
-            V = torch.where(dead, 0.0, V)
+            V.masked_fill_(dead, 0.0)
         # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
         pv = torch.matmul(p16, V)                                              # [G, nt, R, D]
-        pv = torch.where(active.unsqueeze(-1), pv, 0.0)                        # inactive M-tiles: no P@V
+        pv.masked_fill_(inactive, 0.0)                                         # inactive M-tiles: no P@V
         O = torch.zeros(G, R, D, dtype=f32, device=dev)
         for t in range(nt):  # the kernel's accumulation order
             O = O * exp_diff[:, t].unsqueeze(-1) + pv[:, t]
@@ -156,15 +156,25 @@ def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, mask
     return result
 
 
-def gather_tokens(kv_cache, token_index, token_count, kv_format):
+def gather_tokens(kv_cache, token_index, token_count, kv_format, width: int | None = None):
     """Decoded K and V [n, T, D] float32 of each row's real tokens; unused slots are 0 and
-    never read from the cache (a real XQA never touches them)."""
-    valid = torch.arange(token_index.shape[1], device=token_index.device) < token_count.long().unsqueeze(1)
-    tok = torch.where(valid, token_index, 0)
-    K = token_values(kv_cache, tok, 0, kv_format)
-    V = token_values(kv_cache, tok, 1, kv_format)
-    keep = valid.unsqueeze(-1)
-    return torch.where(keep, K, 0.0), torch.where(keep, V, 0.0), valid
+    never read from the cache (a real XQA never touches them). width: T rounded up to XQA's
+    partition (more unused slots at the end), so that one gather serves XQA and the reference."""
+    n, T = token_index.shape
+    width = T if width is None else width
+    valid = torch.arange(width, device=token_index.device) < token_count.long().unsqueeze(1)
+    index = token_index if width == T else torch.nn.functional.pad(token_index, (0, width - T))
+    tok = torch.where(valid, index, 0)
+    dead = ~valid.unsqueeze(-1)
+    K = token_values(kv_cache, tok, 0, kv_format).masked_fill_(dead, 0.0)
+    V = token_values(kv_cache, tok, 1, kv_format).masked_fill_(dead, 0.0)
+    return K, V, valid
+
+
+def xqa_width(tokens: int, kv_format: str) -> int:
+    """Token slots XQA walks: `tokens` rounded up to whole partitions."""
+    part = XQA_PARTITION[kv_format][0]
+    return -(-tokens // part) * part
 
 
 def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
@@ -187,8 +197,9 @@ def xqa_from_tokens(q_rows, K, V, valid, k_scale, v_scale, *, kv_format, sm_scal
     T = K.shape[1]
     n_part = -(-T // part)
     pad = n_part * part - T
-    K, V = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (K, V))
-    valid = torch.nn.functional.pad(valid, (0, pad))
+    if pad:  # slots past the last token: zero and not valid (gather_tokens(width=...) gives them already)
+        K, V = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (K, V))
+        valid = torch.nn.functional.pad(valid, (0, pad))
     s = torch.einsum("nhd,ntd->nht", q_rows.float(), K) * torch.tensor(sm_scale * k_scale, dtype=torch.float32)
     s = s.view(n, hq, n_part, part)
     vp = valid.view(n, 1, n_part, part)
