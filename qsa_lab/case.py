@@ -34,6 +34,7 @@ INDEXER_HEADS = 4
 INDEXER_DIM = 128
 CALIBRATION_BLOCKS = 2048  # key sample on which the overlap knob is calibrated
 CALIBRATION_PAIRS = 32
+CALIBRATION_CHUNK = 8      # grid points scored at once
 SCORE_CHUNK = 64           # rows scored at once
 
 
@@ -210,11 +211,17 @@ def _calibrated_rho(overlap: float, n: int, k: int) -> float:
     A, B = q0 @ keys.T, fresh @ keys.T                                        # [pairs, heads, n]
     x = torch.linspace(0.0, 16.0, 65)
     rho = (1.0 - 2.0 ** -x).view(-1, 1, 1, 1)
-    near = torch.relu(rho * A + torch.sqrt(1.0 - rho * rho) * B).sum(dim=2)  # [grid, pairs, n]
     first = torch.zeros((CALIBRATION_PAIRS, n), dtype=torch.bool)
     first.scatter_(1, torch.relu(A).sum(dim=1).topk(k, dim=1).indices, True)
-    shared = first.expand(x.numel(), -1, -1).gather(2, near.topk(k, dim=2).indices)
-    curve = torch.cummax(shared.float().mean(dim=(1, 2)), dim=0).values       # overlap per grid point
+    raw = []  # overlap per grid point, in grid order; only up to the first point past `overlap` is needed
+    for c in range(0, x.numel(), CALIBRATION_CHUNK):
+        r = rho[c:c + CALIBRATION_CHUNK]
+        near = torch.relu(r * A + torch.sqrt(1.0 - r * r) * B).sum(dim=2)     # [chunk, pairs, n]
+        shared = first.expand(r.shape[0], -1, -1).gather(2, near.topk(k, dim=2).indices)
+        raw.append(shared.float().mean(dim=(1, 2)))
+        if float(raw[-1].max()) >= overlap:
+            break
+    curve = torch.cummax(torch.cat(raw), dim=0).values                         # running max: monotone
     if overlap <= curve[0]:
         return 0.0
     i = int(torch.searchsorted(curve, torch.tensor([overlap])))

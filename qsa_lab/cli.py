@@ -196,15 +196,11 @@ def _outputs(args, paths: dict, inputs: dict | None = None) -> dict:
     return checked
 
 
-def _print_table(result, out=None):
-    import pandas as pd
+def _print_table(rows, out=None):
+    """route_rows as a table (pandas' layout, without loading pandas)."""
+    from .analysis import route_table_text
 
-    from .analysis import route_table
-
-    t = route_table(result)
-    t["nan_dims"] = t["nan_dims"].map(lambda d: ",".join(map(str, d[:12])) + (" ..." if len(d) > 12 else ""))
-    with pd.option_context("display.width", 200, "display.max_columns", 10, "display.float_format", "{:.3g}".format):
-        print(t.to_string(), file=out or sys.stdout)
+    print(route_table_text(rows), file=out or sys.stdout)
 
 
 def _load_case(args):
@@ -256,7 +252,7 @@ def cmd_diff(args) -> int:
         geometry = _geometry(args)
         saved = None
     from . import io  # torch from here on: every argument above was checked without it
-    from .analysis import diff_json
+    from .analysis import diff_json, route_rows
     from .case import build_case
     from .poison import apply_poison
     from .routes import resolve_backend, run_routes
@@ -277,7 +273,8 @@ def cmd_diff(args) -> int:
     if saved is not None:
         differs = _replay_differs(case, result, saved_plan, saved)
         replay = "bit-identical" if not differs else f"DIFFERS on {differs}"
-    doc = diff_json(result)
+    rows = route_rows(result)
+    doc = diff_json(result, rows)
     text = json.dumps(doc, indent=2) + "\n"
     if args.json == "-":
         sys.stdout.write(text)
@@ -286,7 +283,7 @@ def cmd_diff(args) -> int:
         p = case.poison
         print(f"# poison: {p.get('nan_bytes', 0)} NaN bytes, dims {p.get('poisoned_dims', [])}"
               + (f"; {p['inf_bytes']} Inf bytes (0 * Inf = NaN too)" if p.get("inf_bytes") else ""))
-        _print_table(result)
+        _print_table(rows)
         if replay:
             print(f"# replay of {args.load}: {replay}")
     with _blame({}, "--json"):
