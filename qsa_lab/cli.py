@@ -220,10 +220,13 @@ def _load_case(args):
         raise UsageError(f"--load: replays the saved case; drop {', '.join(given)}")
     budget = args.max_memory or resources.default_budget()
     with _blame({}, "--load"):
-        case, saved_plan, saved, _ = io.load(args.load, "--load", max_bytes=budget)
+        case, saved_plan, saved, meta = io.load(args.load, "--load", max_bytes=budget)
     with _blame({}, "--max-memory"):
         resources.require(case.geometry, budget)
-    return case, saved_plan, saved
+    if "checksum" not in meta:
+        print(f"qsa-lab: note: --load: {_one_line(args.load)} has no checksum (saved by an older qsa_lab): "
+              "a file changed while it was read cannot be detected; replaying it", file=sys.stderr)
+    return case, saved_plan, saved, meta
 
 
 def _replay_differs(case, result, saved_plan, saved) -> list[str]:
@@ -252,11 +255,11 @@ def cmd_diff(args) -> int:
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json, "--save": args.save},
                     inputs={"--load": args.load} if args.load is not None else None)
     if args.load is not None:
-        case, saved_plan, saved = _load_case(args)
-        geometry = case.geometry
+        case, saved_plan, saved, meta = _load_case(args)
+        geometry, origin = case.geometry, meta.get("origin")
     else:
         geometry = _geometry(args)
-        saved = None
+        saved, origin = None, "geometry"  # built here from the geometry and the poison options
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
     if saved is None:
@@ -292,7 +295,7 @@ def cmd_diff(args) -> int:
                 print(f"# wrote {outs['--json']}")
     with _blame({}, "--save"):
         if "--save" in outs:
-            io.save(result, outs["--save"], overwrite=args.force, arg="--save")
+            io.save(result, outs["--save"], overwrite=args.force, arg="--save", origin=origin)
             if args.json != "-":
                 print(f"# saved {outs['--save']}")
     return EXIT_OK if replay in (None, "bit-identical") else EXIT_DIFFERS
@@ -532,12 +535,30 @@ def _unknown_options(parser, argv) -> None:
             raise UsageError(f"{tok.split('=', 1)[0]}: unrecognized option")
 
 
+REPEATABLE = ("--kernel", "--debug")  # options that may be given more than once
+
+
+def _repeated_options(argv) -> None:
+    """An option given twice would silently keep only its last value ('--regions a --regions b'
+    runs b alone): refuse it, naming the option."""
+    seen = set()
+    for tok in argv:
+        if tok == "--":
+            break
+        name = tok.split("=", 1)[0]
+        if name.startswith("--") and name not in REPEATABLE:
+            if name in seen:
+                raise UsageError(f"{name}: given more than once; give it once (a list is comma-separated)")
+            seen.add(name)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
     try:
         parser = build_parser()
         _unknown_options(parser, argv)
+        _repeated_options(argv)
         args = parser.parse_args(argv)
         return args.func(args)
     except UsageError as e:
