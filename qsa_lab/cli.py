@@ -302,7 +302,9 @@ def cmd_diff(args) -> int:
 
 
 def cmd_repro(args) -> int:
-    from .outputs import check_folder, check_output, writing, write_text
+    from pathlib import Path
+
+    from .outputs import check_folder, check_output, writing
     from .routes import resolve_backend
 
     with _blame({}, "--out"):
@@ -329,23 +331,48 @@ def cmd_repro(args) -> int:
     shown[diff] = [f"{v:.2g}" if v == v else "NaN in output" for v in table[diff]]
     print(shown.to_string(index=False))
     print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
-    with _blame({}, "--out"):
-        check_folder(out, "--out", create=True)
-        with writing(files["repro.csv"], "--out", force=args.force) as tmp:
-            table.to_csv(tmp, index=False)
-        write_text(files["repro.json"], json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
-                                                    "cases": json.loads(table.to_json(orient="records"))},
-                                                   indent=2) + "\n", "--out", force=args.force)
+    doc = json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
+                      "cases": json.loads(table.to_json(orient="records"))}, indent=2) + "\n"
     written = list(files.values())
-    if not args.no_figures:
-        from .figures import write_repro_figures
+    # everything is written before repro.csv / repro.json are published: a run that fails part-way
+    # (a full disk, a signal) leaves neither of them, nor figures of its own
+    with _new_files_removed_on_failure([out] + ([] if args.no_figures else [Path(args.figures)])):
+        with _blame({}, "--out"):
+            check_folder(out, "--out", create=True)
+        with writing(files["repro.csv"], "--out", force=args.force) as csv_tmp, \
+                writing(files["repro.json"], "--out", force=args.force) as json_tmp:
+            with _blame({}, "--out"):
+                table.to_csv(csv_tmp, index=False)
+                json_tmp.write_text(doc)
+            if not args.no_figures:
+                from .figures import write_repro_figures
 
-        # without --force an existing figure is kept and the new one numbered (export_figure)
-        with _blame({}, "--figures"):
-            written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
+                # without --force an existing figure is kept and the new one numbered (export_figure)
+                with _blame({}, "--figures"):
+                    written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
     for w in written:
         print(f"# wrote {w}")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _new_files_removed_on_failure(folders):
+    """On an exception inside: remove the files (and folders) that appeared in `folders` during
+    the block. Files that were there before stay (a --force replacement cannot be undone)."""
+    before = {f: set(os.listdir(f)) if os.path.isdir(f) else None for f in map(str, folders)}
+    try:
+        yield
+    except BaseException:
+        for folder, names in before.items():
+            if not os.path.isdir(folder):
+                continue
+            for name in set(os.listdir(folder)) - (names or set()):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
+            if names is None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+        raise
 
 
 def cmd_bench(args) -> int:
@@ -553,6 +580,13 @@ def _repeated_options(argv) -> None:
 
 
 def main(argv=None) -> int:
+    from . import signals
+
+    with signals.installed():  # Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals)
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
     try:
