@@ -218,10 +218,13 @@ def _load_case(args):
         raise UsageError(f"--load: replays the saved case; drop {', '.join(given)}")
     budget = args.max_memory or resources.default_budget()
     with _blame({}, "--load"):
-        case, saved_plan, saved, _ = io.load(args.load, "--load", max_bytes=budget)
+        case, saved_plan, saved, meta = io.load(args.load, "--load", max_bytes=budget)
     with _blame({}, "--max-memory"):
         resources.require(case.geometry, budget)
-    return case, saved_plan, saved
+    if "checksum" not in meta:
+        print(f"qsa-lab: note: --load: {_one_line(args.load)} has no checksum (saved by an older qsa_lab): "
+              "a file changed while it was read cannot be detected; replaying it", file=sys.stderr)
+    return case, saved_plan, saved, meta
 
 
 def _replay_differs(case, result, saved_plan, saved) -> list[str]:
@@ -246,11 +249,11 @@ def cmd_diff(args) -> int:
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json, "--save": args.save},
                     inputs={"--load": args.load} if args.load is not None else None)
     if args.load is not None:
-        case, saved_plan, saved = _load_case(args)
-        geometry = case.geometry
+        case, saved_plan, saved, meta = _load_case(args)
+        geometry, origin = case.geometry, meta.get("origin")
     else:
         geometry = _geometry(args)
-        saved = None
+        saved, origin = None, "geometry"  # built here from the geometry and the poison options
     from . import io  # torch from here on: every argument above was checked without it
     from .analysis import diff_json, route_rows
     from .case import build_case
@@ -293,14 +296,16 @@ def cmd_diff(args) -> int:
                 print(f"# wrote {outs['--json']}")
     with _blame({}, "--save"):
         if "--save" in outs:
-            io.save(result, outs["--save"], overwrite=args.force, arg="--save")
+            io.save(result, outs["--save"], overwrite=args.force, arg="--save", origin=origin)
             if args.json != "-":
                 print(f"# saved {outs['--save']}")
     return EXIT_OK if replay in (None, "bit-identical") else EXIT_DIFFERS
 
 
 def cmd_repro(args) -> int:
-    from .outputs import check_folder, check_output, writing, write_text
+    from pathlib import Path
+
+    from .outputs import check_folder, check_output, writing
 
     with _blame({}, "--out"):
         out = check_folder(args.out, "--out")
@@ -328,23 +333,48 @@ def cmd_repro(args) -> int:
     shown[diff] = [f"{v:.2g}" if v == v else "NaN in output" for v in table[diff]]
     print(shown.to_string(index=False))
     print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
-    with _blame({}, "--out"):
-        check_folder(out, "--out", create=True)
-        with writing(files["repro.csv"], "--out", force=args.force) as tmp:
-            table.to_csv(tmp, index=False)
-        write_text(files["repro.json"], json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
-                                                    "cases": json.loads(table.to_json(orient="records"))},
-                                                   indent=2) + "\n", "--out", force=args.force)
+    doc = json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
+                      "cases": json.loads(table.to_json(orient="records"))}, indent=2) + "\n"
     written = list(files.values())
-    if not args.no_figures:
-        from .figures import write_repro_figures
+    # everything is written before repro.csv / repro.json are published: a run that fails part-way
+    # (a full disk, a signal) leaves neither of them, nor figures of its own
+    with _new_files_removed_on_failure([out] + ([] if args.no_figures else [Path(args.figures)])):
+        with _blame({}, "--out"):
+            check_folder(out, "--out", create=True)
+        with writing(files["repro.csv"], "--out", force=args.force) as csv_tmp, \
+                writing(files["repro.json"], "--out", force=args.force) as json_tmp:
+            with _blame({}, "--out"):
+                table.to_csv(csv_tmp, index=False)
+                json_tmp.write_text(doc)
+            if not args.no_figures:
+                from .figures import write_repro_figures
 
-        # without --force an existing figure is kept and the new one numbered (export_figure)
-        with _blame({}, "--figures"):
-            written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
+                # without --force an existing figure is kept and the new one numbered (export_figure)
+                with _blame({}, "--figures"):
+                    written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
     for w in written:
         print(f"# wrote {w}")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _new_files_removed_on_failure(folders):
+    """On an exception inside: remove the files (and folders) that appeared in `folders` during
+    the block. Files that were there before stay (a --force replacement cannot be undone)."""
+    before = {f: set(os.listdir(f)) if os.path.isdir(f) else None for f in map(str, folders)}
+    try:
+        yield
+    except BaseException:
+        for folder, names in before.items():
+            if not os.path.isdir(folder):
+                continue
+            for name in set(os.listdir(folder)) - (names or set()):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
+            if names is None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+        raise
 
 
 def cmd_bench(args) -> int:
@@ -533,15 +563,40 @@ def _unknown_options(parser, argv) -> None:
             raise UsageError(f"{tok.split('=', 1)[0]}: unrecognized option")
 
 
+REPEATABLE = ("--kernel", "--debug")  # options that may be given more than once
+
+
+def _repeated_options(argv) -> None:
+    """An option given twice would silently keep only its last value ('--regions a --regions b'
+    runs b alone): refuse it, naming the option."""
+    seen = set()
+    for tok in argv:
+        if tok == "--":
+            break
+        name = tok.split("=", 1)[0]
+        if name.startswith("--") and name not in REPEATABLE:
+            if name in seen:
+                raise UsageError(f"{name}: given more than once; give it once (a list is comma-separated)")
+            seen.add(name)
+
+
 def parse_args(argv) -> argparse.Namespace:
     """Parse and check the command line; plain Python only (no torch, pandas, matplotlib), so
     --help and a bad argument answer at once. UsageError / SystemExit (--help) propagate."""
     parser = build_parser()
     _unknown_options(parser, argv)
+    _repeated_options(argv)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    from . import signals
+
+    with signals.installed():  # Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals)
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
     # -- signal handling goes here, before anything else runs --

@@ -49,8 +49,9 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
     If any of the three files exists and overwrite is False, the first free numbered
     stem name-1, name-2, ... is used instead (all three files share it).
     """
-    if not name or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
-        raise ValueError(f"name must be a plain file stem ([A-Za-z0-9_.+-]), got {name!r}")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*", name):
+        raise ValueError(f"name: must be a plain file stem ([A-Za-z0-9_.+-], not starting with '.': no hidden "
+                         f"files), got {name!r}")
     out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
     m = full_meta(meta)
     blob = json.dumps(m, sort_keys=True)

@@ -49,6 +49,9 @@ REPRO_CASES = [
     ReproCase("NaN in an attended key (beyond the report)", DECODE, {"site": "attended-k", "dims": list(REPORT_DIMS)},
               None, "route divergence: grouped rows finite (fmaxf ignores the NaN score, the key's "
                     "probability rounds to 0: silently dropped); XQA and the reference NaN on every dim"),
+    ReproCase("NaN in the query (beyond the report)", DECODE, {"site": "query", "dims": list(REPORT_DIMS)},
+              None, "route divergence: grouped rows exactly 0 (every score NaN, fmaxf ignores them, every "
+                    "probability exp(-80) is 0 in fp16); XQA, the reference and the remainder rows NaN on every dim"),
     ReproCase("NaN in an attended value (beyond the report)", DECODE, {"site": "attended-v", "dims": list(REPORT_DIMS)},
               None, "every route NaN on the poisoned dims of every row that attends the token, fixes too"),
 ]

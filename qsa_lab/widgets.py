@@ -245,7 +245,7 @@ class RunCache:
     def output(self, p: Params, route: str, backend: str) -> torch.Tensor:
         base = self.base(p.geometry)
         case, changed = self.poisoned_case(p)
-        clean = not bool((changed & base.reads[route]).any())
+        clean = not bool((changed & base.reads[route]).any()) and case.q is base.case.q  # site query writes q
         key = (p.geometry, None if clean else p.poison_key, backend, route)
 
         def make():
@@ -404,7 +404,9 @@ class Playground:
     def __init__(self, params: Params | None = None, cache: RunCache | None = None, out_dir: str | None = None):
         import ipywidgets as W
 
-        p = params or Params()
+        from .inputs import playground_params
+
+        p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
         self.cache = cache or _CACHE
         self.out_dir = out_dir
         self.last_data = None
