@@ -37,30 +37,47 @@ def page_bytes(case: Case, plane: str = "v", page: int | None = None) -> dict:
     """The bytes of one page of one plane: codes [page_size, head_dim] uint8 (low byte for
     fp16 KV) and nan [page_size, head_dim] bool (element decodes to NaN).
 
-    page None -> page 0 (the null block), or for 'stale-tail' the page holding the first
-    stale token (that site leaves page 0 alone)."""
+    page None -> the page the site wrote: page 0 (the null block), or for 'stale-tail' the page
+    holding the first stale token, or for attended-k / attended-v the page of the token they
+    poison (those sites leave page 0 alone); `what` says which."""
     if plane not in PLANE_INDEX:
         raise ValueError(f"plane must be 'k' or 'v' for a byte map, got {plane!r}")
+    site = case.poison["site"]
+    what = "null block"
     if page is None:
-        stale = stale_tokens(case) if case.poison["site"] == "stale-tail" else []
+        stale = stale_tokens(case) if site == "stale-tail" else []
         page = stale[0][0] if stale else 0
+        if stale:
+            what = "page holding stale tail tokens"
+        elif case.poison.get("token"):
+            page = int(case.poison["token"][0])
+            what = f"holds the most-attended token, {int(case.poison['token'][1])}"
+    elif page:
+        what = "page"
     raw = case.kv_cache[page, PLANE_INDEX[plane], :, 0, :].cpu()           # [page_size, D]
     codes = raw.view(torch.uint8).view(raw.shape[0], raw.shape[1], -1)[..., 0]
     nan = torch.isnan(kv_values(raw, case.kv_format))
-    return {"codes": codes.numpy(), "nan": nan.numpy(), "page": int(page), "plane": plane,
-            "site": case.poison["site"], "kv_dtype": case.kv_format, "nan_bytes": int(nan.sum()),
+    return {"codes": codes.numpy(), "nan": nan.numpy(), "page": int(page), "plane": plane, "what": what,
+            "site": site, "kv_dtype": case.kv_format, "nan_bytes": int(nan.sum()),
             "nan_dims": sorted(set(torch.nonzero(nan)[:, 1].tolist()))}
 
 
-def page_byte_maps(geometry: Geometry | None = None, sites=SITES, plane: str = "v", seed: int = 0,
+#: the sites that write NaN bytes (none and zeros write none: nothing to show on a byte map)
+BYTE_MAP_SITES = tuple(s for s in SITES if s not in ("none", "zeros"))
+
+
+def page_byte_maps(geometry: Geometry | None = None, sites=BYTE_MAP_SITES, plane: str = "v", seed: int = 0,
                    dims=None) -> list[dict]:
-    """page_bytes of the poisoned plane for every site, on one small case."""
+    """page_bytes of the page and plane each site writes (attended-k: its K plane), on one small case."""
+    from .poison import ATTENDED_SITES
+
     g = geometry or Geometry(rows=8, requests=2, context=256, topk=16)
     base = build_case(g)
     out = []
     for site in sites:
         case = apply_poison(base, site, plane=plane, dims=dims if site in DIM_SITES else None, seed=seed)
-        out.append(page_bytes(case, "v" if plane == "kv" else plane))
+        shown = ATTENDED_SITES.get(site, "v" if plane == "kv" else plane)
+        out.append(page_bytes(case, shown))
     return out
 
 

@@ -189,9 +189,9 @@ def plot_page_bytes(data: dict, ax=None):
     _dim_axis(ax, codes.shape[1], data["nan_dims"])
     ax.set_ylabel("token in page")
     ax.set_yticks(sorted({codes.shape[0] - 1} | set(range(0, codes.shape[0], 8))))
-    what = "null block" if data["page"] == 0 else "page holding stale tail tokens"
-    ax.set_title(f"site {data['site']}: page {data['page']} ({what}) {data['plane'].upper()} plane, "
-                 f"{data['kv_dtype']} - {data['nan_bytes']} NaN bytes", fontsize=10)
+    what = data.get("what", "null block" if data["page"] == 0 else "page holding stale tail tokens")
+    ax.set_title(f"site {data['site']}: page {data['page']} ({what}), {data['plane'].upper()} plane, "
+                 f"{data['kv_dtype']}: {data['nan_bytes']} NaN bytes", fontsize=9)
     return ax
 
 
@@ -452,7 +452,8 @@ def plot_bench(data, ax=None):
     labels = []
     for key, _ in groups:
         key = key if isinstance(key, tuple) else (key,)
-        labels.append("\n".join(f"{k} {v}" for k, v in zip(keys, key)) or "all")
+        labels.append("\n".join(f"ctx {v // 1024}k" if k == "context" and v % 1024 == 0 else
+                                f"{v} {k}" if k == "rows" else f"{k} {v}" for k, v in zip(keys, key)) or "all")
     ax.set_xticks(range(len(groups)), labels, fontsize=8)
     ax.set_ylabel("median time per call (ms, log)")
     ax.set_yscale("log")
@@ -529,9 +530,9 @@ def plot_fix_cost(data: dict, fig=None):
                     ax.text(r[base] * r[ratio] + 0.1, p_, f"×{r[ratio]:.3f} (+{r[base] * (r[ratio] - 1):.2f} µs)",
                             va="center", fontsize=8)
         ax.set_yticks(yy, [f"{r} rows" for r in rows], fontsize=9)
-        ax.set_xlim(0, max(r["upstream_unfixed_us_per_tile"] for r in up["rows"]) * 1.75)
+        ax.set_xlim(0, max(r["upstream_unfixed_us_per_tile"] for r in up["rows"]) * 1.6)
         ax.set_xlabel("µs per 32-token tile")
-        ax.legend(fontsize=8, loc="lower right", framealpha=0.95)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
         ax.set_title(f"upstream's kernel beside ours, {up['gpu']}", fontsize=10)
     src = f" ({data['source']})" if data.get("source") else ""
     fig.suptitle(f"What the fix costs: per tile at the report's geometry ({data['geometry']}, "

@@ -152,6 +152,7 @@ def format_table(table, width: int = 120) -> str:
         cells = "".join(f"{str(int(r[f'nan[{x}]'])) + ('*' if x in differ else ''):>6}" for x in routes)
         rep = r.get("report_grouped_nan")
         rep = "—" if rep is None or (isinstance(rep, float) and math.isnan(rep)) or str(rep) == "" else str(rep)
+        rep = rep if len(rep) <= 6 else "=dims" if "dims" in rep else rep[:5] + "…"   # the report's words, short
         diffs = [r[c] for c in table.columns if c.startswith("max|grouped+") and r[c] is not None and r[c] == r[c]]
         worst = f"{max(diffs):.1e}" if diffs else "NaN"
         got = _short_routes(r.get("differs_from_reference", ""))
@@ -161,7 +162,8 @@ def format_table(table, width: int = 120) -> str:
                      f"{'yes' if r.get('as_expected') else 'NO'}")
     lines.append("# NaN elements per route (ref = float64 reference, A = kernel fix, B = pad-fix, C = masked load);")
     lines.append("# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes the")
-    lines.append("# mechanism predicts differ. Expected, by case (predicted to differ in brackets):")
+    lines.append("# mechanism predicts differ. report: the report's grouped NaN count (=dims: 'matches poisoned dims').")
+    lines.append("# Expected, by case (predicted to differ in brackets):")
     for i, r in table.reset_index(drop=True).iterrows():
         text = f"#{i + 1:>3}: {r.get('expect', '')} [{_short_routes(str(r.get('expected_to_differ', '')))}]"
         while len(text) > width:                     # wrap at a space, never past `width`
