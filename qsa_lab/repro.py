@@ -160,10 +160,10 @@ def format_table(table, width: int = 120) -> str:
         name = name if len(name) <= case_w else name[:case_w - 1] + "…"
         lines.append(f"{i + 1:>2} {name:<{case_w}}{cells}{rep:>7} {worst:>12}  {got:<14} "
                      f"{'yes' if r.get('as_expected') else 'NO'}")
-    lines.append("# NaN elements per route (ref = float64 reference, A = kernel fix, B = pad-fix, C = masked load);")
-    lines.append("# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes the")
-    lines.append("# mechanism predicts differ. report: the report's grouped NaN count (=dims: 'matches poisoned dims').")
-    lines.append("# Expected, by case (predicted to differ in brackets):")
+    lines += ["# NaN elements per route (ref = float64 reference, A kernel fix, B pad-fix, C masked load);",
+              "# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes",
+              "# the mechanism predicts differ. report: the report's grouped NaN count (=dims: its words",
+              "# 'matches poisoned dims'). Expected, by case (predicted to differ in brackets):"]
     for i, r in table.reset_index(drop=True).iterrows():
         text = f"#{i + 1:>3}: {r.get('expect', '')} [{_short_routes(str(r.get('expected_to_differ', '')))}]"
         while len(text) > width:                     # wrap at a space, never past `width`
