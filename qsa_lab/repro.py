@@ -143,7 +143,7 @@ def format_table(table, width: int = 120) -> str:
     import math
 
     routes = [r for r in SHORT if f"nan[{r}]" in table.columns]
-    case_w = max(16, width - (len(routes) * 6 + 46))
+    case_w = max(8, width - (len(routes) * 6 + 46))
     head = (f"{'#':>2} {'case':<{case_w}}" + "".join(f"{SHORT[r]:>6}" for r in routes)
             + f"{'report':>7} {'max|fix-xqa|':>12}  {'mask differs':<14} ok")
     lines = [head]
