@@ -241,6 +241,15 @@ def bench_data(live: bool, path: str | Path = BENCH_JSON):
     return df, meta
 
 
+def bench_doc(live: bool, path: str | Path = BENCH_JSON) -> dict:
+    """The qsa_lab.bench/1 document: measured now when `live` (needs a GPU), else read from `path`."""
+    if live:
+        from .kernels.bench import run_bench
+
+        return run_bench()
+    return json.loads(Path(path).read_text())
+
+
 def load_upstream(path: str | Path = UPSTREAM_JSON) -> dict:
     """The committed measurement of upstream's own kernel beside ours (qsa_lab.upstream_fix_cost/1)."""
     doc = json.loads(Path(path).read_text())

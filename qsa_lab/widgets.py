@@ -67,6 +67,10 @@ def has_partial_tail(g: Geometry) -> bool:
     return any((g.context - r) % 4 for r in range(g.requests))
 
 
+#: the first preset stale-tail can use (notebook 03's experiment)
+TAIL_PRESET = next(name for name, g in PRESETS.items() if has_partial_tail(g))
+
+
 @dataclass(frozen=True)
 class Params:
     """Everything the playground shows depends on these, and on nothing else."""
