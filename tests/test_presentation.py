@@ -81,3 +81,21 @@ def test_notebooks_readme_lists_every_notebook():
     text = (REPO / "notebooks" / "README.md").read_text()
     for nb in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         assert f"`{nb.stem}`" in text, nb.stem
+
+
+def test_bench_playground_writes_results_and_warns_on_a_miss(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_playground", REPO / "benchmarks" / "bench_playground.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.OUT == REPO / "results" / "bench_playground_cpu.json"     # never the committed data/ file
+    slow = {"geometry": {}, "backend": "emulate", "first_draw_s": 9.0, "first_draw_cpu_s": 1.0, "changes": {},
+            "median_redraw_s": 5.0, "worst_median_s": 5.0, "limit_s": 0.3, "first_draw_limit_s": 2.0}
+    monkeypatch.setattr(bench, "bench_preset", lambda preset, repeat: dict(slow))
+    preset = next(iter(__import__("qsa_lab.widgets", fromlist=["PRESETS"]).PRESETS))
+    out = tmp_path / "r" / "b.json"
+    assert bench.main(["--preset", preset, "--json", str(out)]) == 0       # a miss on a loaded machine: a warning
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: {preset}: median redraw 5.000 s (target 0.3 s)") and out.exists()
+    assert bench.main(["--preset", preset, "--json", str(out), "--strict"]) == 1
