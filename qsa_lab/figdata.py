@@ -355,7 +355,7 @@ def repro_frame(table):
         worst.append(f"{max(finite):.1e}" + (f" ({len(vals) - len(finite)} NaN)" if len(finite) < len(vals) else "")
                      if finite else "NaN in every fix")
     out["max|fix−xqa|"] = worst
-    out["max|xqa−ref|"] = ["NaN" if num(v) is None else f"{v:.1e}" for v in table["max|xqa-reference|"]]
+    out["max|xqa−ref|"] = ["NaN in output" if num(v) is None else f"{v:.1e}" for v in table["max|xqa-reference|"]]
     for col, name in (("report_grouped_nan", "report: grouped NaN"),
                       ("report_max|grouped-xqa|", "report: max|grouped−xqa|")):
         vals = table[col] if col in table.columns else [None] * len(table)

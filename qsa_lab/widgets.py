@@ -420,19 +420,22 @@ def error_html(e) -> str:
 
 def table_html(table) -> str:
     """The route table as HTML: counts as integers, differences as 1.2e-03, and a difference
-    that NaN makes undefined as 'NaN in output' (never None)."""
+    that NaN makes undefined as 'NaN in output' (never None). Columns: route, NaN, NaN dims,
+    finite where ref NaN, max |Δ ref|, max |Δ xqa|."""
     def diff(v):
         return "NaN in output" if v is None or v != v else f"{v:.2e}"
 
+    def dims(d):
+        return ",".join(map(str, d[:12])) + ("..." if len(d) > 12 else "") if len(d) else "-"
+
     rows = "".join(
-        f"<tr><th>{_esc(route)}</th><td>{int(r['nan_count'])}</td>"
+        f"<tr><th>{_esc(route)}</th><td>{int(r['nan_count'])}</td><td>{_esc(dims(r['nan_dims']))}</td>"
         f"<td>{int(r.get('finite_where_ref_nan', 0))}</td>"
-        f"<td>{_esc(','.join(map(str, r['nan_dims'][:12])) + ('...' if len(r['nan_dims']) > 12 else '') or '-')}</td>"
         f"<td>{diff(r['max_abs_diff_vs_reference'])}</td><td>{diff(r['max_abs_diff_vs_xqa'])}</td></tr>"
         for route, r in table.iterrows())
-    head = ("<tr><th>route</th><th>NaN</th><th>finite where ref NaN</th><th>NaN dims</th>"
-            "<th>max |Δ ref|</th><th>max |Δ xqa|</th></tr>")
-    return f"<table>{head}{rows}</table>"
+    head = ("<thead><tr><th>route</th><th>NaN</th><th>NaN dims</th><th>finite where ref NaN</th>"
+            "<th>max |Δ ref|</th><th>max |Δ xqa|</th></tr></thead>")
+    return f"<table>{head}<tbody>{rows}</tbody></table>"
 
 
 def make_controls(p: Params) -> tuple[dict, dict]:
@@ -498,7 +501,8 @@ class Playground:
         self.params = self.last_data = self.figure = self.last_redraw_s = None
         self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
         self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
-        self._lock, self._pending, self._worker, self._syncing = threading.Lock(), False, None, False
+        # _syncing: the thread now setting controls itself (its changes are not a user's)
+        self._lock, self._pending, self._worker, self._syncing = threading.Lock(), False, None, None
         self._redraw = threading.RLock()
         self.controls, self.toggles = make_controls(p)
         self.export_button = W.Button(description="Export", icon="download", button_style="primary",
@@ -548,7 +552,9 @@ class Playground:
 
     # -- events: a change asks for a redraw; changes during one are coalesced into the next -----------
     def _on_change(self, change):
-        if self._syncing:
+        import threading
+
+        if self._syncing == threading.get_ident():
             return
         self.requests += 1
         if not self.background:
@@ -581,7 +587,9 @@ class Playground:
 
     def _sync(self, p: Params):
         """Controls that follow the case drawn: nan_map's options, and the plane actually applied."""
-        self._syncing = True
+        import threading
+
+        self._syncing = threading.get_ident()
         try:
             self.controls["nan_map"].options = list(p.routes)
             self.controls["nan_map"].value = p.nan_map
@@ -589,7 +597,7 @@ class Playground:
             plane.value, plane.disabled = p.plane, p.site in ATTENDED_SITES
             plane.tooltip = f"{p.site} writes its own plane ({p.plane})" if plane.disabled else "plane(s) poisoned"
         finally:
-            self._syncing = False
+            self._syncing = None
 
     def _set_busy(self, busy: bool):
         """Dim the figure and say 'computing' while a redraw runs (the controls stay live)."""
@@ -639,8 +647,10 @@ class Playground:
         becomes a message naming the control, never a traceback."""
         import traitlets
 
+        import threading
+
         self.wait()
-        self._syncing = True   # one redraw for all the values, below
+        self._syncing = threading.get_ident()   # one redraw for all the values, below
         try:
             for k, v in values.items():
                 w = self.controls.get(k) or self.toggles.get(k)
@@ -654,7 +664,7 @@ class Playground:
                     allowed = f"one of {tuple(w.options)}" if hasattr(w, "options") else type(v).__name__
                     return self._error(f"{k}: {v!r} is not a valid value ({allowed})")
         finally:
-            self._syncing = False
+            self._syncing = None
         return self.redraw()
 
     def export(self, name: str | None = None) -> list:
