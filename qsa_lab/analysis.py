@@ -219,11 +219,11 @@ def route_rows(result: RunResult) -> list[dict]:
     return rows
 
 
-def route_table_text(rows: list[dict], max_dims: int = 12) -> str:
+def route_table_text(rows: list[dict], max_dims: int = 12, extra: dict | None = None) -> str:
     """route_rows as the CLI prints them, in the layout of pandas' DataFrame.to_string (route
     index, floats as {:.3g}, a missing float NaN, a column without any float None; a numeric
     column's header and every cell get one leading space, columns one space between them),
-    without importing pandas."""
+    without importing pandas. `extra`: more text columns {name: [cell per row]}, last."""
     def dims(d):
         return ",".join(map(str, d[:max_dims])) + (" ..." if len(d) > max_dims else "")
 
@@ -236,6 +236,8 @@ def route_table_text(rows: list[dict], max_dims: int = 12) -> str:
                "nan_dims": (False, [dims(r["nan_dims"]) for r in rows])}
     for c in ("max_abs_diff_vs_reference", "max_abs_diff_vs_xqa"):
         columns[c] = floats([r[c] for r in rows])
+    for name, cells in (extra or {}).items():
+        columns[name] = (False, list(cells))
     index = [r["route"] for r in rows]
     wi = max([len("route")] + [len(i) for i in index])
     head, cells = [], []

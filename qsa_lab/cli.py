@@ -142,7 +142,8 @@ def _add_case_args(p):
     q = p.add_argument_group("poison")
     q.add_argument("--poison", choices=SITES, default="none", help="poison site (default none)")
     q.add_argument("--dims", type=_int_list,
-                   help="head dims for targeted / stale-tail (default 102,152,168,170,230 modulo --head-dim)")
+                   help="head dims for targeted, stale-tail, attended-k and attended-v "
+                        "(default 102,152,168,170,230 modulo --head-dim)")
     q.add_argument("--plane", choices=tuple(PLANES), default="v", help="plane(s) poisoned (default v)")
     q.add_argument("--poison-seed", type=_int, default=0, help="seed of the random poison bytes (default 0)")
     q.add_argument("--payload", choices=PAYLOADS, default=None,
@@ -196,11 +197,19 @@ def _outputs(args, paths: dict, inputs: dict | None = None) -> dict:
     return checked
 
 
-def _print_table(rows, out=None):
-    """route_rows as a table (pandas' layout, without loading pandas)."""
-    from .analysis import route_table_text
+def _print_table(rows, result, out=None):
+    """route_rows as a table (pandas' layout, without loading pandas), with each route's
+    pass/fail against the tolerance."""
+    from .analysis import TOLERANCE, route_table_text, within_tolerance
 
-    print(route_table_text(rows), file=out or sys.stdout)
+    kv = result.case.geometry.kv_dtype
+    ok = ["pass" if within_tolerance(result.outputs[r["route"]], result.reference64, kv) else "FAIL" for r in rows]
+    out = out or sys.stdout
+    print(route_table_text(rows, extra={"within_tol": ok}), file=out)
+    atol, rtol = TOLERANCE[kv]
+    print(f"# within_tol: every element |route - reference| <= {atol:g} + {rtol:g} * |reference| (reference in\n"
+          f"# float64; NaN fails). Row 'reference' is that float64 reference rounded to fp16, as every route\n"
+          f"# returns it: its difference is the rounding alone.", file=out)
 
 
 def _load_case(args):
@@ -286,7 +295,7 @@ def cmd_diff(args) -> int:
         p = case.poison
         print(f"# poison: {p.get('nan_bytes', 0)} NaN bytes, dims {p.get('poisoned_dims', [])}"
               + (f"; {p['inf_bytes']} Inf bytes (0 * Inf = NaN too)" if p.get("inf_bytes") else ""))
-        _print_table(rows)
+        _print_table(rows, result)
         if replay:
             print(f"# replay of {args.load}: {replay}")
     with _blame({}, "--json"):
@@ -325,13 +334,9 @@ def cmd_repro(args) -> int:
     table, results = run_repro(backend=args.backend, progress=not args.quiet)
     backend = results[0].backend if results else args.backend
     print(f"# backend: {backend}")
-    show = ["case", "nan_bytes", "nan[xqa]", "nan[grouped]", "nan[grouped+kernel_fix]", "nan[grouped+pad_fix]",
-            "nan[grouped+masked_load]", "max|grouped+kernel_fix-xqa|", "report_grouped_nan"]
-    shown = table[show].astype(object)
-    shown["report_grouped_nan"] = shown["report_grouped_nan"].where(shown["report_grouped_nan"].notna(), "—")
-    diff = "max|grouped+kernel_fix-xqa|"  # undefined where either output holds NaN
-    shown[diff] = [f"{v:.2g}" if v == v else "NaN in output" for v in table[diff]]
-    print(shown.to_string(index=False))
+    from .repro import format_table
+
+    print(format_table(table))
     print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
     doc = json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
                       "cases": json.loads(table.to_json(orient="records"))}, indent=2) + "\n"
@@ -380,6 +385,8 @@ def _new_files_removed_on_failure(folders):
 def cmd_bench(args) -> int:
     from .outputs import write_text
 
+    if args.reps < 1:
+        raise UsageError(f"--reps: must be >= 1, got {args.reps}")
     outs = _outputs(args, {"--json": args.json})
     import torch
 
@@ -388,7 +395,7 @@ def cmd_bench(args) -> int:
                       "data/bench_h200.json)")
     from .kernels.bench import run_bench
 
-    doc = run_bench()
+    doc = run_bench(quick=args.quick, reps=args.reps)
     if "--json" in outs:
         with _blame({}, "--json"):
             write_text(outs["--json"], json.dumps(doc, indent=1) + "\n", "--json", force=args.force)
@@ -533,8 +540,15 @@ def build_parser():
     r.add_argument("--quiet", action="store_true", help="no progress bar (default: show it)")
     r.set_defaults(func=cmd_repro)
 
-    b = sub.add_parser("bench", parents=[common], help="GPU timings of every route and fix")
-    b.add_argument("--json", metavar="PATH", help="write the timings as JSON (default: none)")
+    b = sub.add_parser("bench", parents=[common], help="GPU timings of every route and fix",
+                       description="Times every route and fix on the visible CUDA GPU (CUDA events, CUDA graphs, "
+                                   "L2 flushed, medians): the report's geometry (16 rows, ctx 8192, top-512, E4M3; "
+                                   "µs per tile, ratio to unfixed, fix A beside the report's V100 ratio) and a "
+                                   "sweep of contexts x rows. Needs a GPU; the committed H200 run is "
+                                   "data/bench_h200.json (notebook 05 and `make demo` draw it without one).")
+    b.add_argument("--json", metavar="PATH", help="write the timings as JSON, schema qsa_lab.bench/1 (default: none)")
+    b.add_argument("--quick", action="store_true", help="one context and two row counts (default: the full sweep)")
+    b.add_argument("--reps", type=_int, default=30, metavar="N", help="timed replays per point (default 30)")
     b.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
     b.set_defaults(func=cmd_bench)
 
