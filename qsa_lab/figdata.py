@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 
 from .case import Case, Geometry, build_case, kv_values
+from .package_data import locate
 from .plan import GROUP, GroupedPlan
 from .poison import DIM_SITES, SITES, apply_poison, stale_tokens
 from .routes import ROUTES, RunResult
 
 PLANE_INDEX = {"k": 0, "v": 1}
-BENCH_JSON = Path(__file__).resolve().parent.parent / "data" / "bench_h200.json"
+BENCH_JSON = locate("data") / "bench_h200.json"
 
 
 def case_title(case: Case, backend: str | None = None) -> str:

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from . import package_data
 from .analysis import max_abs_diff, nan_dims
 from .case import Geometry, build_case
 from .poison import REPORT_DIMS, apply_poison
 from .routes import GROUPED, RunResult, run_routes
 
-REPORT_CSV = Path(__file__).resolve().parent.parent / "data" / "report_verification.csv"
+REPORT_CSV = package_data.locate("data") / "report_verification.csv"
 DECODE = Geometry()                                              # 19 rows, contiguous, decode-like
 # 24 rows, 3 requests, scatter, causal. The NaN count is 16 rows x 5 dims per M-tile that a padded
 # category activates; seed 63 is a seed whose plan pads 8 of the 9 M-tiles, as the report's did
@@ -61,7 +61,7 @@ REPRO_CASES = [
 
 def report_rows() -> dict:
     """The report's own verification table (data/report_verification.csv), by key."""
-    with open(REPORT_CSV, newline="") as f:
+    with open(package_data.path("data", REPORT_CSV.name), newline="") as f:
         return {r["key"]: r for r in csv.DictReader(f)}
 
 

@@ -342,8 +342,9 @@ def figures_dir() -> Path:
     env = os.environ.get(FIGURES_ENV)
     if env:
         return Path(env).expanduser().resolve()
-    repo = Path(__file__).resolve().parent.parent
-    return (repo if (repo / "pyproject.toml").is_file() else Path.cwd()).resolve() / "figures"
+    from .package_data import checkout
+
+    return (checkout() or Path.cwd()).resolve() / "figures"
 
 
 def export_meta(data: dict) -> dict:
