@@ -18,7 +18,7 @@ endif
 STAMP := $(ENV_DIR)/.qsa_lab-setup
 export TORCH_FALLBACK TORCH_CUDA12 TORCH_CUDA12_INDEX
 
-.PHONY: setup demo test test-fast lab strip doctor clean
+.PHONY: setup demo test test-fast lab strip doctor wheel clean
 
 setup: $(STAMP)
 
@@ -40,7 +40,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not wheel"
 
 # lab: the project's notebooks are saved without outputs (scripts/jupyter_lab_config.py);
 # as root (many GPU nodes) Jupyter needs --allow-root
@@ -55,5 +55,9 @@ strip:
 doctor: setup
 	$(PY) -m qsa_lab doctor
 
+# wheel: the sdist and the wheel (csrc/, data/, notebooks/ inside) in dist/, with this env's setuptools
+wheel: setup
+	rm -rf dist && $(PY) -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
+
 clean:
-	rm -rf build results figures .pytest_cache
+	rm -rf build dist results figures .pytest_cache

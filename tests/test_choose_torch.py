@@ -113,3 +113,8 @@ def test_cli_installs_the_choice_only_without_torch(tmp_path):
     assert _run(tmp_path, None, sys.executable, "--dry-run").returncode == 0
     # CUDA_VISIBLE_DEVICES= hides the GPU: the emulation is what the user asked for
     assert _run(tmp_path, V100, sys.executable, "--dry-run", env={"CUDA_VISIBLE_DEVICES": ""}).returncode == 0
+
+
+def test_conda_env_pins_the_same_cuda12_build():
+    text = (SCRIPT.parents[1] / "environment.yml").read_text()
+    assert f"- {ct.doctor.CUDA12_TORCH}\n" in text and f"--extra-index-url {ct.doctor.CUDA12_INDEX}\n" in text

@@ -121,6 +121,8 @@ def test_a_failed_build_names_the_compilers_first_error():
 
 def test_doctor_lists_what_nvidia_smi_sees_and_where_the_sources_are():
     out = subprocess.run([sys.executable, "-m", "qsa_lab", "doctor"], capture_output=True, text=True, timeout=300)
-    rows = dict(line.split(None, 1) for line in out.stdout.splitlines() if not line.startswith("verdict"))
+    from test_wheel import doctor_rows
+
+    rows = doctor_rows(out.stdout)
     assert "nvidia_smi_sees" in rows and "kernel_sources" in rows
     assert rows["kernel_sources"].endswith(("(checkout)", "(installed)"))

@@ -121,7 +121,7 @@ def _needs_build(folder: Path) -> bool:
 
 def load():
     """Build (first time) and import the extension. Raises RuntimeError with the reason."""
-    global _ext, _error
+    global _ext, _error, _first_error
     if _ext is not None:
         return _ext
     if not torch.cuda.is_available():
