@@ -407,15 +407,41 @@ def cmd_doctor(args) -> int:
 
     from . import __version__, kernels
 
-    info = {"qsa_lab": __version__, "python": platform.python_version(), **kernels.status()}
-    width = max(map(len, info))
-    for k, v in info.items():
-        print(f"{k:<{width}}  {v}")
+    from .doctor import table, verdict
+
+    info = {"qsa_lab": f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})",
+            "python": platform.python_version(), **kernels.status()}
     backend = "cuda (compiled kernels)" if kernels.available() else "emulate (PyTorch emulation)"
-    print(f"{'backend auto':<{width}}  {backend}")
-    from .doctor import verdict
+    print("\n".join(table({**info, "backend auto": backend})))
     print(verdict(kernels.status()))
     return EXIT_OK
+
+
+def cmd_notebooks(args) -> int:
+    from .package_data import copy_notebooks, notebooks
+
+    notebooks()  # an install without them is not the user's input error (exit 3, not 2)
+    with _blame({"dest": "DIR"}, "DIR"):
+        written = copy_notebooks(args.dir, force=args.force)
+    for w in written:
+        print(f"# wrote {w}")
+    print(f"# open them with: qsa-lab lab {args.dir}")
+    return EXIT_OK
+
+
+def cmd_lab(args) -> int:
+    import importlib.util
+    import subprocess
+
+    from .package_data import copy_notebooks, lab_command
+
+    if importlib.util.find_spec("jupyterlab") is None:
+        raise Failure("lab: JupyterLab is not installed here: pip install 'qsa_lab[lab]'")
+    with _blame({"dest": "DIR"}, "DIR"):
+        for w in copy_notebooks(args.dir, keep=True):   # the user's own copies stay as they are
+            print(f"# wrote {w}")
+    extra = [f"--port={args.port}"] * (args.port is not None) + ["--no-browser"] * args.no_browser
+    return subprocess.call(lab_command(args.dir, extra))
 
 
 # -- canary -----------------------------------------------------------------------------------------
@@ -553,6 +579,17 @@ def build_parser():
     b.set_defaults(func=cmd_bench)
 
     sub.add_parser("doctor", parents=[common], help="what this machine can do").set_defaults(func=cmd_doctor)
+    n = sub.add_parser("notebooks", parents=[common], help="copy the project's notebooks into a folder")
+    n.add_argument("dir", metavar="DIR", help="folder to copy them into (created if needed)")
+    n.add_argument("--force", action="store_true", help="replace notebooks already there (default: refuse)")
+    n.set_defaults(func=cmd_notebooks)
+    lab = sub.add_parser("lab", parents=[common], help="JupyterLab on a copy of the notebooks")
+    lab.add_argument("dir", metavar="DIR", nargs="?", default="qsa_lab-notebooks",
+                     help="folder of the copy; notebooks missing there are copied, others kept "
+                          "(default qsa_lab-notebooks)")
+    lab.add_argument("--port", type=_int, help="JupyterLab's port (default: its own, 8888 or the next free)")
+    lab.add_argument("--no-browser", action="store_true", help="do not open a browser (default: open one)")
+    lab.set_defaults(func=cmd_lab)
     _add_canary_parser(sub, parents=[common])
     return p
 

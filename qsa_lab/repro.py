@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from . import package_data
 from .analysis import max_abs_diff, nan_dims
 from .case import Geometry, build_case
 from .geometry import CAUSAL3, CAUSAL3_SEED, DECODE  # noqa: F401 - the report's presets
 from .poison import REPORT_DIMS, apply_poison
 from .routes import GROUPED, RunResult, run_routes
 
-REPORT_CSV = Path(__file__).resolve().parent.parent / "data" / "report_verification.csv"
+REPORT_CSV = package_data.locate("data") / "report_verification.csv"
 FIXES = [r for r in GROUPED if r != "grouped"]
 
 
@@ -64,7 +64,7 @@ REPRO_CASES = [
 
 def report_rows() -> dict:
     """The report's own verification table (data/report_verification.csv), by key."""
-    with open(REPORT_CSV, newline="") as f:
+    with open(package_data.path("data", REPORT_CSV.name), newline="") as f:
         return {r["key"]: r for r in csv.DictReader(f)}
 
 
