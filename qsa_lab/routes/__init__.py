@@ -7,6 +7,7 @@ the planner's groups through the grouped kernel and its remainder rows through X
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,22 @@ class RunResult:
 VARIANTS = tuple(dict.fromkeys(v for v, _ in GROUPED.values()))  # kernel variants: unfixed, kernel_fix, masked_load
 
 
+class NonFiniteQueryWarning(UserWarning):
+    """q holds NaN or Inf that no poison site put there (the grouped route hides it)."""
+
+
+def warn_nonfinite_query(case: Case) -> None:
+    """Warn when q is non-finite and the case's poison ('query') does not say so: the grouped
+    route returns such rows as 0 (its fmaxf softmax ignores NaN scores) where XQA and the
+    reference give NaN, so the route table alone would not show it."""
+    bad = ~torch.isfinite(case.q).flatten(1).all(dim=1)
+    if case.poison.get("site") != "query" and bool(bad.any()):
+        rows = torch.nonzero(bad).flatten().tolist()
+        warnings.warn(f"q: rows {rows[:8]}{' ...' if len(rows) > 8 else ''} hold NaN or Inf; the grouped route "
+                      "returns them as 0 (its softmax ignores NaN scores) where XQA and the reference give NaN",
+                      NonFiniteQueryWarning, stacklevel=3)
+
+
 def check_routes(routes) -> tuple:
     if isinstance(routes, str):  # a lone name would otherwise be read letter by letter
         routes = (routes,)
@@ -48,6 +65,9 @@ def check_routes(routes) -> tuple:
     bad = [r for r in routes if not isinstance(r, str) or r not in ROUTES]
     if bad:
         raise ValueError(f"routes: unknown route(s) {bad}; choose from {ROUTES}")
+    twice = sorted({r for r in routes if routes.count(r) > 1})
+    if twice:
+        raise ValueError(f"routes: {twice} named more than once")
     return routes
 
 
@@ -155,6 +175,7 @@ def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | N
     float64 reference (`reference64`) even when the route 'reference' is not asked for."""
     routes = check_routes(routes)
     validate_case(case)
+    warn_nonfinite_query(case)
     backend = resolve_backend(backend, case.geometry)
     dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
     run_case = case.to(dev)
