@@ -271,15 +271,22 @@ def cmd_diff(args) -> int:
 
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
-    if saved is None:
-        case = build_case(geometry, max_memory=args.max_memory)
-        with _blame(POISON_FLAGS, "--poison"):
-            case = apply_poison(case, args.poison, plane=args.plane, dims=args.dims, seed=args.poison_seed,
-                                payload=args.payload)
     est = resources.estimate(geometry)
     long_run = backend == "emulate" and est.seconds > 10
     if long_run:
         print(f"# estimated {est.describe()}", file=sys.stderr)
+    if saved is None:
+        from tqdm import tqdm  # stderr: never into --json -
+
+        with tqdm(total=2, desc="building the case", file=sys.stderr, disable=not long_run,
+                  bar_format="{desc}: {n}/{total} [{elapsed}]") as stage:
+            case = build_case(geometry, max_memory=args.max_memory)
+            stage.update()
+            stage.set_description_str("poisoning the case")
+            with _blame(POISON_FLAGS, "--poison"):
+                case = apply_poison(case, args.poison, plane=args.plane, dims=args.dims, seed=args.poison_seed,
+                                    payload=args.payload)
+            stage.update()
     result = run_routes(case, routes=list(saved) if saved else None, backend=backend, progress=long_run)
     replay = None
     if saved is not None:
@@ -354,6 +361,8 @@ def cmd_repro(args) -> int:
             if not args.no_figures:
                 from .figures import write_repro_figures
 
+                if not args.quiet:
+                    print(f"# drawing the figures into {args.figures} ...", file=sys.stderr, flush=True)
                 # without --force an existing figure is kept and the new one numbered (export_figure)
                 with _blame({}, "--figures"):
                     written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
