@@ -34,6 +34,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -209,6 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="keep the rows the output file has for these commits")
     ap.add_argument("--note", default="", help="free text stored in the JSON")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the temporary worktree is removed on the way out
     rows = args.rows.split(",") if args.rows else list(ROWS)
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
