@@ -205,24 +205,65 @@ def selection_summary(case: Case, plan: GroupedPlan) -> dict:
             "tiles_per_group": tiles, "max_tiles_per_group": max(tiles, default=0)}
 
 
-def route_table(result: RunResult):
-    """The differential table: one row per route."""
-    import pandas as pd
-
+def route_rows(result: RunResult) -> list[dict]:
+    """The differential table as records: route_table without pandas."""
     xqa = result.outputs.get("xqa")
     rows = []
     for route in [r for r in ROUTES if r in result.outputs]:
         out = result.outputs[route]
-        rows.append({"route": route, "nan_count": int(torch.isnan(out).sum()), "nan_dims": nan_dims(out),
+        nan = torch.isnan(out)
+        rows.append({"route": route, "nan_count": int(nan.sum()),
+                     "nan_dims": torch.nonzero(nan.flatten(0, -2).any(dim=0)).flatten().tolist(),
                      "max_abs_diff_vs_reference": max_abs_diff(out, result.reference64),
                      "max_abs_diff_vs_xqa": None if xqa is None else max_abs_diff(out, xqa)})
-    return pd.DataFrame(rows).set_index("route")
+    return rows
 
 
-def diff_json(result: RunResult) -> dict:
-    """The `qsa_lab.diff/1` document (README: `--json` output of `diff`)."""
+def route_table_text(rows: list[dict], max_dims: int = 12, extra: dict | None = None) -> str:
+    """route_rows as the CLI prints them, in the layout of pandas' DataFrame.to_string (route
+    index, floats as {:.3g}, a missing float NaN, a column without any float None; a numeric
+    column's header and every cell get one leading space, columns one space between them),
+    without importing pandas. `extra`: more text columns {name: [cell per row]}, last."""
+    def dims(d):
+        return ",".join(map(str, d[:max_dims])) + (" ..." if len(d) > max_dims else "")
+
+    def floats(values):
+        if all(v is None for v in values):  # an object column
+            return False, ["None"] * len(values)
+        return True, ["NaN" if v is None or math.isnan(v) else f"{v:.3g}" for v in values]
+
+    columns = {"nan_count": (True, [str(r["nan_count"]) for r in rows]),
+               "nan_dims": (False, [dims(r["nan_dims"]) for r in rows])}
+    for c in ("max_abs_diff_vs_reference", "max_abs_diff_vs_xqa"):
+        columns[c] = floats([r[c] for r in rows])
+    for name, cells in (extra or {}).items():
+        columns[name] = (False, list(cells))
+    index = [r["route"] for r in rows]
+    wi = max([len("route")] + [len(i) for i in index])
+    head, cells = [], []
+    for name, (numeric, values) in columns.items():
+        head.append(" " + name if numeric else name)
+        cells.append([" " + v for v in values])
+    width = [max([len(h)] + [len(v) for v in col]) for h, col in zip(head, cells)]
+    lines = [" " * wi + "".join(" " + h.rjust(w) for h, w in zip(head, width)),
+             "route".ljust(wi) + "".join(" " * (w + 1) for w in width)]
+    lines += [index[i].ljust(wi) + "".join(" " + col[i].rjust(w) for col, w in zip(cells, width))
+              for i in range(len(rows))]
+    return "\n".join(lines)
+
+
+def route_table(result: RunResult):
+    """The differential table: one row per route."""
+    import pandas as pd
+
+    return pd.DataFrame(route_rows(result)).set_index("route")
+
+
+def diff_json(result: RunResult, rows: list[dict] | None = None) -> dict:
+    """The `qsa_lab.diff/1` document (README: `--json` output of `diff`); rows: route_rows(result)
+    when the caller has them already."""
     g = result.case.geometry
-    table = route_table(result)
+    table = route_rows(result) if rows is None else rows
     p = result.case.poison
 
     def num(x):
@@ -237,10 +278,10 @@ def diff_json(result: RunResult) -> dict:
         "poison": {"site": p["site"], "plane": p["plane"], "nan_bytes": p["nan_bytes"],
                    "poisoned_dims": p["poisoned_dims"]},
         "groups": group_summary(result.plan),
-        "routes": {r: {"nan_count": int(row.nan_count), "nan_dims": list(row.nan_dims),
-                       "max_abs_diff_vs_reference": num(row.max_abs_diff_vs_reference),
-                       "max_abs_diff_vs_xqa": num(row.max_abs_diff_vs_xqa)}
-                   for r, row in table.iterrows()},
+        "routes": {row["route"]: {"nan_count": row["nan_count"], "nan_dims": list(row["nan_dims"]),
+                                  "max_abs_diff_vs_reference": num(row["max_abs_diff_vs_reference"]),
+                                  "max_abs_diff_vs_xqa": num(row["max_abs_diff_vs_xqa"])}
+                   for row in table},
         "selection": selection_summary(result.case, result.plan),
         "extensions": extensions_used(g, result.outputs),
     }
