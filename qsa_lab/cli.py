@@ -650,7 +650,6 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
-    # -- signal handling goes here, before anything else runs --
     try:
         args = parse_args(argv)
         return args.func(args)  # the handler imports what it needs (torch ...) after its own checks

@@ -624,12 +624,12 @@ def repro_probes(d: Path) -> list[Probe]:
 
 
 def main_(argv=None):
+    global TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every probe's outcome here")
     ap.add_argument("--show", default="", help="print probes of these classes (comma-separated)")
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds per probe (default {TIMEOUT_S})")
     a = ap.parse_args(argv)
-    global TIMEOUT_S
     TIMEOUT_S = a.timeout
     d = Path(tempfile.mkdtemp(prefix="hostile_"))
     probes = cli_probes(d) + load_probes(d) + api_probes(d) + repro_probes(d)
