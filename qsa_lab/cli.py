@@ -641,9 +641,15 @@ def parse_args(argv) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """The `qsa-lab` program (argv None: sys.argv) or one command in-process (argv a list).
+    Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals); as the program
+    the handler stays until the interpreter exits, in-process the caller's handlers come back."""
     from . import signals
 
-    with signals.installed():  # Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals)
+    if argv is None:
+        signals.install()
+        return _main(argv)
+    with signals.installed():
         return _main(argv)
 
 
