@@ -356,3 +356,14 @@ def test_notebook_03_runs_on_the_emulation_with_a_bad_backend(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("QSA_LAB_BACKEND")]
     assert len(lines) == len(values) and all(ln.endswith("using the emulation") for ln in lines), p.stderr
     assert [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")] == ['RESULT "emulate"'] * len(values)
+
+
+def test_a_loaded_case_whose_q_holds_nan_is_warned_in_one_line(tmp_path, capsys):
+    q = CASE.q.clone()
+    q[1, 2, 3] = float("nan")
+    with pytest.warns(NonFiniteQueryWarning):
+        r = run_routes(_case_with(q=q), backend="emulate")
+    path = io.save(r, tmp_path / "nan_q.safetensors")       # not what its geometry builds: origin custom
+    code, out, err = _load(path, capsys)
+    assert code == 0 and "bit-identical" in out
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("qsa-lab: warning: q: rows [1]"), err
