@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_BAD_ARGS = EXIT_BAD_INPUT  # older name
@@ -603,6 +604,10 @@ def build_parser():
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"qsa-lab: warning: {_one_line(message)}", file=sys.stderr)
+
+
 def _fail(message: str, code: int, debug: bool) -> int:
     if debug:
         traceback.print_exc()
@@ -650,19 +655,26 @@ def parse_args(argv) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """The `qsa-lab` program (argv None: sys.argv) or one command in-process (argv a list).
+    Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals); as the program
+    the handler stays until the interpreter exits, in-process the caller's handlers come back."""
     from . import signals
 
-    with signals.installed():  # Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals)
+    if argv is None:
+        signals.install()
+        return _main(argv)
+    with signals.installed():
         return _main(argv)
 
 
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
-    # -- signal handling goes here, before anything else runs --
     try:
         args = parse_args(argv)
-        return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
+        with warnings.catch_warnings():  # a warning is one line too, e.g. a loaded q holding NaN
+            warnings.showwarning = _show_warning
+            return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
     except UsageError as e:
         return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, False)  # bad input: one line, even with --debug
     except Failure as e:
