@@ -672,6 +672,13 @@ class Playground:
         metadata saying what it shows. -> the absolute paths written."""
         from .export import export_figure
 
+        self.wait()              # the figure of the last change, not one half redrawn by the worker
+        with self._redraw:
+            return self._export(name)
+
+    def _export(self, name):
+        from .export import export_figure
+
         if self.figure is None or self.last_data is None:
             self.message.value = "<span style='color:#c00'>nothing to export yet</span>"
             return []
