@@ -20,12 +20,12 @@ import subprocess
 from pathlib import Path
 
 from .outputs import check_folder, writing
+from .package_data import checkout, locate
 
 FORMATS = ("png", "svg", "pdf")
 SVG_HASHSALT = "qsa_lab"  # seeds the SVG element ids, which matplotlib otherwise draws at random
 META_KEYS = ("case", "backend", "gpu", "qsa_lab_version", "git_commit", "csrc_sha256")
 FIGURES_ENV = "QSA_LAB_FIGURES"
-REPO = Path(__file__).resolve().parent.parent
 
 
 def figures_dir() -> Path:
@@ -34,14 +34,18 @@ def figures_dir() -> Path:
     env = os.environ.get(FIGURES_ENV)
     if env:
         return Path(env).expanduser().resolve()
-    return (REPO if (REPO / "pyproject.toml").is_file() else Path.cwd()).resolve() / "figures"
+    return (checkout() or Path.cwd()).resolve() / "figures"
 
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
-    """The checkout's commit (with '+dirty' when tracked files differ), or 'unknown' outside git."""
+    """The checkout's commit (with '+dirty' when tracked files differ), or 'unknown' for an
+    installed package or outside git."""
+    repo = checkout()
+    if repo is None:
+        return "unknown"
     try:
-        run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True, timeout=20)
+        run = functools.partial(subprocess.run, cwd=repo, capture_output=True, text=True, timeout=20)
         head = run(["git", "rev-parse", "HEAD"])
         if head.returncode:
             return "unknown"
@@ -54,10 +58,7 @@ def git_commit() -> str:
 @functools.lru_cache(maxsize=1)
 def csrc_sha256() -> str:
     """SHA-256 over the kernel sources (file names and bytes, sorted): which kernels drew it."""
-    try:
-        from .kernels import CSRC
-    except Exception:  # noqa: BLE001 - the hash is a label; a broken import must not stop an export
-        CSRC = REPO / "csrc"
+    CSRC = locate("csrc")
     files = sorted(p for p in Path(CSRC).glob("*") if p.is_file()) if Path(CSRC).is_dir() else []
     if not files:
         return "unknown"
@@ -102,8 +103,9 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
     written); if any differs and overwrite is False, the first free stem name-1, name-2, ... whose
     files are absent or identical is used instead (all three files share it).
     """
-    if not name or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
-        raise ValueError(f"name must be a plain file stem ([A-Za-z0-9_.+-]), got {name!r}")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*", name):
+        raise ValueError(f"name: must be a plain file stem ([A-Za-z0-9_.+-], not starting with '.': no hidden "
+                         f"files), got {name!r}")
     out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
     m = full_meta(meta)
     blob = json.dumps(m, sort_keys=True)

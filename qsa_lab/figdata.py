@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 
 from .case import Case, Geometry, build_case, kv_values
+from .package_data import locate
 from .plan import GROUP, GroupedPlan
 from .poison import DIM_SITES, SITES, apply_poison, stale_tokens
 from .routes import ROUTES, RunResult
 
 PLANE_INDEX = {"k": 0, "v": 1}
-BENCH_JSON = Path(__file__).resolve().parent.parent / "data" / "bench_h200.json"
+BENCH_JSON = locate("data") / "bench_h200.json"
 UPSTREAM_JSON = BENCH_JSON.with_name("upstream_fix_cost_h200.json")
 #: bench variant -> the label fix-cost figures and tables use (upstream names in brackets)
 FIX_LABELS = {"unfixed": "unfixed", "kernel_fix": "fix A (kernel)", "pad_fix": "fix B (pad)",

@@ -3,22 +3,17 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from . import package_data
 from .analysis import max_abs_diff, nan_dims
 from .case import Geometry, build_case
+from .geometry import CAUSAL3, CAUSAL3_SEED, DECODE  # noqa: F401 - the report's presets
 from .poison import REPORT_DIMS, apply_poison
 from .routes import GROUPED, RunResult, run_routes
 
-REPORT_CSV = Path(__file__).resolve().parent.parent / "data" / "report_verification.csv"
-DECODE = Geometry()                                              # 19 rows, contiguous, decode-like
-# 24 rows, 3 requests, scatter, causal. The NaN count is 16 rows x 5 dims per M-tile that a padded
-# category activates; seed 63 is a seed whose plan pads 8 of the 9 M-tiles, as the report's did
-# (640). Most seeds pad all 9 (720): see the README.
-CAUSAL3_SEED = 63
-CAUSAL3 = Geometry(rows=24, requests=3, layout="scatter", seed=CAUSAL3_SEED)
+REPORT_CSV = package_data.locate("data") / "report_verification.csv"
 FIXES = [r for r in GROUPED if r != "grouped"]
 
 
@@ -57,7 +52,11 @@ REPRO_CASES = [
     ReproCase("NaN in an attended key (beyond the report)", DECODE, {"site": "attended-k", "dims": list(REPORT_DIMS)},
               None, "route divergence: grouped rows finite (fmaxf ignores the NaN score, the key's "
                     "probability rounds to 0: silently dropped); XQA and the reference NaN on every dim",
-              ("grouped", "grouped+kernel_fix", "grouped+pad_fix", "grouped+both_fixes", "grouped+masked_load")),
+              GROUPED),
+    ReproCase("NaN in the query (beyond the report)", DECODE, {"site": "query", "dims": list(REPORT_DIMS)},
+              None, "route divergence: grouped rows exactly 0 (every score NaN, fmaxf ignores them, every "
+                    "probability exp(-80) is 0 in fp16); XQA, the reference and the remainder rows NaN on every dim",
+              GROUPED),
     ReproCase("NaN in an attended value (beyond the report)", DECODE, {"site": "attended-v", "dims": list(REPORT_DIMS)},
               None, "every route NaN on the poisoned dims of every row that attends the token, fixes too"),
 ]
@@ -65,7 +64,7 @@ REPRO_CASES = [
 
 def report_rows() -> dict:
     """The report's own verification table (data/report_verification.csv), by key."""
-    with open(REPORT_CSV, newline="") as f:
+    with open(package_data.path("data", REPORT_CSV.name), newline="") as f:
         return {r["key"]: r for r in csv.DictReader(f)}
 
 

@@ -259,7 +259,7 @@ class RunCache:
     def output(self, p: Params, route: str, backend: str) -> torch.Tensor:
         base = self.base(p.geometry)
         case, changed = self.poisoned_case(p)
-        clean = not bool((changed & base.reads[route]).any())
+        clean = not bool((changed & base.reads[route]).any()) and case.q is base.case.q  # site query writes q
         key = (p.geometry, None if clean else p.poison_key, backend, route)
 
         def make():
@@ -495,7 +495,9 @@ class Playground:
 
         import ipywidgets as W
 
-        p = params or Params()
+        from .inputs import playground_params
+
+        p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
         self.cache, self.out_dir = cache or _CACHE, out_dir
         self.background = _in_kernel() if background is None else background
         self.params = self.last_data = self.figure = self.last_redraw_s = None

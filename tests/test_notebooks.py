@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from qsa_lab import package_data
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NB_DIR = Path(__file__).resolve().parent.parent / "notebooks"
-NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
+NB_DIR = package_data.folder("notebooks")   # the checkout's, or an installed copy's
+NOTEBOOKS = package_data.notebooks()
 MARK = "QSA_LAB_KEY_RESULTS="
 CONCLUSION = "QSA_LAB_CONCLUSION="
 
@@ -240,7 +242,7 @@ def test_make_lab_saves_project_notebooks_without_outputs(tmp_path):
     import urllib.request
 
     pytest.importorskip("jupyterlab")
-    repo = NB_DIR.parent
+    repo = Path(__file__).resolve().parents[1]   # `make lab` of the checkout holding these tests
     dry = subprocess.run(["make", "-n", "lab", "LAB_ARGS=--port 8899 --ip 0.0.0.0 --no-browser"], cwd=repo,
                          capture_output=True, text=True, timeout=60).stdout
     assert "--config=scripts/jupyter_lab_config.py" in dry and "--port 8899 --ip 0.0.0.0 --no-browser" in dry
