@@ -28,7 +28,7 @@ import torch
 
 from .case import KV_DTYPES, Case, Geometry, build_case
 from .plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
-from .poison import ATTENDED_SITES, DIM_SITES, PLANES, REPORT_DIMS, SITES, apply_poison
+from .poison import ATTENDED_SITES, DIM_SITES, PLANES, QUERY_SITE, REPORT_DIMS, SITES, apply_poison
 from .routes import BACKENDS, GROUPED, ROUTES, RunResult, backend_module, grouped_output, resolve_backend, \
     xqa_output
 from .routes.reference import reference_forward
@@ -596,8 +596,9 @@ class Playground:
             self.controls["nan_map"].options = list(p.routes)
             self.controls["nan_map"].value = p.nan_map
             plane = self.controls["plane"]
-            plane.value, plane.disabled = p.plane, p.site in ATTENDED_SITES
-            plane.tooltip = f"{p.site} writes its own plane ({p.plane})" if plane.disabled else "plane(s) poisoned"
+            plane.value, plane.disabled = p.plane, p.site in ATTENDED_SITES or p.site == QUERY_SITE
+            plane.tooltip = ("query writes q, not the cache" if p.site == QUERY_SITE else
+                             f"{p.site} writes its own plane ({p.plane})" if plane.disabled else "plane(s) poisoned")
         finally:
             self._syncing = None
 
