@@ -412,7 +412,7 @@ def plot_repro_table(table, ax=None):
     tab = ax.table(cellText=cells, colLabels=header, cellColours=colors, bbox=[0, 0, 1, 1], cellLoc="center")
     tab.auto_set_font_size(False)
     tab.set_fontsize(8.5)
-    widths = [0.26, 0.1] + [0.05] * len(cols) + [0.09, 0.06, 0.09, 0.05]
+    widths = [0.24, 0.1] + [0.05] * len(cols) + [0.11, 0.065, 0.09, 0.05]
     for (i, j), cell in tab.get_celld().items():
         cell.set_width(widths[j] / sum(widths))
     for j in range(len(header)):
