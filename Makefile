@@ -46,12 +46,15 @@ test-fast: setup
 # lab: the project's notebooks are saved without outputs (scripts/jupyter_lab_config.py);
 # as root (many GPU nodes) Jupyter needs --allow-root
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+# LAB_ARGS: more options for Jupyter, e.g. make lab LAB_ARGS="--port 8899 --ip 0.0.0.0 --no-browser"
+LAB_ARGS ?=
 lab: setup
-	$(PY) -m jupyter lab --config=scripts/jupyter_lab_config.py $(LAB_ROOT) notebooks/
+	$(PY) -m jupyter lab --config=scripts/jupyter_lab_config.py $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
-# strip: remove outputs from the project's notebooks (what `make lab` does on every save)
+# strip: remove outputs from the project's notebooks and restore their metadata (what `make lab`
+# does on every save); notebooks of your own are left alone
 strip:
-	python3 scripts/strip_outputs.py notebooks/[0-9][0-9]_*.ipynb
+	python3 scripts/strip_outputs.py
 
 doctor: setup
 	$(PY) -m qsa_lab doctor

@@ -7,6 +7,9 @@ The names below load on first use (`qsa_lab.build_case` imports torch then), so 
 """
 __version__ = "0.1.0"
 
+# The names below are imported on first use (PEP 562): `import qsa_lab` imports no torch, so
+# `python -m qsa_lab` and `qsa-lab` install their signal handling (qsa_lab.signals) before
+# the seconds-long torch import, and Ctrl-C during it is one line too.
 _LAZY = {"Case": "case", "Geometry": "geometry", "build_case": "case", "apply_poison": "poison",
          "plan_groups": "plan", "pad_fix": "plan", "ROUTES": "routes", "run_routes": "routes"}
 

@@ -20,7 +20,7 @@ DEFAULT_OVERLAP = 0.8  # target mean overlap of neighbouring rows' indexer selec
 #: one field alone cannot ask for an absurd allocation; combinations are bounded by the memory
 #: estimate in qsa_lab.resources.
 #: poison sites, planes (plane name -> cache planes: 0 = K, 1 = V) and payloads (qsa_lab.poison)
-SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail", "attended-k", "attended-v")
+SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail", "attended-k", "attended-v", "query")
 PLANES = {"k": (0,), "v": (1,), "kv": (0, 1)}
 PAYLOADS = ("nan", "inf", "max", "zero")
 BACKENDS = ("auto", "emulate", "cuda")  # qsa_lab.routes: the compiled kernels or the emulation

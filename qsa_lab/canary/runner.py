@@ -16,7 +16,7 @@ import torch
 
 from .. import __version__
 from ..case import Case, Geometry, build_case, validate_case
-from ..poison import PAYLOADS, payload_bits, write_payload
+from ..poison import PAYLOADS, int_list, payload_bits, write_payload
 from ..regions import REGIONS, region_sizes, region_slots, with_free_pages
 from .kernels import KernelSkipped, PagedCall, builtin_kernels, kernel_name, resolve_kernel
 
@@ -224,7 +224,7 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     validate_case(case)
     D = case.geometry.head_dim
     if dims is not None:
-        dims = [int(d) for d in dims]
+        dims = int_list(dims, "dims")  # '12' is not dims 1 and 2, nor 5.9 dim 5, nor True dim 1
         if not dims or any(not 0 <= d < D for d in dims):
             raise ValueError(f"dims must be a non-empty list of head dims in [0, {D}), got {dims}")
     device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry)
