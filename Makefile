@@ -1,30 +1,34 @@
 # qsa_lab: `make demo` and `make test` work on a fresh machine with no other step.
 # Environment: inside an active conda env, that env; otherwise a .venv made here with pip.
-# torch is installed only when none is importable (a V100 node's CUDA 12 torch must stay);
-# then `torch==2.13.0` is installed (override with TORCH_FALLBACK=...).
+# torch is installed only when none is importable (a V100 node's CUDA 12 torch must stay), and
+# then one with kernels for the GPU that nvidia-smi reports (scripts/choose_torch.py): on an
+# sm_70 GPU or a CUDA 12 driver $(TORCH_CUDA12) (torch==2.14.1+cu126 from the PyTorch index),
+# elsewhere $(TORCH_FALLBACK) (torch==2.13.0); either can be set, e.g. make setup TORCH_FALLBACK=...
+# Set-up then stops with one line if that torch cannot use the GPU it found.
 SHELL := /bin/bash
 ifdef CONDA_PREFIX
 ENV_DIR := $(CONDA_PREFIX)
 PY := python
+RUN_HINT := the conda env is active, so qsa-lab is on PATH
 else
 ENV_DIR := .venv
 PY := .venv/bin/python
+RUN_HINT := run qsa-lab as .venv/bin/qsa-lab, or first 'source .venv/bin/activate' (once per shell)
 endif
 STAMP := $(ENV_DIR)/.qsa_lab-setup
-TORCH_FALLBACK ?= torch==2.13.0
+export TORCH_FALLBACK TORCH_CUDA12 TORCH_CUDA12_INDEX
 
-.PHONY: setup demo test test-fast lab strip doctor clean
+.PHONY: setup demo test test-fast lab strip doctor wheel clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py scripts/choose_torch.py
 	@if [ -z "$$CONDA_PREFIX" ] && [ ! -x .venv/bin/python ]; then echo "creating .venv"; python3 -m venv .venv; fi
 	$(PY) -m pip install -q --upgrade pip
-	@if $(PY) -c "import torch" 2>/dev/null; then \
-	  echo "using the torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
-	else echo "no torch importable: installing $(TORCH_FALLBACK)"; $(PY) -m pip install -q "$(TORCH_FALLBACK)"; fi
+	@$(PY) scripts/choose_torch.py
 	$(PY) -m pip install -q -e ".[lab,test]"
 	@touch $@
+	@echo "set-up done: $(RUN_HINT)"
 
 # demo regenerates results/ and figures/ (--force: it replaces its own earlier outputs)
 demo: setup
@@ -36,20 +40,27 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not wheel"
 
 # lab: the project's notebooks are saved without outputs (scripts/jupyter_lab_config.py);
 # as root (many GPU nodes) Jupyter needs --allow-root
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+# LAB_ARGS: more options for Jupyter, e.g. make lab LAB_ARGS="--port 8899 --ip 0.0.0.0 --no-browser"
+LAB_ARGS ?=
 lab: setup
-	$(PY) -m jupyter lab --config=scripts/jupyter_lab_config.py $(LAB_ROOT) notebooks/
+	$(PY) -m jupyter lab --config=scripts/jupyter_lab_config.py $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
-# strip: remove outputs from the project's notebooks (what `make lab` does on every save)
+# strip: remove outputs from the project's notebooks and restore their metadata (what `make lab`
+# does on every save); notebooks of your own are left alone
 strip:
-	python3 scripts/strip_outputs.py notebooks/[0-9][0-9]_*.ipynb
+	python3 scripts/strip_outputs.py
 
 doctor: setup
 	$(PY) -m qsa_lab doctor
 
+# wheel: the sdist and the wheel (csrc/, data/, notebooks/ inside) in dist/, with this env's setuptools
+wheel: setup
+	rm -rf dist && $(PY) -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
+
 clean:
-	rm -rf build results figures .pytest_cache
+	rm -rf build dist results figures .pytest_cache

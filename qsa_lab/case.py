@@ -13,6 +13,7 @@ writes to it). Scales are per-tensor: value = decode(code) * scale.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -22,93 +23,19 @@ from dataclasses import dataclass, field
 import torch
 
 from . import fp8
+from .geometry import (DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS,  # noqa: F401
+                       Geometry)
 
-KV_DTYPES = ("e4m3", "e5m2", "fp16")
-LAYOUTS = ("contiguous", "scatter")
-GROUPINGS = ("consecutive", "request")
-SELECTIONS = ("indexer", "random")
 SINK_BLOCKS = 4      # leading blocks every row keeps (attention sink)
 WINDOW_BLOCKS = 128  # trailing complete blocks every row keeps (local window; topk // 4 if fewer)
 # The upstream indexer (its benchmark's score_reference): 4 heads of dim 128, one key per 4-token block,
 # block score = sum over heads of ReLU(q . k) / sqrt(128), top-k by (score desc, block id asc).
 INDEXER_HEADS = 4
 INDEXER_DIM = 128
-DEFAULT_OVERLAP = 0.8
 CALIBRATION_BLOCKS = 2048  # key sample on which the overlap knob is calibrated
 CALIBRATION_PAIRS = 32
+CALIBRATION_CHUNK = 8      # grid points scored at once
 SCORE_CHUNK = 64           # rows scored at once
-#: inclusive range of every integer Geometry field. The bounds keep each size far beyond the
-#: report's (19 rows, 8192 tokens, topk 512, page 32, 6 heads, dim 256) yet small enough that
-#: one field alone cannot ask for an absurd allocation; combinations are bounded by the memory
-#: estimate in qsa_lab.resources.
-RANGES = {
-    "rows": (1, 1 << 16),
-    "requests": (1, 1 << 12),
-    "context": (5, 1 << 20),
-    "topk": (1, 1 << 16),
-    "page_size": (4, 1024),
-    "q_heads": (1, 16),
-    "head_dim": (16, 1024),
-    "seed": (0, (1 << 63) - 1),   # torch.Generator.manual_seed takes 64 bits
-}
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Shape of a case. Defaults are the report's decode-like geometry."""
-
-    rows: int = 19
-    requests: int = 1
-    layout: str = "contiguous"
-    context: int = 8192
-    topk: int = 512
-    page_size: int = 32
-    q_heads: int = 6
-    head_dim: int = 256
-    kv_dtype: str = "e4m3"
-    seed: int = 0
-    group_rows: str = "consecutive"
-    selection: str = "indexer"
-    overlap: float = DEFAULT_OVERLAP
-
-    def __post_init__(self):
-        def need(ok, arg, what):
-            if not ok:
-                raise ValueError(f"{arg}: must be {what}, got {getattr(self, arg)!r}")
-
-        for name in RANGES:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name}: must be an int, got {type(v).__name__} {v!r}")
-            lo, hi = RANGES[name]
-            need(lo <= v <= hi, name, f"in {lo}..{hi}")
-        need(self.rows >= self.requests, "rows", f">= requests ({self.requests})")
-        need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}")
-        need(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}")
-        need(self.group_rows in GROUPINGS, "group_rows", f"one of {GROUPINGS}")
-        need(self.selection in SELECTIONS, "selection", f"one of {SELECTIONS}")
-        need(isinstance(self.overlap, (int, float)) and not isinstance(self.overlap, bool)
-             and 0.0 <= self.overlap <= 1.0, "overlap", "a number in [0, 1] (mean neighbour overlap)")
-        need(self.page_size % 4 == 0, "page_size", "a multiple of 4 (one microblock is 4 tokens)")
-        need(self.head_dim % 16 == 0, "head_dim", "a multiple of 16 (one WMMA tile)")
-        rows_per_req = -(-self.rows // self.requests)
-        need(self.context - self.requests + 1 >= rows_per_req + 4, "context",
-             f">= rows per request + requests + 3 ({rows_per_req + self.requests + 3})")
-
-    @property
-    def m_tiles(self) -> int:
-        """16-row M-tiles of one group's 8*q_heads score rows."""
-        return -(-8 * self.q_heads // 16)
-
-    @property
-    def sm_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def replace(self, **kw) -> "Geometry":
-        return dataclasses.replace(self, **kw)
 
 
 @dataclass
@@ -172,9 +99,37 @@ def kv_values(raw: torch.Tensor, kv_dtype: str) -> torch.Tensor:
 
 
 def token_values(kv_cache: torch.Tensor, tokens: torch.Tensor, plane: int, kv_dtype: str) -> torch.Tensor:
-    """Physical token ids (page * page_size + token, any shape) -> [..., head_dim] float32 of one plane."""
+    """Physical token ids (page * page_size + token, any shape) -> [..., head_dim] float32 of one plane.
+
+    Inside `decoded_once(kv_cache, ...)` the values are read from one decode of the whole cache
+    (the same float32 values, each token decoded once instead of at every read)."""
+    planes = _DECODED.get(id(kv_cache))
+    if planes is not None and planes[0] is kv_cache and planes[1] == kv_dtype:
+        flat = planes[2][plane]
+        return flat.index_select(0, tokens.reshape(-1)).view(*tokens.shape, flat.shape[-1])
     ps = kv_cache.shape[2]
     return kv_values(kv_cache[tokens // ps, plane, tokens % ps, 0, :], kv_dtype)
+
+
+#: id(kv_cache) -> (kv_cache, kv_dtype, [K, V] decoded [pages * page_size, head_dim] float32), while a
+#: decoded_once block on that cache runs
+_DECODED: dict = {}
+
+
+@contextlib.contextmanager
+def decoded_once(kv_cache: torch.Tensor, kv_dtype: str):
+    """Decode the cache once for the block: token_values on it reads that decode. The block must
+    not write the cache (run_routes reads it only)."""
+    if id(kv_cache) in _DECODED:  # nested: the outer block's decode serves
+        yield
+        return
+    pages, _, ps, _, d = kv_cache.shape
+    planes = [kv_values(kv_cache[:, p, :, 0, :].reshape(pages * ps, d), kv_dtype) for p in (0, 1)]
+    _DECODED[id(kv_cache)] = (kv_cache, kv_dtype, planes)
+    try:
+        yield
+    finally:
+        del _DECODED[id(kv_cache)]
 
 
 def visible_tokens(case: Case) -> torch.Tensor:
@@ -256,11 +211,17 @@ def _calibrated_rho(overlap: float, n: int, k: int) -> float:
     A, B = q0 @ keys.T, fresh @ keys.T                                        # [pairs, heads, n]
     x = torch.linspace(0.0, 16.0, 65)
     rho = (1.0 - 2.0 ** -x).view(-1, 1, 1, 1)
-    near = torch.relu(rho * A + torch.sqrt(1.0 - rho * rho) * B).sum(dim=2)  # [grid, pairs, n]
     first = torch.zeros((CALIBRATION_PAIRS, n), dtype=torch.bool)
     first.scatter_(1, torch.relu(A).sum(dim=1).topk(k, dim=1).indices, True)
-    shared = first.expand(x.numel(), -1, -1).gather(2, near.topk(k, dim=2).indices)
-    curve = torch.cummax(shared.float().mean(dim=(1, 2)), dim=0).values       # overlap per grid point
+    raw = []  # overlap per grid point, in grid order; only up to the first point past `overlap` is needed
+    for c in range(0, x.numel(), CALIBRATION_CHUNK):
+        r = rho[c:c + CALIBRATION_CHUNK]
+        near = torch.relu(r * A + torch.sqrt(1.0 - r * r) * B).sum(dim=2)     # [chunk, pairs, n]
+        shared = first.expand(r.shape[0], -1, -1).gather(2, near.topk(k, dim=2).indices)
+        raw.append(shared.float().mean(dim=(1, 2)))
+        if float(raw[-1].max()) >= overlap:
+            break
+    curve = torch.cummax(torch.cat(raw), dim=0).values                         # running max: monotone
     if overlap <= curve[0]:
         return 0.0
     i = int(torch.searchsorted(curve, torch.tensor([overlap])))
@@ -314,6 +275,7 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
     """
     from . import resources
 
+    device = check_device(device)
     g = geometry if geometry is not None else Geometry()
     if not isinstance(g, Geometry):
         raise TypeError(f"geometry: expected a Geometry, got {type(g).__name__}")
@@ -369,6 +331,23 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
     return case.to(device) if str(device) != "cpu" else case
 
 
+def check_device(device) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or a torch.device the routes can use; ValueError naming `device`."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device: {device!r} is not a device name (use 'cpu' or 'cuda')") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: qsa_lab runs on 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but no CUDA GPU is visible (use 'cpu')")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
+
+
 def relocate_pages(case: Case, seed: int = 1, spare: int = 3) -> Case:
     """The same case with every request page moved to another physical page.
 
@@ -394,6 +373,36 @@ def relocate_pages(case: Case, seed: int = 1, spare: int = 3) -> Case:
 
 def geometry_from_json(text: str) -> Geometry:
     return Geometry(**json.loads(text))
+
+
+FP16_MAX = 65504.0
+FP32_MAX = 3.4028234663852886e38
+
+
+def _check_scales(case: Case) -> None:
+    """Scales the kernels' arithmetic can hold: sm_scale * k_scale and v_scale are fp32 numbers
+    (0 or Inf there would silently change every score), the largest possible score |q| |K| D
+    sm_scale k_scale stays inside fp32, and the largest V value times v_scale inside the fp16
+    output (beyond it outputs overflow to Inf)."""
+    def largest(t):
+        t = t.float().abs()
+        t = t[torch.isfinite(t)]
+        return float(t.max()) if t.numel() else 0.0
+
+    g = case.geometry
+    for name, s in (("k_scale", case.k_scale * g.sm_scale), ("v_scale", case.v_scale)):
+        s32 = float(torch.tensor(s, dtype=torch.float32))
+        if not (math.isfinite(s32) and s32 >= torch.finfo(torch.float32).tiny):
+            raise ValueError(f"{name}: {getattr(case, name)!r} does not fit the kernels' fp32 arithmetic "
+                             "(it becomes 0 or Inf there)")
+    v_max = largest(kv_values(case.kv_cache[:, 1, :, 0, :], g.kv_dtype))
+    if v_max * case.v_scale > FP16_MAX:
+        raise ValueError(f"v_scale: {case.v_scale!r} times the largest V value ({v_max:g}) exceeds fp16's "
+                         f"{FP16_MAX:g}: outputs would overflow to Inf")
+    k_max = largest(kv_values(case.kv_cache[:, 0, :, 0, :], g.kv_dtype))
+    if largest(case.q) * k_max * g.head_dim * g.sm_scale * case.k_scale > FP32_MAX:
+        raise ValueError(f"k_scale: {case.k_scale!r} lets a score |q . K| * sm_scale * k_scale exceed fp32's "
+                         f"{FP32_MAX:.3g}: scores would overflow to Inf")
 
 
 def validate_case(case: Case) -> Case:
@@ -431,6 +440,7 @@ def validate_case(case: Case) -> Case:
     for name in ("k_scale", "v_scale"):
         s = getattr(case, name)
         need(isinstance(s, float) and math.isfinite(s) and s > 0, name, f"a finite float > 0, got {s!r}")
+    _check_scales(case)
     reqs = g.requests
     need(tuple(case.seq_lens.shape) == (reqs,) and case.seq_lens.dtype == torch.int32, "seq_lens",
          f"[requests={reqs}] int32")
@@ -448,6 +458,13 @@ def validate_case(case: Case) -> Case:
     if bool(bad.any()):
         r, p = torch.nonzero(bad)[0].tolist()
         need(False, "block_table", f"no page 0 (the null block) inside seq_len; request {r}, logical page {p} is 0")
+    pages = case.block_table[used].long()
+    twice = torch.bincount(pages, minlength=kv.shape[0]) > 1 if pages.numel() else pages.bool()
+    if bool(twice.any()):
+        page = int(torch.nonzero(twice)[0])
+        where = torch.nonzero((case.block_table == page) & used).tolist()
+        need(False, "block_table", f"each physical page at most once inside seq_len (shared pages are not "
+             f"modelled); page {page} is mapped at (request, logical page) {where[:4]}")
     need(tuple(case.token_to_req.shape) == (rows,) and case.token_to_req.dtype == torch.int32
          and 0 <= int(case.token_to_req.min()) and int(case.token_to_req.max()) < reqs,
          "token_to_req", f"[rows={rows}] int32 in [0, {reqs})")
@@ -458,6 +475,12 @@ def validate_case(case: Case) -> Case:
          f"[rows={rows}, topk={g.topk}] int32")
     need(bool((case.token_to_req[1:] >= case.token_to_req[:-1]).all()), "token_to_req",
          "non-decreasing (each request's rows together, in order)")
+    beyond = case.positions >= case.seq_lens.long()[case.token_to_req.long()]
+    if bool(beyond.any()):
+        r = int(torch.nonzero(beyond)[0])
+        need(False, "positions", f"each row's position < its request's seq_len (a row attends tokens <= its "
+             f"position, and only written tokens exist); row {r} is at {int(case.positions[r])}, seq_len "
+             f"{int(case.seq_lens[case.token_to_req[r]])}")
     complete = (visible_tokens(case) // 4).unsqueeze(1)
     need(bool(((sel == -1) | ((sel >= 0) & (sel < complete))).all()), "selected",
          "-1 or a fully visible logical block id (< visible // 4)")

@@ -6,6 +6,10 @@ one line (the traceback only with --debug); 130 interrupted.
 
 Every input is checked before any work: geometry ranges and the memory estimate, the
 backend, every output path. Only then is anything built, run or written.
+
+Start-up is kept light: parsing, --help and every check of an argument import only plain-Python
+modules (qsa_lab.geometry, .resources, .outputs); torch, pandas and matplotlib load inside a
+command's handler, after its arguments were checked (tests/test_cli_startup.py holds this).
 """
 from __future__ import annotations
 
@@ -101,9 +105,8 @@ def _overlap(text: str) -> float:
 
 
 def _add_case_args(p):
-    from .case import DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS, Geometry
-    from .poison import PAYLOADS, PLANES, SITES
-    from .routes import BACKENDS
+    from .geometry import (BACKENDS, DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, PAYLOADS, PLANES, RANGES,
+                           SELECTIONS, SITES, Geometry)
 
     d = Geometry()
 
@@ -139,7 +142,8 @@ def _add_case_args(p):
     q = p.add_argument_group("poison")
     q.add_argument("--poison", choices=SITES, default="none", help="poison site (default none)")
     q.add_argument("--dims", type=_int_list,
-                   help="head dims for targeted / stale-tail (default 102,152,168,170,230 modulo --head-dim)")
+                   help="head dims for targeted, stale-tail, attended-k and attended-v "
+                        "(default 102,152,168,170,230 modulo --head-dim)")
     q.add_argument("--plane", choices=tuple(PLANES), default="v", help="plane(s) poisoned (default v)")
     q.add_argument("--poison-seed", type=_int, default=0, help="seed of the random poison bytes (default 0)")
     q.add_argument("--payload", choices=PAYLOADS, default=None,
@@ -154,8 +158,7 @@ def _add_case_args(p):
 def _geometry(args):
     """The requested Geometry, range-checked and within the memory budget (UsageError otherwise)."""
     from . import resources
-    from .case import Geometry
-    from .repro import CAUSAL3, DECODE
+    from .geometry import CAUSAL3, DECODE, Geometry
 
     base = {"decode": DECODE, "causal3": CAUSAL3, None: Geometry()}[args.geometry]
     names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
@@ -194,15 +197,19 @@ def _outputs(args, paths: dict, inputs: dict | None = None) -> dict:
     return checked
 
 
-def _print_table(result, out=None):
-    import pandas as pd
+def _print_table(rows, result, out=None):
+    """route_rows as a table (pandas' layout, without loading pandas), with each route's
+    pass/fail against the tolerance."""
+    from .analysis import TOLERANCE, route_table_text, within_tolerance
 
-    from .analysis import route_table
-
-    t = route_table(result)
-    t["nan_dims"] = t["nan_dims"].map(lambda d: ",".join(map(str, d[:12])) + (" ..." if len(d) > 12 else ""))
-    with pd.option_context("display.width", 200, "display.max_columns", 10, "display.float_format", "{:.3g}".format):
-        print(t.to_string(), file=out or sys.stdout)
+    kv = result.case.geometry.kv_dtype
+    ok = ["pass" if within_tolerance(result.outputs[r["route"]], result.reference64, kv) else "FAIL" for r in rows]
+    out = out or sys.stdout
+    print(route_table_text(rows, extra={"within_tol": ok}), file=out)
+    atol, rtol = TOLERANCE[kv]
+    print(f"# within_tol: every element |route - reference| <= {atol:g} + {rtol:g} * |reference| (reference in\n"
+          f"# float64; NaN fails). Row 'reference' is that float64 reference rounded to fp16, as every route\n"
+          f"# returns it: its difference is the rounding alone.", file=out)
 
 
 def _load_case(args):
@@ -220,10 +227,13 @@ def _load_case(args):
         raise UsageError(f"--load: replays the saved case; drop {', '.join(given)}")
     budget = args.max_memory or resources.default_budget()
     with _blame({}, "--load"):
-        case, saved_plan, saved, _ = io.load(args.load, "--load", max_bytes=budget)
+        case, saved_plan, saved, meta = io.load(args.load, "--load", max_bytes=budget)
     with _blame({}, "--max-memory"):
         resources.require(case.geometry, budget)
-    return case, saved_plan, saved
+    if "checksum" not in meta:
+        print(f"qsa-lab: note: --load: {_one_line(args.load)} has no checksum (saved by an older qsa_lab): "
+              "a file changed while it was read cannot be detected; replaying it", file=sys.stderr)
+    return case, saved_plan, saved, meta
 
 
 def _replay_differs(case, result, saved_plan, saved) -> list[str]:
@@ -240,23 +250,25 @@ def _replay_differs(case, result, saved_plan, saved) -> list[str]:
 
 
 def cmd_diff(args) -> int:
-    from . import io, resources
-    from .analysis import diff_json
-    from .case import build_case
+    from . import resources
     from .outputs import write_text
-    from .poison import apply_poison
-    from .routes import resolve_backend, run_routes
 
     if args.save == "-":
         raise UsageError("--save: writes a file; '-' (stdout) is only for --json")
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json, "--save": args.save},
                     inputs={"--load": args.load} if args.load is not None else None)
     if args.load is not None:
-        case, saved_plan, saved = _load_case(args)
-        geometry = case.geometry
+        case, saved_plan, saved, meta = _load_case(args)
+        geometry, origin = case.geometry, meta.get("origin")
     else:
         geometry = _geometry(args)
-        saved = None
+        saved, origin = None, "geometry"  # built here from the geometry and the poison options
+    from . import io  # torch from here on: every argument above was checked without it
+    from .analysis import diff_json, route_rows
+    from .case import build_case
+    from .poison import apply_poison
+    from .routes import resolve_backend, run_routes
+
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
     if saved is None:
@@ -273,7 +285,8 @@ def cmd_diff(args) -> int:
     if saved is not None:
         differs = _replay_differs(case, result, saved_plan, saved)
         replay = "bit-identical" if not differs else f"DIFFERS on {differs}"
-    doc = diff_json(result)
+    rows = route_rows(result)
+    doc = diff_json(result, rows)
     text = json.dumps(doc, indent=2) + "\n"
     if args.json == "-":
         sys.stdout.write(text)
@@ -282,7 +295,7 @@ def cmd_diff(args) -> int:
         p = case.poison
         print(f"# poison: {p.get('nan_bytes', 0)} NaN bytes, dims {p.get('poisoned_dims', [])}"
               + (f"; {p['inf_bytes']} Inf bytes (0 * Inf = NaN too)" if p.get("inf_bytes") else ""))
-        _print_table(result)
+        _print_table(rows, result)
         if replay:
             print(f"# replay of {args.load}: {replay}")
     with _blame({}, "--json"):
@@ -292,15 +305,16 @@ def cmd_diff(args) -> int:
                 print(f"# wrote {outs['--json']}")
     with _blame({}, "--save"):
         if "--save" in outs:
-            io.save(result, outs["--save"], overwrite=args.force, arg="--save")
+            io.save(result, outs["--save"], overwrite=args.force, arg="--save", origin=origin)
             if args.json != "-":
                 print(f"# saved {outs['--save']}")
     return EXIT_OK if replay in (None, "bit-identical") else EXIT_DIFFERS
 
 
 def cmd_repro(args) -> int:
-    from .outputs import check_folder, check_output, writing, write_text
-    from .routes import resolve_backend
+    from pathlib import Path
+
+    from .outputs import check_folder, check_output, writing
 
     with _blame({}, "--out"):
         out = check_folder(args.out, "--out")
@@ -311,6 +325,8 @@ def cmd_repro(args) -> int:
     if not args.no_figures:
         with _blame({}, "--figures"):
             check_folder(args.figures, "--figures")
+    from .routes import resolve_backend  # torch from here on
+
     with _blame({}, "--backend"):
         resolve_backend(args.backend)
     from .repro import run_repro
@@ -318,45 +334,68 @@ def cmd_repro(args) -> int:
     table, results = run_repro(backend=args.backend, progress=not args.quiet)
     backend = results[0].backend if results else args.backend
     print(f"# backend: {backend}")
-    show = ["case", "nan_bytes", "nan[xqa]", "nan[grouped]", "nan[grouped+kernel_fix]", "nan[grouped+pad_fix]",
-            "nan[grouped+masked_load]", "max|grouped+kernel_fix-xqa|", "report_grouped_nan"]
-    shown = table[show].astype(object)
-    shown["report_grouped_nan"] = shown["report_grouped_nan"].where(shown["report_grouped_nan"].notna(), "—")
-    diff = "max|grouped+kernel_fix-xqa|"  # undefined where either output holds NaN
-    shown[diff] = [f"{v:.2g}" if v == v else "NaN in output" for v in table[diff]]
-    print(shown.to_string(index=False))
-    print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
-    with _blame({}, "--out"):
-        check_folder(out, "--out", create=True)
-        with writing(files["repro.csv"], "--out", force=args.force) as tmp:
-            table.to_csv(tmp, index=False)
-        write_text(files["repro.json"], json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
-                                                    "cases": json.loads(table.to_json(orient="records"))},
-                                                   indent=2) + "\n", "--out", force=args.force)
-    written = list(files.values())
-    if not args.no_figures:
-        from .figures import write_repro_figures
+    from .repro import format_table
 
-        # without --force an existing figure is kept and the new one numbered (export_figure)
-        with _blame({}, "--figures"):
-            written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
+    print(format_table(table))
+    print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
+    doc = json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
+                      "cases": json.loads(table.to_json(orient="records"))}, indent=2) + "\n"
+    written = list(files.values())
+    # everything is written before repro.csv / repro.json are published: a run that fails part-way
+    # (a full disk, a signal) leaves neither of them, nor figures of its own
+    with _new_files_removed_on_failure([out] + ([] if args.no_figures else [Path(args.figures)])):
+        with _blame({}, "--out"):
+            check_folder(out, "--out", create=True)
+        with writing(files["repro.csv"], "--out", force=args.force) as csv_tmp, \
+                writing(files["repro.json"], "--out", force=args.force) as json_tmp:
+            with _blame({}, "--out"):
+                table.to_csv(csv_tmp, index=False)
+                json_tmp.write_text(doc)
+            if not args.no_figures:
+                from .figures import write_repro_figures
+
+                # without --force an existing figure is kept and the new one numbered (export_figure)
+                with _blame({}, "--figures"):
+                    written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
     for w in written:
         print(f"# wrote {w}")
     return EXIT_OK
 
 
-def cmd_bench(args) -> int:
-    import torch
+@contextlib.contextmanager
+def _new_files_removed_on_failure(folders):
+    """On an exception inside: remove the files (and folders) that appeared in `folders` during
+    the block. Files that were there before stay (a --force replacement cannot be undone)."""
+    before = {f: set(os.listdir(f)) if os.path.isdir(f) else None for f in map(str, folders)}
+    try:
+        yield
+    except BaseException:
+        for folder, names in before.items():
+            if not os.path.isdir(folder):
+                continue
+            for name in set(os.listdir(folder)) - (names or set()):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
+            if names is None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+        raise
 
+
+def cmd_bench(args) -> int:
     from .outputs import write_text
 
+    if args.reps < 1:
+        raise UsageError(f"--reps: must be >= 1, got {args.reps}")
     outs = _outputs(args, {"--json": args.json})
+    import torch
+
     if not torch.cuda.is_available():
         raise Failure("bench: no CUDA GPU visible; timings need one (committed H200 numbers: "
                       "data/bench_h200.json)")
     from .kernels.bench import run_bench
 
-    doc = run_bench()
+    doc = run_bench(quick=args.quick, reps=args.reps)
     if "--json" in outs:
         with _blame({}, "--json"):
             write_text(outs["--json"], json.dumps(doc, indent=1) + "\n", "--json", force=args.force)
@@ -368,15 +407,41 @@ def cmd_doctor(args) -> int:
 
     from . import __version__, kernels
 
-    info = {"qsa_lab": __version__, "python": platform.python_version(), **kernels.status()}
-    width = max(map(len, info))
-    for k, v in info.items():
-        print(f"{k:<{width}}  {v}")
+    from .doctor import table, verdict
+
+    info = {"qsa_lab": f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})",
+            "python": platform.python_version(), **kernels.status()}
     backend = "cuda (compiled kernels)" if kernels.available() else "emulate (PyTorch emulation)"
-    print(f"{'backend auto':<{width}}  {backend}")
-    from .doctor import verdict
+    print("\n".join(table({**info, "backend auto": backend})))
     print(verdict(kernels.status()))
     return EXIT_OK
+
+
+def cmd_notebooks(args) -> int:
+    from .package_data import copy_notebooks, notebooks
+
+    notebooks()  # an install without them is not the user's input error (exit 3, not 2)
+    with _blame({"dest": "DIR"}, "DIR"):
+        written = copy_notebooks(args.dir, force=args.force)
+    for w in written:
+        print(f"# wrote {w}")
+    print(f"# open them with: qsa-lab lab {args.dir}")
+    return EXIT_OK
+
+
+def cmd_lab(args) -> int:
+    import importlib.util
+    import subprocess
+
+    from .package_data import copy_notebooks, lab_command
+
+    if importlib.util.find_spec("jupyterlab") is None:
+        raise Failure("lab: JupyterLab is not installed here: pip install 'qsa_lab[lab]'")
+    with _blame({"dest": "DIR"}, "DIR"):
+        for w in copy_notebooks(args.dir, keep=True):   # the user's own copies stay as they are
+            print(f"# wrote {w}")
+    extra = [f"--port={args.port}"] * (args.port is not None) + ["--no-browser"] * args.no_browser
+    return subprocess.call(lab_command(args.dir, extra))
 
 
 # -- canary -----------------------------------------------------------------------------------------
@@ -426,12 +491,30 @@ def build_parser():
     r.add_argument("--quiet", action="store_true", help="no progress bar (default: show it)")
     r.set_defaults(func=cmd_repro)
 
-    b = sub.add_parser("bench", parents=[common], help="GPU timings of every route and fix")
-    b.add_argument("--json", metavar="PATH", help="write the timings as JSON (default: none)")
+    b = sub.add_parser("bench", parents=[common], help="GPU timings of every route and fix",
+                       description="Times every route and fix on the visible CUDA GPU (CUDA events, CUDA graphs, "
+                                   "L2 flushed, medians): the report's geometry (16 rows, ctx 8192, top-512, E4M3; "
+                                   "µs per tile, ratio to unfixed, fix A beside the report's V100 ratio) and a "
+                                   "sweep of contexts x rows. Needs a GPU; the committed H200 run is "
+                                   "data/bench_h200.json (notebook 05 and `make demo` draw it without one).")
+    b.add_argument("--json", metavar="PATH", help="write the timings as JSON, schema qsa_lab.bench/1 (default: none)")
+    b.add_argument("--quick", action="store_true", help="one context and two row counts (default: the full sweep)")
+    b.add_argument("--reps", type=_int, default=30, metavar="N", help="timed replays per point (default 30)")
     b.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
     b.set_defaults(func=cmd_bench)
 
     sub.add_parser("doctor", parents=[common], help="what this machine can do").set_defaults(func=cmd_doctor)
+    n = sub.add_parser("notebooks", parents=[common], help="copy the project's notebooks into a folder")
+    n.add_argument("dir", metavar="DIR", help="folder to copy them into (created if needed)")
+    n.add_argument("--force", action="store_true", help="replace notebooks already there (default: refuse)")
+    n.set_defaults(func=cmd_notebooks)
+    lab = sub.add_parser("lab", parents=[common], help="JupyterLab on a copy of the notebooks")
+    lab.add_argument("dir", metavar="DIR", nargs="?", default="qsa_lab-notebooks",
+                     help="folder of the copy; notebooks missing there are copied, others kept "
+                          "(default qsa_lab-notebooks)")
+    lab.add_argument("--port", type=_int, help="JupyterLab's port (default: its own, 8888 or the next free)")
+    lab.add_argument("--no-browser", action="store_true", help="do not open a browser (default: open one)")
+    lab.set_defaults(func=cmd_lab)
     _add_canary_parser(sub, parents=[common])
     return p
 
@@ -456,14 +539,46 @@ def _unknown_options(parser, argv) -> None:
             raise UsageError(f"{tok.split('=', 1)[0]}: unrecognized option")
 
 
+REPEATABLE = ("--kernel", "--debug")  # options that may be given more than once
+
+
+def _repeated_options(argv) -> None:
+    """An option given twice would silently keep only its last value ('--regions a --regions b'
+    runs b alone): refuse it, naming the option."""
+    seen = set()
+    for tok in argv:
+        if tok == "--":
+            break
+        name = tok.split("=", 1)[0]
+        if name.startswith("--") and name not in REPEATABLE:
+            if name in seen:
+                raise UsageError(f"{name}: given more than once; give it once (a list is comma-separated)")
+            seen.add(name)
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """Parse and check the command line; plain Python only (no torch, pandas, matplotlib), so
+    --help and a bad argument answer at once. UsageError / SystemExit (--help) propagate."""
+    parser = build_parser()
+    _unknown_options(parser, argv)
+    _repeated_options(argv)
+    return parser.parse_args(argv)
+
+
 def main(argv=None) -> int:
+    from . import signals
+
+    with signals.installed():  # Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals)
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
+    # -- signal handling goes here, before anything else runs --
     try:
-        parser = build_parser()
-        _unknown_options(parser, argv)
-        args = parser.parse_args(argv)
-        return args.func(args)
+        args = parse_args(argv)
+        return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
     except UsageError as e:
         return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, False)  # bad input: one line, even with --debug
     except Failure as e:

@@ -1,19 +1,71 @@
-"""Export a figure for a bug report: PNG, SVG and PDF with the case, backend, GPU and
-qsa_lab version embedded in each file's own metadata. Never overwrites silently.
+"""Export a figure for a bug report: PNG, SVG and PDF with the case, backend, GPU, qsa_lab
+version, git commit and csrc/ hash embedded in each file's own metadata. Never overwrites
+silently.
 
 The same figure and metadata give byte-identical files: no creation dates, a fixed seed for
-the SVG element ids, and every file written whole through qsa_lab.outputs."""
+the SVG element ids, and every file written whole through qsa_lab.outputs. So re-running a
+notebook reuses its earlier files instead of numbering copies: a new number is taken only when
+the content differs (or replace with overwrite=True).
+
+Every figure goes to one folder, figures_dir(): $QSA_LAB_FIGURES, else the checkout's figures/."""
 from __future__ import annotations
 
+import functools
+import hashlib
+import io
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 from .outputs import check_folder, writing
+from .package_data import checkout, locate
 
 FORMATS = ("png", "svg", "pdf")
 SVG_HASHSALT = "qsa_lab"  # seeds the SVG element ids, which matplotlib otherwise draws at random
-META_KEYS = ("case", "backend", "gpu", "qsa_lab_version")
+META_KEYS = ("case", "backend", "gpu", "qsa_lab_version", "git_commit", "csrc_sha256")
+FIGURES_ENV = "QSA_LAB_FIGURES"
+
+
+def figures_dir() -> Path:
+    """The one folder figures go to: $QSA_LAB_FIGURES, else the checkout's figures/ (beside
+    pyproject.toml), else ./figures for an installed package. Always absolute."""
+    env = os.environ.get(FIGURES_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    return (checkout() or Path.cwd()).resolve() / "figures"
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str:
+    """The checkout's commit (with '+dirty' when tracked files differ), or 'unknown' for an
+    installed package or outside git."""
+    repo = checkout()
+    if repo is None:
+        return "unknown"
+    try:
+        run = functools.partial(subprocess.run, cwd=repo, capture_output=True, text=True, timeout=20)
+        head = run(["git", "rev-parse", "HEAD"])
+        if head.returncode:
+            return "unknown"
+        dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def csrc_sha256() -> str:
+    """SHA-256 over the kernel sources (file names and bytes, sorted): which kernels drew it."""
+    CSRC = locate("csrc")
+    files = sorted(p for p in Path(CSRC).glob("*") if p.is_file()) if Path(CSRC).is_dir() else []
+    if not files:
+        return "unknown"
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def gpu_name() -> str:
@@ -28,10 +80,11 @@ def gpu_name() -> str:
 
 
 def full_meta(meta: dict | None) -> dict:
-    """meta plus defaults for the four required keys (gpu and version filled in here)."""
+    """meta plus defaults for the required keys (gpu, version, commit and csrc hash filled in here)."""
     from . import __version__
 
-    out = {"case": "", "backend": "", "gpu": gpu_name(), "qsa_lab_version": __version__}
+    out = {"case": "", "backend": "", "gpu": gpu_name(), "qsa_lab_version": __version__,
+           "git_commit": git_commit(), "csrc_sha256": csrc_sha256()}
     out.update({k: str(v) for k, v in (meta or {}).items()})
     return out
 
@@ -45,12 +98,14 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
                   dpi: int = 150) -> list[Path]:
     """Write `fig` as out_dir/name.{png,svg,pdf} -> [png, svg, pdf] paths.
 
-    meta: {"case", "backend", ...}; "gpu" and "qsa_lab_version" are filled in when absent.
-    If any of the three files exists and overwrite is False, the first free numbered
-    stem name-1, name-2, ... is used instead (all three files share it).
+    meta: {"case", "backend", ...}; gpu, qsa_lab_version, git_commit, csrc_sha256 are filled in
+    when absent. If the three files exist with exactly these bytes they are reused (nothing is
+    written); if any differs and overwrite is False, the first free stem name-1, name-2, ... whose
+    files are absent or identical is used instead (all three files share it).
     """
-    if not name or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
-        raise ValueError(f"name must be a plain file stem ([A-Za-z0-9_.+-]), got {name!r}")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*", name):
+        raise ValueError(f"name: must be a plain file stem ([A-Za-z0-9_.+-], not starting with '.': no hidden "
+                         f"files), got {name!r}")
     out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
     m = full_meta(meta)
     blob = json.dumps(m, sort_keys=True)
@@ -62,29 +117,43 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
                        "Keywords": [f"{k}={v}" for k, v in m.items()]},
                "pdf": {"Title": title, "Subject": blob, "Creator": "qsa_lab", "CreationDate": None,
                        "Keywords": "; ".join(f"{k}={v}" for k, v in m.items())}}
+    blobs = _render(fig, meta_of, dpi)
     n = 0
     while True:
         paths = _paths(out_dir, name, n or None)
+        if not overwrite and all(p.is_file() and not p.is_symlink() and p.read_bytes() == blobs[f]
+                                 for f, p in paths.items()):
+            return list(paths.values())     # the same figure, already saved: no numbered copy
         if overwrite or not any(p.exists() or p.is_symlink() for p in paths.values()):
             try:
-                return _write_all(fig, paths, meta_of, dpi, overwrite)
+                return _write_all(blobs, paths, overwrite)
             except FileExistsError:
                 if overwrite:
                     raise
-        n += 1  # a file of this stem exists (or appeared while writing): the next number
+        n += 1  # a different file of this stem exists (or appeared while writing): the next number
 
 
-def _write_all(fig, paths: dict, meta_of: dict, dpi: int, overwrite: bool) -> list[Path]:
-    """All three files or none: a stem taken half-way is rolled back."""
+def _render(fig, meta_of: dict, dpi: int) -> dict:
+    """format -> the file's bytes."""
     import matplotlib
 
+    out = {}
+    with matplotlib.rc_context({"svg.hashsalt": SVG_HASHSALT}):
+        for f in FORMATS:
+            buf = io.BytesIO()
+            fig.savefig(buf, format=f, dpi=dpi if f == "png" else "figure", metadata=meta_of[f])
+            out[f] = buf.getvalue()
+    return out
+
+
+def _write_all(blobs: dict, paths: dict, overwrite: bool) -> list[Path]:
+    """All three files or none: a stem taken half-way is rolled back."""
     done = []
     try:
-        with matplotlib.rc_context({"svg.hashsalt": SVG_HASHSALT}):
-            for f in FORMATS:
-                with writing(paths[f], "out_dir", force=overwrite) as tmp:
-                    fig.savefig(tmp, format=f, dpi=dpi if f == "png" else "figure", metadata=meta_of[f])
-                done.append(paths[f])
+        for f in FORMATS:
+            with writing(paths[f], "out_dir", force=overwrite) as tmp:
+                tmp.write_bytes(blobs[f])
+            done.append(paths[f])
     except BaseException:
         if not overwrite:
             for p in done:

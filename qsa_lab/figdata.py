@@ -12,12 +12,17 @@ from pathlib import Path
 import torch
 
 from .case import Case, Geometry, build_case, kv_values
+from .package_data import locate
 from .plan import GROUP, GroupedPlan
 from .poison import DIM_SITES, SITES, apply_poison, stale_tokens
 from .routes import ROUTES, RunResult
 
 PLANE_INDEX = {"k": 0, "v": 1}
-BENCH_JSON = Path(__file__).resolve().parent.parent / "data" / "bench_h200.json"
+BENCH_JSON = locate("data") / "bench_h200.json"
+UPSTREAM_JSON = BENCH_JSON.with_name("upstream_fix_cost_h200.json")
+#: bench variant -> the label fix-cost figures and tables use (upstream names in brackets)
+FIX_LABELS = {"unfixed": "unfixed", "kernel_fix": "fix A (kernel)", "pad_fix": "fix B (pad)",
+              "both": "fix A+B", "masked_load": "fix C (masked load)"}
 
 
 def case_title(case: Case, backend: str | None = None) -> str:
@@ -33,30 +38,47 @@ def page_bytes(case: Case, plane: str = "v", page: int | None = None) -> dict:
     """The bytes of one page of one plane: codes [page_size, head_dim] uint8 (low byte for
     fp16 KV) and nan [page_size, head_dim] bool (element decodes to NaN).
 
-    page None -> page 0 (the null block), or for 'stale-tail' the page holding the first
-    stale token (that site leaves page 0 alone)."""
+    page None -> the page the site wrote: page 0 (the null block), or for 'stale-tail' the page
+    holding the first stale token, or for attended-k / attended-v the page of the token they
+    poison (those sites leave page 0 alone); `what` says which."""
     if plane not in PLANE_INDEX:
         raise ValueError(f"plane must be 'k' or 'v' for a byte map, got {plane!r}")
+    site = case.poison["site"]
+    what = "null block"
     if page is None:
-        stale = stale_tokens(case) if case.poison["site"] == "stale-tail" else []
+        stale = stale_tokens(case) if site == "stale-tail" else []
         page = stale[0][0] if stale else 0
+        if stale:
+            what = "page holding stale tail tokens"
+        elif case.poison.get("token"):
+            page = int(case.poison["token"][0])
+            what = f"holds the most-attended token, {int(case.poison['token'][1])}"
+    elif page:
+        what = "page"
     raw = case.kv_cache[page, PLANE_INDEX[plane], :, 0, :].cpu()           # [page_size, D]
     codes = raw.view(torch.uint8).view(raw.shape[0], raw.shape[1], -1)[..., 0]
     nan = torch.isnan(kv_values(raw, case.kv_format))
-    return {"codes": codes.numpy(), "nan": nan.numpy(), "page": int(page), "plane": plane,
-            "site": case.poison["site"], "kv_dtype": case.kv_format, "nan_bytes": int(nan.sum()),
+    return {"codes": codes.numpy(), "nan": nan.numpy(), "page": int(page), "plane": plane, "what": what,
+            "site": site, "kv_dtype": case.kv_format, "nan_bytes": int(nan.sum()),
             "nan_dims": sorted(set(torch.nonzero(nan)[:, 1].tolist()))}
 
 
-def page_byte_maps(geometry: Geometry | None = None, sites=SITES, plane: str = "v", seed: int = 0,
+#: the sites that write NaN bytes (none and zeros write none: nothing to show on a byte map)
+BYTE_MAP_SITES = tuple(s for s in SITES if s not in ("none", "zeros"))
+
+
+def page_byte_maps(geometry: Geometry | None = None, sites=BYTE_MAP_SITES, plane: str = "v", seed: int = 0,
                    dims=None) -> list[dict]:
-    """page_bytes of the poisoned plane for every site, on one small case."""
+    """page_bytes of the page and plane each site writes (attended-k: its K plane), on one small case."""
+    from .poison import ATTENDED_SITES
+
     g = geometry or Geometry(rows=8, requests=2, context=256, topk=16)
     base = build_case(g)
     out = []
     for site in sites:
         case = apply_poison(base, site, plane=plane, dims=dims if site in DIM_SITES else None, seed=seed)
-        out.append(page_bytes(case, "v" if plane == "kv" else plane))
+        shown = ATTENDED_SITES.get(site, "v" if plane == "kv" else plane)
+        out.append(page_bytes(case, shown))
     return out
 
 
@@ -100,7 +122,9 @@ def plan_table(plan: GroupedPlan, case=None):
 
 
 def nan_map(result: RunResult, route: str = "grouped") -> dict:
-    """Score rows x head dims of one route: values [groups*8*Hq + xqa_rows*Hq, D] float32 with NaN.
+    """Score rows x head dims of one route: values [groups*8*Hq + xqa_rows*Hq, D] float32 with NaN,
+    and dropped (same shape, bool): finite here where the reference is NaN (a NaN the route
+    silently lost, e.g. the grouped route's attended NaN key).
 
     Rows of group g are g's 8 queries x Hq heads in score-row order (query*Hq + head),
     so M-tile m of group g is rows g*8*Hq + 16m .. +15; the XQA remainder rows follow."""
@@ -109,23 +133,40 @@ def nan_map(result: RunResult, route: str = "grouped") -> dict:
     out = result.outputs[route].float()
     plan = result.plan
     hq, D = out.shape[1], out.shape[2]
-    parts = [out[plan.group_rows.flatten()].reshape(-1, D)] if plan.groups else []
-    if plan.xqa_rows.numel():
-        parts.append(out[plan.xqa_rows].reshape(-1, D))
-    values = torch.cat(parts) if parts else torch.zeros(0, D)
-    return {"values": values.numpy(), "groups": plan.groups, "q_heads": hq, "m_tiles": plan.m_tiles,
+
+    def score_rows(t):
+        parts = [t[plan.group_rows.flatten()].reshape(-1, D)] if plan.groups else []
+        if plan.xqa_rows.numel():
+            parts.append(t[plan.xqa_rows].reshape(-1, D))
+        return torch.cat(parts) if parts else torch.zeros(0, D, dtype=t.dtype)
+
+    dropped = _dropped(result, route)
+    return {"values": score_rows(out).numpy(), "dropped": score_rows(dropped).numpy(),
+            "groups": plan.groups, "q_heads": hq, "m_tiles": plan.m_tiles,
             "xqa_rows": plan.xqa_rows.tolist(), "route": route,
-            "nan_count": int(torch.isnan(out).sum()),
+            "nan_count": int(torch.isnan(out).sum()), "dropped_count": int(dropped.sum()),
             "title": f"{route}: {case_title(result.case, result.backend)}"}
 
 
+def _dropped(result: RunResult, route: str) -> torch.Tensor:
+    """[rows, q_heads, D] bool: the route's output finite where the float64 reference is NaN."""
+    ref = result.reference64 if result.reference64 is not None else result.outputs.get("reference")
+    if ref is None or route == "reference":
+        return torch.zeros(result.outputs[route].shape, dtype=torch.bool)
+    return torch.isnan(ref) & ~torch.isnan(result.outputs[route])
+
+
 def route_nans(result: RunResult, routes=None) -> dict:
-    """Per route: NaN elements per head dim [routes, D] and the route table."""
+    """Per route: NaN elements per head dim [routes, D], elements finite where the reference is
+    NaN per head dim [routes, D] (dropped), and the route table (with finite_where_ref_nan)."""
     from .analysis import route_table
 
     routes = [r for r in (routes or ROUTES) if r in result.outputs]
     per_dim = torch.stack([torch.isnan(result.outputs[r]).flatten(0, 1).sum(0) for r in routes])
-    return {"routes": routes, "per_dim": per_dim.numpy(), "table": route_table(result).loc[routes],
+    dropped = torch.stack([_dropped(result, r).flatten(0, 1).sum(0) for r in routes])
+    table = route_table(result).loc[routes].copy()
+    table["finite_where_ref_nan"] = dropped.sum(1).tolist()
+    return {"routes": routes, "per_dim": per_dim.numpy(), "dropped_per_dim": dropped.numpy(), "table": table,
             "title": case_title(result.case, result.backend)}
 
 
@@ -201,6 +242,61 @@ def bench_data(live: bool, path: str | Path = BENCH_JSON):
     return df, meta
 
 
+def bench_doc(live: bool, path: str | Path = BENCH_JSON) -> dict:
+    """The qsa_lab.bench/1 document: measured now when `live` (needs a GPU), else read from `path`."""
+    if live:
+        from .kernels.bench import run_bench
+
+        return run_bench()
+    return json.loads(Path(path).read_text())
+
+
+def load_upstream(path: str | Path = UPSTREAM_JSON) -> dict:
+    """The committed measurement of upstream's own kernel beside ours (qsa_lab.upstream_fix_cost/1)."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("schema") != "qsa_lab.upstream_fix_cost/1":
+        raise ValueError(f"{path}: not a qsa_lab.upstream_fix_cost/1 document")
+    return doc
+
+
+def fix_cost(bench: dict, upstream: dict | None = None, source: str = "") -> dict:
+    """What each fix costs, per 32-token tile, at the report's geometry -> dict for plot_fix_cost.
+
+    bench: a qsa_lab.bench/1 document (live or data/bench_h200.json); upstream: load_upstream().
+    variants: label -> us per tile, ratio to unfixed, extra us per tile, and the ratio's range over
+    the sweep; upstream: its rows table (upstream's kernel and ours, same GPU and inputs)."""
+    rep = bench["report_geometry"]
+    variants = {}
+    for v, label in FIX_LABELS.items():
+        if v not in rep.get("us_per_tile", {}):
+            continue
+        sweep = [p["ratio_to_unfixed"][v] for p in bench.get("sweep", []) if v in p.get("ratio_to_unfixed", {})]
+        us = rep["us_per_tile"][v]
+        variants[label] = {"us_per_tile": us, "ratio": rep["ratio_to_unfixed"][v],
+                           "extra_us": us - rep["us_per_tile"]["unfixed"],
+                           "sweep_ratio": (min(sweep), max(sweep)) if sweep else None,
+                           "barriers": rep.get("barriers_per_tile", {}).get(v)}
+    report = bench.get("fix_a_vs_report", {}).get("report_v100_ratio") or (upstream or {}).get("report_v100_fix_a_ratio")
+    g = rep["geometry"]
+    return {"gpu": bench.get("gpu", "unknown GPU"), "source": source, "variants": variants,
+            "report_v100_ratio": report, "tiles_per_group": rep.get("tiles_per_group_mean"),
+            "geometry": f"{g['rows']} rows, ctx {g['context']}, top-{g['topk']}, {g['kv_dtype'].upper()}",
+            "upstream": None if upstream is None else {
+                "rows": upstream["rows"], "gpu": upstream["gpu"],
+                "commits": f"{upstream['upstream']['repo']} @{upstream['upstream']['unfixed_commit']}, "
+                           f"fix A @{upstream['upstream']['fix_a_commit']}"}}
+
+
+def fix_cost_table(upstream: dict):
+    """The upstream-vs-qsa_lab table as a DataFrame (one row per row count), for notebooks."""
+    import pandas as pd
+
+    df = pd.DataFrame(upstream["rows"]).set_index("rows")
+    df.columns = ["upstream unfixed µs/tile", "upstream ×fix A", "upstream +µs", "qsa_lab unfixed µs/tile",
+                  "qsa_lab ×fix A", "qsa_lab +µs"]
+    return df
+
+
 def group_row_labels(groups: int, q_heads: int, m_tiles: int, xqa_rows: list) -> list[tuple[float, str]]:
     """(y centre, label) of every group x M-tile block of a nan_map, plus the XQA block."""
     R = GROUP * q_heads
@@ -208,49 +304,56 @@ def group_row_labels(groups: int, q_heads: int, m_tiles: int, xqa_rows: list) ->
     for g in range(groups):
         for m in range(m_tiles):
             lo, hi = g * R + 16 * m, min(g * R + 16 * (m + 1), (g + 1) * R)
-            out.append(((lo + hi - 1) / 2, f"g{g} m{m} (score rows {16 * m}-{hi - g * R - 1})"))
+            out.append(((lo + hi - 1) / 2, f"g{g} m{m}"))
     if xqa_rows:
         lo = groups * R
-        out.append((lo + len(xqa_rows) * q_heads / 2 - 0.5, f"XQA rows {xqa_rows[0]}-{xqa_rows[-1]}"))
+        rows = f"{xqa_rows[0]}-{xqa_rows[-1]}" if len(xqa_rows) > 1 else f"{xqa_rows[0]}"
+        out.append((lo + len(xqa_rows) * q_heads / 2 - 0.5, f"XQA rows {rows}"))
     return out
 
 
 #: repro table column -> short header of repro_display (the NaN count of each route, fixes by letter)
-REPRO_NAN_COLUMNS = {"nan[reference]": "reference", "nan[xqa]": "xqa", "nan[grouped]": "grouped",
-                     "nan[grouped+kernel_fix]": "fix A kernel", "nan[grouped+pad_fix]": "fix B pad",
-                     "nan[grouped+both_fixes]": "A+B", "nan[grouped+masked_load]": "fix C masked"}
+REPRO_NAN_COLUMNS = {"nan[reference]": "ref", "nan[xqa]": "xqa", "nan[grouped]": "grouped",
+                     "nan[grouped+kernel_fix]": "fix A", "nan[grouped+pad_fix]": "fix B",
+                     "nan[grouped+both_fixes]": "A+B", "nan[grouped+masked_load]": "fix C"}
 NOT_GIVEN = "—"
 
 
-def _dims_text(dims, shown: int = 8) -> str:
+def _dims_text(dims, shown: int = 5) -> str:
     dims = list(dims)
     if not dims:
         return NOT_GIVEN
-    return ",".join(map(str, dims[:shown])) + (f",... ({len(dims)} dims)" if len(dims) > shown else "")
+    return ",".join(map(str, dims[:shown])) + (f",… ({len(dims)})" if len(dims) > shown else "")
 
 
 def repro_frame(table):
     """repro.run_repro's table -> the columns a reader compares, short headers, one row per case:
-    poisoned dims, NaN elements per route, worst max |fix - xqa|, max |xqa - reference|, the
-    report's own numbers (NOT_GIVEN where the report has none) and the bit-identity of a repeat."""
+    poisoned dims, NaN elements per route (the float64 reference first), which routes the
+    mechanism predicts to differ from the reference and whether exactly those did, worst
+    max |fix - xqa|, max |xqa - reference|, the report's own numbers (NOT_GIVEN where it has none)
+    and the bit-identity of a repeat."""
     import math
 
     import pandas as pd
+
+    from .repro import _short_routes
 
     def num(x):
         return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
     diff_cols = [c for c in table.columns if c.startswith("max|grouped+")]
-    out = pd.DataFrame({"case": table["case"], "site": table["site"], "plane": table["plane"],
-                        "poisoned dims": table["poisoned_dims"].map(_dims_text)})
+    out = pd.DataFrame({"case": table["case"], "poisoned dims": table["poisoned_dims"].map(_dims_text)})
     for col, name in REPRO_NAN_COLUMNS.items():
         if col in table.columns:
             out[name] = table[col].astype(int)
+    if "expected_to_differ" in table.columns:
+        out["expected ≠ ref"] = table["expected_to_differ"].map(lambda v: _short_routes(str(v)))
+        out["as expected"] = table["as_expected"].map(lambda v: "yes" if v else "NO")
     worst = []
     for _, r in table.iterrows():
         vals = [num(r[c]) for c in diff_cols]
         finite = [v for v in vals if v is not None]
-        worst.append(f"{max(finite):.1e}" + (f" ({len(vals) - len(finite)} with NaN)" if len(finite) < len(vals) else "")
+        worst.append(f"{max(finite):.1e}" + (f" ({len(vals) - len(finite)} NaN)" if len(finite) < len(vals) else "")
                      if finite else "NaN in every fix")
     out["max|fix−xqa|"] = worst
     out["max|xqa−ref|"] = ["NaN in output" if num(v) is None else f"{v:.1e}" for v in table["max|xqa-reference|"]]
@@ -264,15 +367,23 @@ def repro_frame(table):
 
 
 def repro_display(table):
-    """repro_frame as a styled table for a notebook: every column shown, NaN counts red when
-    > 0 and green when 0, values the report does not give as NOT_GIVEN (never NaN)."""
+    """repro_frame as a styled table that fits a notebook cell: every column shown, headers and
+    case names wrapped, a NaN count green when the route's NaN mask equals the reference's,
+    yellow when it differs as predicted, red when it differs unexpectedly; NOT_GIVEN, never NaN."""
     frame = repro_frame(table)
     counts = [c for c in REPRO_NAN_COLUMNS.values() if c in frame.columns]
-
-    def colour(v):
-        return "background-color:#ffd6e0;color:#a00" if v else "background-color:#d3f9d8"
-
-    return (frame.style.hide(axis="index").map(colour, subset=counts)
-            .set_properties(subset=["case"], **{"text-align": "left", "white-space": "nowrap"})
-            .set_table_styles([{"selector": "th", "props": "text-align:center; white-space:nowrap"},
-                               {"selector": "td", "props": "padding:2px 8px"}]))
+    route_of = {v: k[4:-1] for k, v in REPRO_NAN_COLUMNS.items()}
+    colours = frame[counts].copy().astype(str)
+    for i, (_, r) in enumerate(table.reset_index(drop=True).iterrows()):
+        differ = set(str(r.get("differs_from_reference", "")).split(",")) - {""}
+        expected = set(str(r.get("expected_to_differ", "")).split(",")) - {""}
+        for c in counts:
+            route = route_of[c]
+            colours.iloc[i, colours.columns.get_loc(c)] = (
+                "background-color:#d3f9d8" if route not in differ else
+                "background-color:#fff3bf" if route in expected else "background-color:#ffd6e0;color:#a00")
+    return (frame.style.hide(axis="index").apply(lambda _: colours, axis=None, subset=counts)
+            .set_properties(subset=["case"], **{"text-align": "left", "min-width": "14em", "white-space": "normal"})
+            .set_table_styles([{"selector": "", "props": "table-layout:auto; font-size:12px"},
+                               {"selector": "th", "props": "text-align:center; white-space:normal; max-width:7em"},
+                               {"selector": "td", "props": "padding:2px 5px"}]))

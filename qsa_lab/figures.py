@@ -1,14 +1,16 @@
-"""The figures of notebooks 01-04, written without Jupyter (`qsa-lab repro`, `make demo`).
+"""The figures of notebooks 01-05, written without Jupyter (`qsa-lab repro`, `make demo`).
 
 Each figure is built by the same figdata + plotting calls the notebooks make, then
-written by export.export_figure (PNG, SVG, PDF with metadata).
+written by export.export_figure (PNG, SVG, PDF with metadata). The fix-cost figure (05) is
+drawn from the committed H200 timings (data/bench_h200.json, data/upstream_fix_cost_h200.json)
+and says so in its title and metadata, whatever machine draws it.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from . import figdata, fp8, plotting
-from .export import export_figure
+from .export import export_figure, figures_dir
 from .routes import RunResult
 
 
@@ -28,16 +30,38 @@ def _pick(results, rows: int, site: str, plane: str = "v", kv_dtype: str = "e4m3
     return None
 
 
-def write_repro_figures(results, out_dir="figures", table=None, overwrite: bool = False) -> list[Path]:
-    """results: the list[RunResult] of repro.run_repro; table: its DataFrame (recomputed from
-    the results' route tables when absent). -> paths written (3 per figure).
+def fix_cost_figure(bench_path=figdata.BENCH_JSON, upstream_path=figdata.UPSTREAM_JSON, doc=None):
+    """The fix-cost figure from a bench document (default: the committed H200 run) -> (Figure, meta)."""
+    import json
 
-    Without overwrite an existing figure is kept and the new one numbered (export_figure);
-    `make demo` passes --force to refresh its own figures.
+    from matplotlib.figure import Figure
+
+    from .export import gpu_name
+
+    live = doc is not None
+    doc = doc if live else json.loads(Path(bench_path).read_text())
+    upstream = figdata.load_upstream(upstream_path) if Path(upstream_path).exists() else None
+    here = gpu_name()
+    here = "a CPU machine" if here.startswith("none") else here
+    source = ("measured live" if live else
+              f"committed {doc.get('gpu', 'GPU')} run, data/{Path(bench_path).name}, drawn on {here}")
+    fig = plotting.plot_fix_cost(figdata.fix_cost(doc, upstream, source=source), Figure(figsize=(14, 4.6),
+                                                                                      layout="constrained"))
+    return fig, {"case": "report geometry: 16 rows, ctx 8192, top-512, E4M3", "backend": "cuda timings",
+                 "timings_from": source, "timings_gpu": doc.get("gpu", "")}
+
+
+def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = False) -> list[Path]:
+    """results: the list[RunResult] of repro.run_repro; table: its DataFrame (recomputed from
+    the results' route tables when absent); out_dir: default export.figures_dir().
+    -> paths written (3 per figure).
+
+    A figure identical to the one on disk keeps its files; a different one is numbered unless
+    overwrite (`make demo` passes --force to refresh its own figures).
     """
     from matplotlib.figure import Figure
 
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir) if out_dir is not None else figures_dir()
     results = list(results)
     backend = results[0].backend if results else "none"
     paths: list[Path] = []
@@ -51,10 +75,10 @@ def write_repro_figures(results, out_dir="figures", table=None, overwrite: bool 
     save(_figure(plotting.plot_byte_nan_rates, figdata.fp16_state_rates(), (7.5, 4)), "01_fp16_byte_nan_rates",
          "fp16 state N(0, 0.5), 2^20 values")
     maps = figdata.page_byte_maps()
-    fig = Figure(figsize=(10, 2.6 * len(maps)), layout="constrained")
-    for d, ax in zip(maps, fig.subplots(len(maps), 1)):
+    fig = Figure(figsize=(15, 2.5 * -(-len(maps) // 2)), layout="constrained")
+    for d, ax in zip(maps, fig.subplots(-(-len(maps) // 2), 2).flat):
         plotting.plot_page_bytes(d, ax=ax)
-    save(fig, "01_page0_byte_maps", "every poison site, V plane")
+    save(fig, "01_page0_byte_maps", "the page and plane each poison site writes")
 
     # 02: the report's decode-like case
     r = _pick(results, 19, "targeted")
@@ -77,13 +101,18 @@ def write_repro_figures(results, out_dir="figures", table=None, overwrite: bool 
     if table is None and results:
         table = _table_from_results(results)
     if table is not None and len(table):
-        save(_figure(plotting.plot_repro_table, table, (12, 0.3 * len(table) + 0.9)), "04_repro_table",
+        save(_figure(plotting.plot_repro_table, table, (14, 0.32 * len(table) + 1.4)), "04_repro_table",
              f"{len(table)} repro cases")
     st = next((x for x in results if x.case.poison["site"] == "stale-tail"), None)
     if st is not None:
         rn = figdata.route_nans(st)
         save(_figure(plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8)),
              "04_stale_tail_routes", st.case.describe())
+
+    # 05: what the fix costs, from the committed H200 timings
+    if figdata.BENCH_JSON.exists():
+        fig, meta = fix_cost_figure()
+        paths.extend(export_figure(fig, "05_fix_cost", meta, out_dir=out_dir, overwrite=overwrite))
     return paths
 
 

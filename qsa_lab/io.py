@@ -28,14 +28,22 @@ SCALE_TENSORS = ("k_scale", "v_scale")
 MAX_HEADER_BYTES = 1 << 24  # our headers are a few KiB; safetensors itself caps at 100 MB
 
 
-def save(result, path, overwrite: bool = False, arg: str = "path") -> Path:
+ORIGINS = ("geometry", "custom")
+
+
+def save(result, path, overwrite: bool = False, arg: str = "path", origin: str | None = None) -> Path:
     """Write the case, the grouped plan before any fix and `out.<route>` for every route run.
 
     Refuses to replace an existing file unless overwrite=True; the file is written whole or
-    not at all (qsa_lab.outputs).
+    not at all (qsa_lab.outputs). The header carries a sha256 checksum of everything else in
+    the file, which load() verifies. origin: 'geometry' when the case is what build_case(its
+    geometry) plus apply_poison(its poison record) give (load checks this), 'custom' for
+    tensors of your own; None finds out by rebuilding the case.
     """
     from safetensors.torch import save as save_bytes
 
+    if origin is not None and origin not in ORIGINS:
+        raise ValueError(f"origin: must be one of {ORIGINS} or None, got {origin!r}")
     path = check_output(path, arg, force=overwrite)
     case, plan = result.case.to("cpu"), result.plan.to("cpu")
     tensors = {name: getattr(case, name).contiguous() for name in CASE_TENSORS}
@@ -50,21 +58,74 @@ def save(result, path, overwrite: bool = False, arg: str = "path") -> Path:
             "sm_scale": repr(case.sm_scale), "qsa_lab_version": __version__,
             "poison": json.dumps(case.poison, sort_keys=True), "backend": result.backend,
             # float32 0-d tensors cannot hold the exact double scale: keep it here too
-            "k_scale": repr(case.k_scale), "v_scale": repr(case.v_scale)}
-    blob = _sorted_header(save_bytes(tensors, metadata=meta))
+            "k_scale": repr(case.k_scale), "v_scale": repr(case.v_scale),
+            "origin": origin or ("geometry" if not rebuild_mismatch(case) else "custom")}
+    blob = _sorted_header(save_bytes(tensors, metadata=meta), sign=True)
     with writing(path, arg, force=overwrite) as tmp:
         tmp.write_bytes(blob)
     return path
 
 
-def _sorted_header(blob: bytes) -> bytes:
+def checksum(header: dict, body: bytes) -> str:
+    """'sha256:<hex>' of the header (without its checksum entry) and the tensor bytes after it."""
+    import hashlib
+
+    head = {k: v for k, v in header.items() if k != "__metadata__"}
+    head["__metadata__"] = {k: v for k, v in (header.get("__metadata__") or {}).items() if k != "checksum"}
+    h = hashlib.sha256(json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
+    h.update(body)
+    return "sha256:" + h.hexdigest()
+
+
+def sign(blob: bytes) -> bytes:
+    """A safetensors file's bytes with the checksum of its current contents in its header (for
+    files edited on purpose, e.g. saved outputs replaced to test a replay)."""
+    return _sorted_header(blob, sign=True)
+
+
+def _sorted_header(blob: bytes, sign: bool = False) -> bytes:
     """The same safetensors file with its header's keys sorted, so that the same case gives the
-    same bytes (the library writes metadata in hash order). Offsets count from the end of
-    the header, so they stay valid; the header is padded to 8 bytes as the format asks."""
+    same bytes (the library writes metadata in hash order), and with sign=True its checksum.
+    Offsets count from the end of the header, so they stay valid; the header is padded to 8
+    bytes as the format asks."""
     (n,) = struct.unpack("<Q", blob[:8])
-    text = json.dumps(json.loads(blob[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header = json.loads(blob[8:8 + n])
+    if sign:
+        header.setdefault("__metadata__", {})["checksum"] = checksum(header, blob[8 + n:])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text + blob[8 + n:]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def rebuild_mismatch(case: Case) -> list[str]:
+    """What differs between `case` and build_case(case.geometry) poisoned as case.poison records
+    (empty: the geometry and poison record describe these tensors exactly)."""
+    from .case import build_case
+    from .poison import ATTENDED_SITES, DIM_SITES, QUERY_SITE, apply_poison
+
+    case = case.to("cpu")
+    p = dict(case.poison)
+    try:
+        built = build_case(case.geometry)
+        if p != built.poison:  # the CLI and apply_poison record the full poison; build_case a stub
+            site = p.get("site")
+            own_plane = site in ATTENDED_SITES or site == QUERY_SITE
+            built = apply_poison(built, site, plane="v" if own_plane else p.get("plane", "v"),
+                                 dims=p.get("dims") if site in DIM_SITES else None, seed=p.get("seed", 0),
+                                 payload=p.get("payload"))
+    except (TypeError, ValueError) as e:
+        return [f"poison ({str(e).splitlines()[0]})"]
+    bad = [k for k in CASE_TENSORS if not _same(getattr(case, k), getattr(built, k))]
+    bad += [k for k in ("k_scale", "v_scale") if getattr(case, k) != getattr(built, k)]
+    if json.dumps(p, sort_keys=True) != json.dumps(built.poison, sort_keys=True):
+        bad.append("poison")
+    return bad
 
 
 def _read_regular(path: Path, arg: str, max_bytes: int | None) -> bytes:
@@ -209,6 +270,7 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
         validate_case(case)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: tensor {str(e).splitlines()[0]}") from None
+    _check_poison_record(poison, geometry, where)
     plan = plan_groups(case)
     for k in PLAN_TENSORS:
         t, ref = tensors[k], getattr(plan, k.split(".")[1])
@@ -222,4 +284,33 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
                              f"{list(t.shape)} {t.dtype}")
     saved = GroupedPlan(plan.group_rows, plan.xqa_rows, tensors["plan.microblocks"], tensors["plan.masks"],
                         plan.categories, tensors["plan.seq_len"], geometry.q_heads)
+    if "checksum" in meta and meta["checksum"] != checksum(header, data[8 + struct.unpack("<Q", data[:8])[0]:]):
+        raise ValueError(f"{where}: checksum mismatch: the file changed while it was read, or was edited or "
+                         "damaged after it was saved (read it again once nothing writes it)")
+    origin = meta.get("origin")
+    if origin is not None and origin not in ORIGINS:
+        raise ValueError(f"{where}: metadata 'origin' must be one of {ORIGINS}, got {origin[:40]!r}")
+    if origin != "custom":
+        bad = rebuild_mismatch(case)
+        if bad:
+            raise ValueError(f"{where}: its metadata does not describe its tensors: {', '.join(bad)} differ from "
+                             f"what metadata 'geometry' (seed {geometry.seed}) and 'poison' (site "
+                             f"{poison.get('site')!r}) build (a case of your own: io.save(..., origin='custom'))")
     return case, saved, outputs, meta
+
+
+def _check_poison_record(poison: dict, geometry: Geometry, where: str) -> None:
+    """The poison metadata names a real site and plane, and head dims of this geometry."""
+    from .poison import PLANES, SITES
+
+    if poison.get("site") not in SITES:
+        raise ValueError(f"{where}: metadata 'poison' site must be one of {SITES}, got {poison.get('site')!r}")
+    if poison.get("plane") not in (*PLANES, "q"):
+        raise ValueError(f"{where}: metadata 'poison' plane must be one of {(*PLANES, 'q')}, "
+                         f"got {poison.get('plane')!r}")
+    for key in ("dims", "poisoned_dims", "nonfinite_dims"):
+        dims = poison.get(key, [])
+        if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                 and 0 <= d < geometry.head_dim for d in dims):
+            raise ValueError(f"{where}: metadata 'poison' {key} must be a list of head dims in "
+                             f"[0, {geometry.head_dim})")

@@ -9,7 +9,8 @@ through here, so they share one set of rules:
 - `writing(path)` hands the caller a temporary file beside the target and, once the caller
   has written it whole, publishes it: without `force` by a hard link, which fails if a file
   appeared at the path meanwhile (it is kept, FileExistsError); with `force` by an atomic
-  rename. A reader never sees half a file, and a failed write leaves nothing behind.
+  rename. A reader never sees half a file, and a failed write leaves nothing behind (nor does
+  Ctrl-C, SIGTERM or SIGHUP on the command line: qsa_lab.signals removes the temporary).
 - The temporary file is created with mode 0o666, so the user's umask applies as for any
   program that creates a file.
 - A symlink at the path counts as an existing file: refused without `force`, and with
@@ -145,16 +146,20 @@ def writing(path, arg: str = "path", force: bool = False):
 
     On any error inside the block the temporary file is removed and `path` is untouched.
     """
+    from . import signals
+
     path = _as_path(path, arg)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp{path.suffix}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 & ~umask
-    os.close(fd)
+    signals.track(tmp)  # a signal from here on removes it (qsa_lab.signals), before it even exists
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 & ~umask
+        os.close(fd)
         yield tmp
         _publish(tmp, path, force, arg)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        signals.untrack(tmp)
 
 
 def write_bytes(path, data: bytes, arg: str = "path", force: bool = False) -> Path:

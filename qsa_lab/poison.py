@@ -16,6 +16,7 @@ one payload (what is written there), so the sites and the canary share one model
                   the canary's stale-tail region is the whole
                   rest of the last page)
     attended-k/v  the one token most rows attend              NaN element at `dims`, own plane
+    query         q itself: every head of every query row     NaN element (fp16 0x7E00) at `dims`
 
 A NaN byte works on the raw bytes: for an fp8 cache one element is one byte, so it is a
 NaN element; for an fp16 cache it lands in the low byte of an element and reads back as
@@ -35,18 +36,17 @@ import operator
 import torch
 
 from .case import Case, kv_values
+from .geometry import PAYLOADS, PLANES, SITES  # noqa: F401 - part of this module's API
 from .regions import region_slots, stale_slots
 
-SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail", "attended-k", "attended-v")
-PLANES = {"k": (0,), "v": (1,), "kv": (0, 1)}
 REPORT_DIMS = (102, 152, 168, 170, 230)
 ATTENDED_SITES = {"attended-k": "k", "attended-v": "v"}  # site -> the plane it writes (its own)
-DIM_SITES = ("targeted", "stale-tail") + tuple(ATTENDED_SITES)  # sites that write chosen head dims only
+QUERY_SITE = "query"  # writes q, not the cache; its elements are fp16 whatever the cache holds
+DIM_SITES = ("targeted", "stale-tail") + tuple(ATTENDED_SITES) + (QUERY_SITE,)  # sites that write chosen dims only
 #: site -> the region of qsa_lab.regions it writes (attended-k / attended-v: one attended token)
 SITE_REGIONS = {"zeros": "null-block", "targeted": "null-block", "random": "null-block",
                 "fp16-state": "null-block", "stale-tail": "stale-microblock"}
 NAN_BYTE = 0x7F  # NaN in both e4m3 and e5m2
-PAYLOADS = ("nan", "inf", "max", "zero")
 #: (kv_dtype, payload) -> one element's bit pattern in the storage dtype. E4M3 (fn) has no Inf
 #: code; "max" is the largest finite value (a kernel that gives an unattended slot any weight
 #: at all changes its output with it)
@@ -131,7 +131,7 @@ def stale_tokens(case: Case) -> list[tuple[int, int]]:
     return stale_slots(case, "stale-microblock")
 
 
-def _int_list(values, arg: str) -> list[int]:
+def int_list(values, arg: str) -> list[int]:
     """Integers only: a string is refused (iterating '102' would give dims 1, 0, 2) and so is
     1.5 (int() would silently truncate it)."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
@@ -156,19 +156,25 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
     payload: None writes the site's own bytes (the NaN byte 0x7F for targeted / stale-tail,
     a NaN element for attended-k / attended-v); 'nan' or 'inf' writes whole elements of
     that value in the storage dtype (dim sites only). attended-k / attended-v write their
-    own plane and ignore `plane`.
+    own plane and ignore `plane`. query writes q's fp16 elements (payload nan, inf, max or zero)
+    at `dims` of every head of every row, and ignores `plane` (recorded as 'q').
     """
+    from .case import validate_case
+
     check_site(site, plane)
+    validate_case(case)  # a meta-device or malformed case is refused here, naming the field
     if site in ATTENDED_SITES:
         plane = ATTENDED_SITES[site]
         payload = payload or "nan"
+    if site == QUERY_SITE:
+        plane, payload = "q", payload or "nan"
     g = case.geometry
     if payload is not None:
         if site not in DIM_SITES:
             raise ValueError(f"payload only applies to sites {DIM_SITES}, not {site!r}")
-        payload_bits(g.kv_dtype, payload)  # a payload the dtype has no code for is refused here
+        payload_bits("fp16" if site == QUERY_SITE else g.kv_dtype, payload)  # a payload with no code: refused
     if site in DIM_SITES:
-        dims = default_dims(g.head_dim) if dims is None else _int_list(dims, "dims")
+        dims = default_dims(g.head_dim) if dims is None else int_list(dims, "dims")
         if not dims or any(not 0 <= d < g.head_dim for d in dims):
             raise ValueError(f"dims must be a non-empty list of head dims in [0, {g.head_dim}), got {dims}")
     elif dims is not None:
@@ -178,6 +184,8 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
     if not 0 <= seed < 1 << 63:  # torch.Generator.manual_seed takes 64 bits
         raise ValueError(f"seed: must be in 0..{(1 << 63) - 1}, got {seed!r}")
 
+    if site == QUERY_SITE:
+        return _poison_query(case, dims, seed, payload)
     out = case.clone()
     kv = out.kv_cache  # [pages, 2, page_size, 1, D]
     slots = site_slots(out, site)
@@ -222,3 +230,19 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
     }
     return out
 
+
+
+def _poison_query(case: Case, dims: list, seed: int, payload: str) -> Case:
+    """Site 'query': `payload` as fp16 elements at `dims` of every head of every row of q."""
+    out = case.clone()
+    q = case.q.clone()
+    bits = payload_bits("fp16", payload)
+    q.view(torch.int16)[:, :, list(dims)] = bits - 0x10000 if bits >= 0x8000 else bits
+    out.q = q
+    written = q[:, :, list(dims)].float()
+    nan, inf = torch.isnan(written), torch.isinf(written)
+    hit = lambda m: sorted(dims[i] for i in torch.nonzero(m.flatten(0, 1).any(dim=0)).flatten().tolist())  # noqa: E731
+    out.poison = {"site": QUERY_SITE, "plane": "q", "seed": seed, "payload": payload, "dims": list(dims),
+                  "bytes_written": written.numel() * 2, "nan_bytes": int(nan.sum()), "poisoned_dims": hit(nan),
+                  "inf_bytes": int(inf.sum()), "nonfinite_dims": hit(nan | inf)}
+    return out

@@ -3,22 +3,17 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from . import package_data
 from .analysis import max_abs_diff, nan_dims
 from .case import Geometry, build_case
+from .geometry import CAUSAL3, CAUSAL3_SEED, DECODE  # noqa: F401 - the report's presets
 from .poison import REPORT_DIMS, apply_poison
 from .routes import GROUPED, RunResult, run_routes
 
-REPORT_CSV = Path(__file__).resolve().parent.parent / "data" / "report_verification.csv"
-DECODE = Geometry()                                              # 19 rows, contiguous, decode-like
-# 24 rows, 3 requests, scatter, causal. The NaN count is 16 rows x 5 dims per M-tile that a padded
-# category activates; seed 63 is a seed whose plan pads 8 of the 9 M-tiles, as the report's did
-# (640). Most seeds pad all 9 (720): see the README.
-CAUSAL3_SEED = 63
-CAUSAL3 = Geometry(rows=24, requests=3, layout="scatter", seed=CAUSAL3_SEED)
+REPORT_CSV = package_data.locate("data") / "report_verification.csv"
 FIXES = [r for r in GROUPED if r != "grouped"]
 
 
@@ -29,21 +24,24 @@ class ReproCase:
     poison: dict = field(default_factory=dict)
     report_key: str | None = None   # row of data/report_verification.csv this case reproduces
     expect: str = ""                # what the route's mechanism predicts
+    # routes whose NaN mask the mechanism predicts to differ from the float64 reference's
+    # (every other route must equal it): the "expected" column of the table
+    differs: tuple = ()
 
 
 REPRO_CASES = [
     ReproCase("report: decode-like, targeted", DECODE, {"site": "targeted", "dims": list(REPORT_DIMS)},
-              "rows19-targeted", "unfixed grouped NaN on the 5 dims; every fix clean"),
+              "rows19-targeted", "unfixed grouped NaN on the 5 dims; every fix clean", ("grouped",)),
     ReproCase("report: 3-req scatter causal, targeted", CAUSAL3, {"site": "targeted", "dims": list(REPORT_DIMS)},
-              "rows24-targeted", "unfixed grouped NaN on the 5 dims; every fix clean"),
+              "rows24-targeted", "unfixed grouped NaN on the 5 dims; every fix clean", ("grouped",)),
     ReproCase("report: decode-like, random page 0", DECODE, {"site": "random"}, "both-random",
-              "unfixed NaN dims = poisoned dims of tokens 0-3"),
+              "unfixed NaN dims = poisoned dims of tokens 0-3", ("grouped",)),
     ReproCase("report: 3-req, random page 0", CAUSAL3, {"site": "random"}, "both-random",
-              "unfixed NaN dims = poisoned dims of tokens 0-3"),
+              "unfixed NaN dims = poisoned dims of tokens 0-3", ("grouped",)),
     ReproCase("fp16 recurrent state on page 0", DECODE, {"site": "fp16-state"}, None,
-              "~0.39% NaN bytes; unfixed NaN, fixes clean"),
+              "~0.39% NaN bytes; unfixed NaN, fixes clean", ("grouped",)),
     ReproCase("stale tail bytes (beyond the report)", CAUSAL3, {"site": "stale-tail", "dims": list(REPORT_DIMS)}, None,
-              "unfixed AND pad-fix NaN; kernel fix and masked load clean"),
+              "unfixed AND pad-fix NaN; kernel fix and masked load clean", ("grouped", "grouped+pad_fix")),
     ReproCase("control: K plane only", DECODE, {"site": "targeted", "plane": "k", "dims": list(REPORT_DIMS)},
               None, "clean everywhere (select masking discards K)"),
     ReproCase("control: fp16 KV", DECODE.replace(kv_dtype="fp16"), {"site": "targeted", "dims": list(REPORT_DIMS)},
@@ -53,7 +51,12 @@ REPRO_CASES = [
     # beyond the report: a non-finite code in a token the rows DO attend (the most attended one)
     ReproCase("NaN in an attended key (beyond the report)", DECODE, {"site": "attended-k", "dims": list(REPORT_DIMS)},
               None, "route divergence: grouped rows finite (fmaxf ignores the NaN score, the key's "
-                    "probability rounds to 0: silently dropped); XQA and the reference NaN on every dim"),
+                    "probability rounds to 0: silently dropped); XQA and the reference NaN on every dim",
+              GROUPED),
+    ReproCase("NaN in the query (beyond the report)", DECODE, {"site": "query", "dims": list(REPORT_DIMS)},
+              None, "route divergence: grouped rows exactly 0 (every score NaN, fmaxf ignores them, every "
+                    "probability exp(-80) is 0 in fp16); XQA, the reference and the remainder rows NaN on every dim",
+              GROUPED),
     ReproCase("NaN in an attended value (beyond the report)", DECODE, {"site": "attended-v", "dims": list(REPORT_DIMS)},
               None, "every route NaN on the poisoned dims of every row that attends the token, fixes too"),
 ]
@@ -61,7 +64,7 @@ REPRO_CASES = [
 
 def report_rows() -> dict:
     """The report's own verification table (data/report_verification.csv), by key."""
-    with open(REPORT_CSV, newline="") as f:
+    with open(package_data.path("data", REPORT_CSV.name), newline="") as f:
         return {r["key"]: r for r in csv.DictReader(f)}
 
 
@@ -81,8 +84,13 @@ def summarize(rc: ReproCase, result: RunResult, repeat: RunResult | None = None,
            "kv_dtype": result.case.geometry.kv_dtype, "site": result.case.poison["site"],
            "plane": result.case.poison["plane"], "nan_bytes": result.case.poison["nan_bytes"],
            "poisoned_dims": result.case.poison["poisoned_dims"]}
+    ref_nan = torch.isnan(result.reference64)
     for route, o in out.items():
         row[f"nan[{route}]"] = int(torch.isnan(o).sum())
+    differ = tuple(r for r, o in out.items() if not torch.equal(torch.isnan(o), ref_nan))
+    row["differs_from_reference"] = ",".join(differ)     # routes whose NaN mask is not the reference's
+    row["expected_to_differ"] = ",".join(rc.differs)
+    row["as_expected"] = set(differ) == set(rc.differs)
     row["grouped_nan_dims"] = nan_dims(out["grouped"])
     # elements the grouped route returns finite where XQA is NaN: the silently dropped NaN key
     row["grouped_finite_where_xqa_nan"] = int((torch.isnan(out["xqa"]) & ~torch.isnan(out["grouped"])).sum())
@@ -114,3 +122,52 @@ def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: 
         rows.append(summarize(rc, res, again, report.get(rc.report_key) if rc.report_key else None))
         results.append(res)
     return pd.DataFrame(rows), results
+
+
+#: route -> short column header of the printed table (fixes by letter, as in the README)
+SHORT = {"reference": "ref", "xqa": "xqa", "grouped": "grp", "grouped+kernel_fix": "A", "grouped+pad_fix": "B",
+         "grouped+both_fixes": "A+B", "grouped+masked_load": "C"}
+
+
+def _short_routes(names: str) -> str:
+    return ",".join(SHORT.get(r, r) for r in names.split(",") if r) or "none"
+
+
+def format_table(table, width: int = 120) -> str:
+    """The repro table for a terminal, every line <= `width` characters: NaN elements per
+    route (ref = float64 reference; A kernel fix, B pad-fix, C masked load), the report's
+    number, the worst max |fix - xqa|, which routes' NaN mask differs from the reference's
+    (`*` marks a count whose mask differs) against what the mechanism predicts, and a verdict.
+    The expectations follow the table, one line per case."""
+    import math
+
+    routes = [r for r in SHORT if f"nan[{r}]" in table.columns]
+    case_w = max(8, width - (len(routes) * 6 + 46))
+    head = (f"{'#':>2} {'case':<{case_w}}" + "".join(f"{SHORT[r]:>6}" for r in routes)
+            + f"{'report':>7} {'max|fix-xqa|':>12}  {'mask differs':<14} ok")
+    lines = [head]
+    for i, r in table.reset_index(drop=True).iterrows():
+        differ = set(str(r.get("differs_from_reference", "")).split(",")) - {""}
+        cells = "".join(f"{str(int(r[f'nan[{x}]'])) + ('*' if x in differ else ''):>6}" for x in routes)
+        rep = r.get("report_grouped_nan")
+        rep = "—" if rep is None or (isinstance(rep, float) and math.isnan(rep)) or str(rep) == "" else str(rep)
+        rep = rep if len(rep) <= 6 else "=dims" if "dims" in rep else rep[:5] + "…"   # the report's words, short
+        diffs = [r[c] for c in table.columns if c.startswith("max|grouped+") and r[c] is not None and r[c] == r[c]]
+        worst = f"{max(diffs):.1e}" if diffs else "NaN"
+        got = _short_routes(r.get("differs_from_reference", ""))
+        name = str(r["case"])
+        name = name if len(name) <= case_w else name[:case_w - 1] + "…"
+        lines.append(f"{i + 1:>2} {name:<{case_w}}{cells}{rep:>7} {worst:>12}  {got:<14} "
+                     f"{'yes' if r.get('as_expected') else 'NO'}")
+    lines += ["# NaN elements per route (ref = float64 reference, A kernel fix, B pad-fix, C masked load);",
+              "# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes",
+              "# the mechanism predicts differ. report: the report's grouped NaN count (=dims: its words",
+              "# 'matches poisoned dims'). Expected, by case (predicted to differ in brackets):"]
+    for i, r in table.reset_index(drop=True).iterrows():
+        text = f"#{i + 1:>3}: {r.get('expect', '')} [{_short_routes(str(r.get('expected_to_differ', '')))}]"
+        while len(text) > width:                     # wrap at a space, never past `width`
+            cut = text.rfind(" ", 0, width)
+            lines.append(text[:cut])
+            text = "#      " + text[cut + 1:]
+        lines.append(text)
+    return "\n".join(lines)

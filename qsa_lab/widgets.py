@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import html
 import io
-import os
 import platform
 import time
 from collections import OrderedDict
@@ -29,10 +28,12 @@ import torch
 
 from .case import KV_DTYPES, Case, Geometry, build_case
 from .plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
-from .poison import DIM_SITES, PLANES, REPORT_DIMS, SITES, apply_poison
+from .poison import ATTENDED_SITES, DIM_SITES, PLANES, REPORT_DIMS, SITES, apply_poison
 from .routes import BACKENDS, GROUPED, ROUTES, RunResult, backend_module, grouped_output, resolve_backend, \
     xqa_output
 from .routes.reference import reference_forward
+
+CAUSAL3_SEED = 63   # = qsa_lab.repro.CAUSAL3_SEED (not imported: repro pulls in the whole harness)
 
 #: geometry presets; the first is the default (the report's decode-like case at a shorter
 #: context: same groups, M-tiles, padding and 480-NaN fingerprint). Presets marked
@@ -44,7 +45,10 @@ PRESETS = OrderedDict([
     ("decode-like, 16 rows, ctx 2046 (partial tail)", Geometry(rows=16, context=2046, topk=128)),
     ("3-req scatter causal, 24 rows, ctx 2048 (partial tail)",
      Geometry(rows=24, requests=3, layout="scatter", context=2048, topk=128)),
-    ("3-req scatter causal, 24 rows, ctx 8192 (report, partial tail)", Geometry(rows=24, requests=3, layout="scatter")),
+    # the report's 3-request case: geometry seed 63 pads 8 of 9 M-tiles as the report's plan did (640 NaN;
+    # most seeds pad all 9: 720), the seed `qsa-lab diff causal3` uses
+    ("3-req scatter causal, 24 rows, ctx 8192 (report, seed 63, partial tail)",
+     Geometry(rows=24, requests=3, layout="scatter", seed=CAUSAL3_SEED)),
 ])
 #: fix toggle label -> route it adds (reference, xqa and grouped always run)
 FIX_TOGGLES = OrderedDict([("kernel_fix", "grouped+kernel_fix"), ("pad_fix", "grouped+pad_fix"),
@@ -54,12 +58,17 @@ FIGURES_ENV = "QSA_LAB_FIGURES"
 REMAINDER = "xqa remainder"  # cache entry: the grouped routes' XQA rows, shared by all of them
 SEED_MAX = 2**63 - 1          # torch.Generator.manual_seed takes at most a signed 64-bit seed
 SEEDED_SITES = ("random", "fp16-state")  # the only sites whose bytes depend on the poison seed
-FIGSIZE, DPI = (12.0, 8.4), 110  # 1320 px wide: sharp at the full width of a JupyterLab cell
+# 1300 px wide, sharp at a cell's full width; 10 inches keep 9-10 pt text >= 11 px on a laptop screen
+FIGSIZE, DPI = (10.0, 6.3), 130
 
 
 def has_partial_tail(g: Geometry) -> bool:
     """Request r holds context - r tokens: some request ends inside a 4-token microblock."""
     return any((g.context - r) % 4 for r in range(g.requests))
+
+
+#: the first preset stale-tail can use (notebook 03's experiment)
+TAIL_PRESET = next(name for name, g in PRESETS.items() if has_partial_tail(g))
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,11 @@ class Params:
     nan_map: str = "grouped"
 
     @property
+    def applied_plane(self) -> str:
+        """The plane the poison writes: attended-k / attended-v write their own, whatever `plane` says."""
+        return ATTENDED_SITES.get(self.site, self.plane)
+
+    @property
     def geometry(self) -> Geometry:
         return PRESETS[self.preset].replace(kv_dtype=self.kv_dtype)  # seed is the poison's: the case stays
 
@@ -86,7 +100,7 @@ class Params:
     @property
     def poison_key(self) -> tuple:
         """What the poisoned bytes depend on: dims only for dim sites, the seed only for seeded ones."""
-        return (self.site, self.plane, self.dims if self.site in DIM_SITES else None,
+        return (self.site, self.applied_plane, self.dims if self.site in DIM_SITES else None,
                 self.seed if self.site in SEEDED_SITES else None)
 
 
@@ -237,7 +251,7 @@ class RunCache:
         g, base = p.geometry, self.base(p.geometry)
 
         def make():
-            case = apply_poison(base.case, p.site, plane=p.plane,
+            case = apply_poison(base.case, p.site, plane=p.applied_plane,
                                 dims=list(p.dims) if p.site in DIM_SITES else None, seed=p.seed)
             return case, changed_tokens(base.case, case)
         return self._get(self.poisoned, (g, p.poison_key), make)
@@ -245,7 +259,7 @@ class RunCache:
     def output(self, p: Params, route: str, backend: str) -> torch.Tensor:
         base = self.base(p.geometry)
         case, changed = self.poisoned_case(p)
-        clean = not bool((changed & base.reads[route]).any())
+        clean = not bool((changed & base.reads[route]).any()) and case.q is base.case.q  # site query writes q
         key = (p.geometry, None if clean else p.poison_key, backend, route)
 
         def make():
@@ -285,6 +299,7 @@ def playground_data(p: Params, cache: RunCache | None = None) -> dict:
     from . import figdata
 
     check_params(p)
+    p = replace(p, plane=p.applied_plane)   # what the figure shows is what was applied
     res = (cache or _CACHE).result(p)
     # the case is named once, in the NaN map's title: every line of text costs redraw time
     routes = dict(figdata.route_nans(res, p.routes), title="the case above")
@@ -294,10 +309,10 @@ def playground_data(p: Params, cache: RunCache | None = None) -> dict:
 
 
 def render_playground(data: dict, fig=None):
-    """data -> Figure: NaN map on top, routes side by side below. A new Figure unless `fig` is
-    given; a `fig` this function drew before with the same layout (shapes, routes) gets only its
-    data replaced, which draws exactly what a new one would at a fraction of the time.
-    No pyplot state, so it draws the same inside and outside widgets."""
+    """data -> Figure: NaN map on top, routes side by side below, head dims aligned. A new Figure
+    unless `fig` is given; a `fig` this function drew before with the same layout (shapes, routes)
+    gets only its data replaced, which draws exactly what a new one would at a fraction of the
+    time. No pyplot state, so it draws the same inside and outside widgets."""
     from matplotlib.figure import Figure
 
     from . import plotting
@@ -312,12 +327,13 @@ def render_playground(data: dict, fig=None):
         fig = Figure(figsize=FIGSIZE, dpi=DPI)
     else:
         fig.clear()
-    # fixed margins, not constrained layout: layout solving was a third of the redraw time
-    top, bottom = fig.subplots(2, 1, height_ratios=[2.6, 1.2],
-                               gridspec_kw=dict(left=0.17, right=0.79, top=0.86, bottom=0.07, hspace=0.6))
+    # fixed margins, not constrained layout (layout solving was a third of the redraw time); the
+    # right quarter holds the NaN map's colour bar and legend and each route's counts
+    top, bottom = fig.subplots(2, 1, height_ratios=[2.5, 1.3],
+                               gridspec_kw=dict(left=0.16, right=0.74, top=0.8, bottom=0.075, hspace=0.32))
     # no minor ticks: each is an artist to build and draw, and the majors every 32 dims suffice here
     plotting.plot_nan_map(data["nan_map"], ax=top, minor=False)
-    plotting.plot_route_comparison(data["routes"], ax=bottom, minor=False)
+    plotting.plot_route_comparison(data["routes"], ax=bottom, minor=False, mark_dims=False)
     fig.qsa_layout = layout
     return fig
 
@@ -337,13 +353,10 @@ def figure_png(fig) -> bytes:
 
 
 def figures_dir() -> Path:
-    """Where Export writes: $QSA_LAB_FIGURES, else the checkout's figures/ (beside pyproject.toml),
-    else ./figures for an installed package. Always absolute."""
-    env = os.environ.get(FIGURES_ENV)
-    if env:
-        return Path(env).expanduser().resolve()
-    repo = Path(__file__).resolve().parent.parent
-    return (repo if (repo / "pyproject.toml").is_file() else Path.cwd()).resolve() / "figures"
+    """Where figures go (the one folder; see qsa_lab.export.figures_dir)."""
+    from .export import figures_dir as where
+
+    return where()
 
 
 def export_meta(data: dict) -> dict:
@@ -359,7 +372,7 @@ def export_meta(data: dict) -> dict:
             "geometry_seed": str(data["geometry"]["seed"]),
             "site": p.site, "plane": p.plane,
             "dims": ",".join(map(str, p.dims)) if p.site in DIM_SITES else "",
-            "poison_seed": str(p.seed), "fixes": ",".join(p.fixes) or "none", "routes": ",".join(p.routes),
+            "poison_seed": str(p.seed) if p.site in SEEDED_SITES else "", "fixes": ",".join(p.fixes) or "none", "routes": ",".join(p.routes),
             "nan_map_route": p.nan_map,
             "versions": f"qsa_lab {__version__}, torch {torch.__version__}, matplotlib {matplotlib.__version__}, "
                         f"python {platform.python_version()}"}
@@ -370,195 +383,291 @@ _FIX_CODES = {"kernel_fix": "A", "pad_fix": "B", "both_fixes": "AB", "masked_loa
 
 def export_name(data: dict) -> str:
     """A file stem that says what the figure shows, e.g.
-    playground_targeted-v_d102-152-168-170-230_ps0_r19x1-ctx2048-k128-e4m3-gs0_fixA+B+AB+C_emulate."""
+    playground_targeted-v_d102-152-168-170-230_r19x1-ctx2048-k128-e4m3-gs0_fixA+B+AB+C_emulate
+    (a poison seed `_psN` only for the sites whose bytes depend on it: random, fp16-state)."""
     p, g = data["params"], data["geometry"]
     dims = ""
     if p.site in DIM_SITES:
         d = list(p.dims)
         dims = "_d" + ("-".join(map(str, d)) if len(d) <= 8 else f"{d[0]}-to-{d[-1]}-n{len(d)}")
     fixes = "+".join(_FIX_CODES[f] for f in p.fixes) or "none"
-    return (f"playground_{p.site}-{p.plane}{dims}_ps{p.seed}_r{g['rows']}x{g['requests']}-ctx{g['context']}"
+    seed = f"_ps{p.seed}" if p.site in SEEDED_SITES else ""
+    return (f"playground_{p.site}-{p.plane}{dims}{seed}_r{g['rows']}x{g['requests']}-ctx{g['context']}"
             f"-k{g['topk']}-{g['kv_dtype']}-gs{g['seed']}_fix{fixes}_{data['backend']}")
 
 
 CSS = """<style>
 .qsa-playground .qsa-figure { width: 100%; height: auto; aspect-ratio: %ASPECT%; transition: opacity .15s; }
 .qsa-playground.qsa-busy .qsa-figure, .qsa-playground.qsa-busy .qsa-table { opacity: .35; }
-.qsa-playground .qsa-table table { border-collapse: collapse; font-size: 12px; }
+.qsa-playground .qsa-table table { border-collapse: collapse; font-size: 13px; }
 .qsa-playground .qsa-table td, .qsa-playground .qsa-table th { padding: 1px 8px; text-align: right; }
 </style>""".replace("%ASPECT%", f"{FIGSIZE[0]} / {FIGSIZE[1]}")  # the image keeps its height while a new one loads
+BUSY_HTML = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
+
+
+# -- wiring: pure text for the HTML widgets, then the controls ------------------------------------------
+
+def status_html(data: dict, seconds: float) -> str:
+    """The status line: the case on screen and nothing else (backend, case, poison, fixes)."""
+    return (f"<span style='color:#2b8a3e'>backend <b>{data['backend']}</b> | {_esc(data['case'])}"
+            f" | {_esc(_poison_words(data['params']))} | redraw {seconds:.2f} s</span>")
+
+
+def error_html(e) -> str:
+    return (f"<span style='color:#c00;font-weight:bold'>&#9888; {_esc(e)}</span>"
+            "<span style='color:#666'> (the figure shows the last good case)</span>")
+
+
+def table_html(table) -> str:
+    """The route table as HTML: counts as integers, differences as 1.2e-03, and a difference
+    that NaN makes undefined as 'NaN in output' (never None). Columns: route, NaN, NaN dims,
+    finite where ref NaN, max |Δ ref|, max |Δ xqa|."""
+    def diff(v):
+        return "NaN in output" if v is None or v != v else f"{v:.2e}"
+
+    def dims(d):
+        return ",".join(map(str, d[:12])) + ("..." if len(d) > 12 else "") if len(d) else "-"
+
+    rows = "".join(
+        f"<tr><th>{_esc(route)}</th><td>{int(r['nan_count'])}</td><td>{_esc(dims(r['nan_dims']))}</td>"
+        f"<td>{int(r.get('finite_where_ref_nan', 0))}</td>"
+        f"<td>{diff(r['max_abs_diff_vs_reference'])}</td><td>{diff(r['max_abs_diff_vs_xqa'])}</td></tr>"
+        for route, r in table.iterrows())
+    head = ("<thead><tr><th>route</th><th>NaN</th><th>NaN dims</th><th>finite where ref NaN</th>"
+            "<th>max |Δ ref|</th><th>max |Δ xqa|</th></tr></thead>")
+    return f"<table>{head}<tbody>{rows}</tbody></table>"
+
+
+def make_controls(p: Params) -> tuple[dict, dict]:
+    """(controls, fix toggles) for `p`; descriptions are stable (the browser test finds them)."""
+    import ipywidgets as W
+
+    style = {"description_width": "64px"}
+
+    def dd(name, options, width=None, **kw):
+        return W.Dropdown(options=options, value=getattr(p, name) if name != "geometry" else p.preset,
+                          description=name, style=style, layout=W.Layout(width=width) if width else W.Layout(), **kw)
+
+    controls = {
+        "site": dd("site", SITES),
+        "plane": dd("plane", tuple(PLANES), "190px"),
+        "dims": W.Text(value=",".join(map(str, p.dims)), description="dims", continuous_update=False,
+                       placeholder="102,152,168,170,230", style=style),
+        "seed": W.Text(value=str(p.seed), description="seed", continuous_update=False, placeholder="0",
+                       tooltip="poison seed (random, fp16-state)", style=style, layout=W.Layout(width="190px")),
+        "kv_dtype": dd("kv_dtype", KV_DTYPES, "190px"),
+        "geometry": dd("geometry", list(PRESETS), "480px"),
+        "backend": dd("backend", BACKENDS, "190px"),
+        "nan_map": W.Dropdown(options=list(p.routes), value=p.nan_map, description="nan_map",
+                              layout=W.Layout(width="300px"), style=style),
+    }
+    toggles = {name: W.Checkbox(value=name in p.fixes, description=name, indent=False,
+                                layout=W.Layout(width="120px")) for name in FIX_TOGGLES}
+    return controls, toggles
+
+
+def _in_kernel() -> bool:
+    """Inside a Jupyter kernel: widget messages arrive while a redraw runs in a thread."""
+    try:
+        from IPython import get_ipython
+
+        return getattr(get_ipython(), "kernel", None) is not None
+    except ImportError:
+        return False
 
 
 class Playground:
-    """ipywidgets controls -> playground_data -> render_playground -> Image widget.
+    """ipywidgets controls -> read_params -> playground_data -> render_playground -> Image widget.
 
-    Controls (descriptions are stable: the browser test finds them by these labels):
-    site, plane, dims, seed, kv_dtype, geometry, backend, nan_map, one checkbox per fix
-    (kernel_fix, pad_fix, both_fixes, masked_load), and an Export button.
-    `status` (HTML) describes the case on screen and nothing else; `message` (HTML) shows
-    "computing...", errors and export paths. While a redraw runs the controls are disabled
-    and the figure dimmed; bad input leaves last_data, the figure and the status unchanged.
-    The figure is an Image widget whose value is replaced, so the page never jumps.
+    Controls (see make_controls): site, plane, dims, seed, kv_dtype, geometry, backend, nan_map,
+    a checkbox per fix, and Export. `status` describes the case on screen and nothing else;
+    `message` shows "computing...", errors and export paths. While a redraw runs the figure is
+    dimmed and the controls stay live: changes made meanwhile are coalesced, and one redraw with
+    the latest values follows (in a kernel the redraw runs in a worker thread, so the clicks
+    reach the kernel; elsewhere, e.g. in tests, it runs in the caller). Bad input leaves
+    last_data, the figure and the status unchanged. The plane control shows the plane the poison
+    writes (attended-k / attended-v fix their own and disable it).
     """
 
-    def __init__(self, params: Params | None = None, cache: RunCache | None = None, out_dir: str | None = None):
+    def __init__(self, params: Params | None = None, cache: RunCache | None = None, out_dir: str | None = None,
+                 background: bool | None = None):
+        import threading
+
         import ipywidgets as W
 
-        p = params or Params()
-        self.cache = cache or _CACHE
-        self.out_dir = out_dir
-        self.last_data = None
-        self.figure = None
-        self.last_export = []
-        self.redraws = 0
-        self.last_ok = False
-        self.last_redraw_s = None
-        self.busy = False
-        self.busy_seen = 0          # redraws that showed the busy state (tests observe it)
-        style = {"description_width": "70px"}
-        self.controls = {
-            "site": W.Dropdown(options=SITES, value=p.site, description="site", style=style),
-            "plane": W.Dropdown(options=tuple(PLANES), value=p.plane, description="plane", style=style),
-            "dims": W.Text(value=",".join(map(str, p.dims)), description="dims", continuous_update=False,
-                           placeholder="102,152,168,170,230", style=style),
-            "seed": W.Text(value=str(p.seed), description="seed", continuous_update=False, placeholder="0",
-                           tooltip="poison seed (random, fp16-state)", style=style, layout=W.Layout(width="190px")),
-            "kv_dtype": W.Dropdown(options=KV_DTYPES, value=p.kv_dtype, description="kv_dtype", style=style),
-            "geometry": W.Dropdown(options=list(PRESETS), value=p.preset, description="geometry",
-                                   layout=W.Layout(width="520px"), style=style),
-            "backend": W.Dropdown(options=BACKENDS, value=p.backend, description="backend", style=style),
-            "nan_map": W.Dropdown(options=list(p.routes), value=p.nan_map, description="nan_map",
-                                  layout=W.Layout(width="320px"), style=style),
-        }
-        self.toggles = {name: W.Checkbox(value=name in p.fixes, description=name, indent=False,
-                                         layout=W.Layout(width="130px")) for name in FIX_TOGGLES}
+        from .inputs import playground_params
+
+        p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
+        self.cache, self.out_dir = cache or _CACHE, out_dir
+        self.background = _in_kernel() if background is None else background
+        self.params = self.last_data = self.figure = self.last_redraw_s = None
+        self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
+        self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
+        # _syncing: the thread now setting controls itself (its changes are not a user's)
+        self._lock, self._pending, self._worker, self._syncing = threading.Lock(), False, None, None
+        self._redraw = threading.RLock()
+        self.controls, self.toggles = make_controls(p)
         self.export_button = W.Button(description="Export", icon="download", button_style="primary",
                                       tooltip="write PNG, SVG and PDF of the figure, with what it shows in their metadata")
         # fixed heights: a message coming and going must not move the figure below it
-        self.status = W.HTML(value="", layout=W.Layout(min_height="24px"))
-        self.status.add_class("qsa-status")
-        self.message = W.HTML(value="", layout=W.Layout(min_height="24px"))
-        self.message.add_class("qsa-message")
+        self.status = W.HTML(layout=W.Layout(min_height="24px"))
+        self.message = W.HTML(layout=W.Layout(min_height="24px"))
         self.image = W.Image(format="png", layout=W.Layout(width="100%", height="auto"))
-        self.image.add_class("qsa-figure")
-        self.table = W.HTML(value="")
-        self.table.add_class("qsa-table")
-        for w in list(self.controls.values()) + list(self.toggles.values()):
+        self.table = W.HTML()
+        for w, cls in ((self.status, "qsa-status"), (self.message, "qsa-message"), (self.image, "qsa-figure"),
+                       (self.table, "qsa-table")):
+            w.add_class(cls)
+        for w in self._inputs():
             w.observe(self._on_change, names="value")
         self.export_button.on_click(lambda _: self.export())
         c = self.controls
+        # the route table sits above the figure: on a laptop screen both are in view with the controls
         self.widget = W.VBox([
             W.HTML(CSS),
             W.HBox([c["site"], c["plane"], c["dims"], c["seed"]]),
             W.HBox([c["kv_dtype"], c["geometry"], c["backend"]]),
             W.HBox([W.Label("fixes:")] + list(self.toggles.values()) + [c["nan_map"], self.export_button]),
-            self.status, self.message, self.image, self.table,
+            self.status, self.message, self.table, self.image,
         ], layout=W.Layout(width="100%"))
         self.widget.add_class("qsa-playground")
-        self.params = None
         self.redraw()
 
-    # -- wiring --------------------------------------------------------------------------------------
+    def _inputs(self) -> list:
+        return list(self.controls.values()) + list(self.toggles.values())
+
     def read_params(self) -> Params:
         """The controls' values as Params (ValueError naming the control when invalid)."""
         c = self.controls
         preset = c["geometry"].value
         if preset not in PRESETS:
             raise ValueError(f"geometry: {preset!r} is not one of {tuple(PRESETS)}")
-        g = PRESETS[preset]
         site = c["site"].value
-        dims = parse_dims(c["dims"].value, g.head_dim) if site in DIM_SITES else \
+        dims = parse_dims(c["dims"].value, PRESETS[preset].head_dim) if site in DIM_SITES else \
             (self.params.dims if self.params else tuple(REPORT_DIMS))
-        fixes = tuple(n for n, t in self.toggles.items() if t.value)
-        nan_map = c["nan_map"].value
-        p = Params(site=site, plane=c["plane"].value, dims=dims, seed=parse_seed(c["seed"].value),
-                   kv_dtype=c["kv_dtype"].value, preset=preset, fixes=fixes,
-                   backend=c["backend"].value, nan_map=nan_map if nan_map else "grouped")
+        p = Params(site=site, plane=ATTENDED_SITES.get(site, c["plane"].value), dims=dims,
+                   seed=parse_seed(c["seed"].value), kv_dtype=c["kv_dtype"].value, preset=preset,
+                   fixes=tuple(n for n, t in self.toggles.items() if t.value), backend=c["backend"].value,
+                   nan_map=c["nan_map"].value or "grouped")
         if p.nan_map not in p.routes:  # its route was toggled off: fall back to the unfixed route
             p = replace(p, nan_map="grouped")
         return check_params(p)
 
+    # -- events: a change asks for a redraw; changes during one are coalesced into the next -----------
     def _on_change(self, change):
-        if getattr(self, "_syncing", False):
-            return
-        self.redraw()
+        import threading
 
-    def _sync_nan_map(self, p: Params):
-        self._syncing = True
+        if self._syncing == threading.get_ident():
+            return
+        self.requests += 1
+        if not self.background:
+            self.redraw()
+            return
+        import threading
+
+        with self._lock:
+            self._pending = True
+            if self._worker is not None:
+                return                       # the running worker redraws once more, with the latest values
+            self._worker = threading.Thread(target=self._work, daemon=True)
+        self._worker.start()
+
+    def _work(self):
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._worker = None
+                    return
+                self._pending = False
+            self.redraw()
+
+    def wait(self, timeout: float = 600.0) -> bool:
+        """Wait for a background redraw (and any coalesced one) to finish -> whether it did."""
+        w = self._worker
+        if w is not None:
+            w.join(timeout)
+        return self._worker is None
+
+    def _sync(self, p: Params):
+        """Controls that follow the case drawn: nan_map's options, and the plane actually applied."""
+        import threading
+
+        self._syncing = threading.get_ident()
         try:
             self.controls["nan_map"].options = list(p.routes)
             self.controls["nan_map"].value = p.nan_map
+            plane = self.controls["plane"]
+            plane.value, plane.disabled = p.plane, p.site in ATTENDED_SITES
+            plane.tooltip = f"{p.site} writes its own plane ({p.plane})" if plane.disabled else "plane(s) poisoned"
         finally:
-            self._syncing = False
+            self._syncing = None
 
     def _set_busy(self, busy: bool):
-        """Disable every control and dim the figure while a redraw runs."""
+        """Dim the figure and say 'computing' while a redraw runs (the controls stay live)."""
         self.busy = busy
-        for w in list(self.controls.values()) + list(self.toggles.values()) + [self.export_button]:
-            w.disabled = busy
         if busy:
             self.widget.add_class("qsa-busy")
-            self.message.value = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
+            self.message.value = BUSY_HTML
             self.busy_seen += 1
         else:
             self.widget.remove_class("qsa-busy")
 
     def _error(self, e) -> bool:
-        self.message.value = (f"<span style='color:#c00;font-weight:bold'>&#9888; {_esc(e)}</span>"
-                              "<span style='color:#666'> (the figure shows the last good case)</span>")
-        self.last_ok = False
+        self.message.value, self.last_ok = error_html(e), False
         return False
 
     def redraw(self) -> bool:
         """Read controls, compute, render into the Image. False (and a visible message, the
         previous figure, data and status kept) when the input is invalid or the run fails."""
-        t0 = time.perf_counter()
-        try:
-            p = self.read_params()
-        except Exception as e:  # noqa: BLE001 - any failure becomes a message, never a traceback
-            return self._error(e)
-        self._set_busy(True)
-        try:
-            data = playground_data(p, self.cache)
-            fig = render_playground(data, self.figure)
-            png = figure_png(fig)
-        except Exception as e:  # noqa: BLE001
-            if self.last_data is not None and self.figure is not None:
-                render_playground(self.last_data, self.figure)  # the figure object matches the screen again
+        with self._redraw:   # one redraw at a time: a worker's and set()'s
+            t0 = time.perf_counter()
+            try:
+                p = self.read_params()
+            except Exception as e:  # noqa: BLE001 - any failure becomes a message, never a traceback
+                return self._error(e)
+            self._set_busy(True)
+            try:
+                data = playground_data(p, self.cache)
+                fig = render_playground(data, self.figure)
+                png = figure_png(fig)
+            except Exception as e:  # noqa: BLE001
+                if self.last_data is not None and self.figure is not None:
+                    render_playground(self.last_data, self.figure)  # the figure object matches the screen again
+                self._set_busy(False)
+                return self._error(e)
+            self.params, self.last_data, self.figure = data["params"], data, fig
+            self._sync(data["params"])
+            # image, table and status change together: the status always describes the figure shown
+            self.image.value, self.table.value = png, table_html(data["table"])
+            self.redraws, self.last_ok, self.last_redraw_s = self.redraws + 1, True, time.perf_counter() - t0
+            self.status.value, self.message.value = status_html(data, self.last_redraw_s), ""
             self._set_busy(False)
-            return self._error(e)
-        self.params, self.last_data, self.figure = p, data, fig
-        self._sync_nan_map(p)
-        # image, table and status change together: the status always describes the figure shown
-        self.image.value = png
-        self.table.value = _table_html(data["table"])
-        self.redraws += 1
-        self.last_ok = True
-        self.last_redraw_s = time.perf_counter() - t0
-        self.status.value = (f"<span style='color:#2b8a3e'>backend <b>{data['backend']}</b> | {_esc(data['case'])}"
-                             f" | {_esc(_poison_words(p))} | redraw {self.last_redraw_s:.2f} s</span>")
-        self.message.value = ""
-        self._set_busy(False)
-        return True
+            return True
 
     def set(self, **values) -> bool:
         """Change controls programmatically (names as in `controls` or a fix toggle), as a user
-        would: each change redraws. -> whether the last redraw succeeded. A value a control
-        cannot hold becomes a message naming the control, never a traceback."""
+        would, then redraw once -> whether that redraw succeeded. A value a control cannot hold
+        becomes a message naming the control, never a traceback."""
         import traitlets
 
-        for k, v in values.items():
-            w = self.controls.get(k) or self.toggles.get(k)
-            if w is None:
-                raise KeyError(f"no control {k!r}; have {list(self.controls) + list(self.toggles)}")
-            if k in ("seed", "dims") and not isinstance(v, str):
-                v = str(v) if k == "seed" else ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
-            try:
-                w.value = v
-            except traitlets.TraitError:
-                return self._error(f"{k}: {v!r} is not a valid value "
-                                   f"({'one of ' + str(tuple(w.options)) if hasattr(w, 'options') else type(v).__name__})")
-        return self.last_ok
+        import threading
+
+        self.wait()
+        self._syncing = threading.get_ident()   # one redraw for all the values, below
+        try:
+            for k, v in values.items():
+                w = self.controls.get(k) or self.toggles.get(k)
+                if w is None:
+                    raise KeyError(f"no control {k!r}; have {list(self.controls) + list(self.toggles)}")
+                if k in ("seed", "dims") and not isinstance(v, str):
+                    v = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+                try:
+                    w.value = v
+                except traitlets.TraitError:
+                    allowed = f"one of {tuple(w.options)}" if hasattr(w, "options") else type(v).__name__
+                    return self._error(f"{k}: {v!r} is not a valid value ({allowed})")
+        finally:
+            self._syncing = None
+        return self.redraw()
 
     def export(self, name: str | None = None) -> list:
         """Write the figure on screen (PNG, SVG, PDF) to figures_dir() (or out_dir), its name and
@@ -594,12 +703,6 @@ def _poison_words(p: Params) -> str:
 
 def _esc(x) -> str:
     return html.escape(str(x))
-
-
-def _table_html(table) -> str:
-    t = table.copy()
-    t["nan_dims"] = t["nan_dims"].map(lambda d: ",".join(map(str, d[:12])) + ("..." if len(d) > 12 else ""))
-    return t.to_html(float_format=lambda v: f"{v:.2e}", na_rep="NaN in output")
 
 
 def playground(**params) -> Playground:

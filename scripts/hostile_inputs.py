@@ -3,7 +3,9 @@
     python scripts/hostile_inputs.py                    # the qsa_lab on sys.path
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/hostile_inputs.py
 
-Surfaces: the CLI (`qsa_lab.cli.main`, in-process), the Python API, and loading saved files.
+Surfaces: the CLI (`qsa_lab.cli.main`, in-process), the Python API (case building, poison,
+routes, analysis, canary, export, the playground widget and the notebooks' backend switch),
+and loading saved files (corrupt, torn, contradicting their metadata).
 Each probe runs in a forked child with a time limit and a cap on its address space, so a
 hang or a memory bomb costs seconds, not the machine. Outcomes:
 
@@ -314,11 +316,29 @@ def load_probes(d: Path) -> list[Probe]:
         put(f"header mutation {i}", bytes(b))
     for i in range(10):   # random truncations
         put(f"truncation {i}", blob[:int(torch.randint(0, len(blob), (1,), generator=rng))])
+    # metadata that contradicts the tensors, signed again (a forgery) or unsigned (an older file): refused
+    meta = json.loads(dict(__import__("safetensors").safe_open(str(good), framework="pt").metadata())["geometry"])
+    poison = json.loads(dict(__import__("safetensors").safe_open(str(good), framework="pt").metadata())["poison"])
+    for name, m in {"geometry seed 12345": {"geometry": json.dumps({**meta, "seed": 12345})},
+                    "poison site x": {"poison": json.dumps({**poison, "site": "x"})},
+                    "poison site random": {"poison": json.dumps({**poison, "site": "random"})},
+                    "poison dims contradict": {"poison": json.dumps({**poison, "dims": [7]})}}.items():
+        for signed in (True, False):
+            f = rewrite(good, d / f"{name} {signed}.safetensors", meta={**m, "checksum": None})
+            if signed:
+                f.write_bytes(qio.sign(f.read_bytes()))
+            files[f"{name}, {'re-signed' if signed else 'no checksum'}"] = f
+    other = d / "other.safetensors"
+    main(["diff", *TINY, "--poison", "random", "--poison-seed", "5", "--save", str(other)])
+    ob = other.read_bytes()
+    for cut in (len(blob) // 3, len(blob) // 2, len(blob) - 40):   # what a reader sees while the file is rewritten
+        put(f"torn at {cut}", ob[:cut] + blob[cut:])
     P = [cli(["diff", "--load", str(p), "--backend", "emulate"], "--load") for p in files.values()]
     for pr, name in zip(P, files):
         pr.surface, pr.name = "load", f"--load <{name}>"
-    # a valid file whose outputs were tampered with: the replay must say so (exit 1)
+    # a valid file whose outputs differ from this machine's (signed after the edit): the replay says so (exit 1)
     t = rewrite(good, d / "tampered.safetensors", add={"out.grouped": torch.zeros(8, 6, 16, dtype=torch.float16)})
+    t.write_bytes(qio.sign(t.read_bytes()))
     pr = cli(["diff", "--load", str(t), "--backend", "emulate"], None)
     pr.surface, pr.name = "load", "--load <tampered outputs> (replay differs)"
     P.append(pr)
@@ -442,6 +462,126 @@ def api_probes(d: Path) -> list[Probe]:
     (d / "exp" / "f.png").write_bytes(b"mine")
     P.append(api("export_figure(over an existing user PNG)", lambda: export_figure(fig(), "f", out_dir=d / "exp")
                  and None, None, expect_ok=True, user_file=(d / "exp" / "f.png", b"mine")))
+    P += analysis_probes(case, d)
+    P += widget_probes()
+    return P
+
+
+def analysis_probes(case, d: Path) -> list[Probe]:
+    """The analysis functions, devices, scales, block tables, the query poison, canary dims, export names."""
+    from qsa_lab import analysis
+    from qsa_lab.plan import plan_groups
+
+    P = []
+    res = run_routes(apply_poison(case, "targeted", dims=[3]), backend="emulate")
+    xqa_only = run_routes(case, routes=["xqa"], backend="emulate")
+    out, ref = res.outputs["xqa"], res.reference64
+    for name, fn, needle in [
+        ("fingerprint(result without a grouped route)", lambda: analysis.fingerprint(xqa_only), "route"),
+        ("fingerprint(route='magic')", lambda: analysis.fingerprint(res, "magic"), "route"),
+        ("attribute(result without a grouped route)", lambda: analysis.attribute(xqa_only), "route"),
+        ("attribute(route=None)", lambda: analysis.attribute(res, None), "route"),
+        ("attribute(not a result)", lambda: analysis.attribute({"grouped": out}), "result"),
+        ("within_tolerance(kv_dtype='int8')", lambda: analysis.within_tolerance(out, ref, "int8"), "kv_dtype"),
+        ("within_tolerance(mismatched shapes)", lambda: analysis.within_tolerance(out[:1], ref, "e4m3"), "ref"),
+        ("max_abs_diff(mismatched shapes)", lambda: analysis.max_abs_diff(out, out[:, :2]), "b"),
+        ("max_abs_diff(a list)", lambda: analysis.max_abs_diff([1], out), "a"),
+        ("build_case(device='tpu')", lambda: build_case(TINY_G, device="tpu"), "device"),
+        ("build_case(device=3.5)", lambda: build_case(TINY_G, device=3.5), "device"),
+        ("apply_poison(case on the meta device)", lambda: apply_poison(case.to("meta"), "targeted"), "device"),
+        ("predict_nan(plan of another case)",
+         lambda: analysis.predict_nan(case, plan_groups(build_case(TINY_G.replace(seed=1)))), "plan"),
+        ("predict_nan(variant='fastest')", lambda: analysis.predict_nan(case, plan_groups(case), "fastest"), "variant"),
+        ("predict_nan(variant='pad_fix')", lambda: analysis.predict_nan(case, plan_groups(case), "pad_fix"),
+         "variant"),
+        ("run_routes(routes=['xqa', 'xqa'])", lambda: run_routes(case, routes=["xqa", "xqa"], backend="emulate"),
+         "routes"),
+    ]:
+        P.append(api(name, lambda fn=fn: fn() and None, needle))
+    if not torch.cuda.is_available():
+        P.append(api("build_case(device='cuda') without CUDA", lambda: build_case(TINY_G, device="cuda") and None,
+                     "device"))
+    import dataclasses
+
+    bt = case.block_table.clone()
+    bt[0, 1] = bt[0, 0]
+    for name, change, needle in [
+        ("block table: two logical pages on one physical page", dict(block_table=bt), "block_table"),
+        ("positions beyond seq_len", dict(positions=case.positions + 3), "positions"),
+        ("v_scale=1e300", dict(v_scale=1e300), "v_scale"), ("v_scale=1e6", dict(v_scale=1e6), "v_scale"),
+        ("k_scale=1e300", dict(k_scale=1e300), "k_scale"), ("k_scale=1e-300", dict(k_scale=1e-300), "k_scale"),
+    ]:
+        bad = dataclasses.replace(case, **change)
+        P.append(api(f"run_routes({name})", lambda bad=bad: run_routes(bad, backend="emulate") and None, needle))
+
+    def nan_query_warned():
+        import warnings
+
+        q = case.q.clone()
+        q[0, 0, 0] = float("nan")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            r = run_routes(dataclasses.replace(case, q=q), backend="emulate")
+        hidden = bool(torch.isnan(r.outputs["xqa"][0]).any()) and not bool(torch.isnan(r.outputs["grouped"][0]).any())
+        return {"differs": hidden and not any("q: rows" in str(x.message) for x in w)}
+    P.append(api("a NaN in q no poison explains (warned)", nan_query_warned, None, expect_ok=True))
+
+    def query_site_predicted():
+        qc = apply_poison(build_case(TINY_G.replace(rows=11)), "query", dims=[2])
+        r = run_routes(qc, backend="emulate")
+        return {"differs": not torch.equal(analysis.predict_nan(qc, r.plan), torch.isnan(r.outputs["grouped"]))
+                or int(torch.isnan(r.outputs["xqa"]).sum()) != 11 * 6 * 16}
+    P.append(api("poison site 'query': XQA NaN, grouped rows predicted", query_site_predicted, None,
+                 expect_ok=True))
+    from qsa_lab.canary import run_canary
+
+    for v in ["12", [5.9], [True], ["3"], [99]]:
+        P.append(api(f"run_canary(dims={v!r})", lambda v=v: run_canary(["qsa:xqa"], regions=["null-block"],
+                                                                         payloads=["nan"], backend="emulate",
+                                                                         dims=v) and None, "dims"))
+    from qsa_lab.export import export_figure
+
+    def fig():
+        from matplotlib.figure import Figure
+        f = Figure(figsize=(2, 2))
+        f.add_subplot().plot([0, 1])
+        return f
+    (d / "names").mkdir()
+    for v in ["..", ".", ".hidden", "a/b", None]:
+        P.append(api(f"export_figure(name={v!r})", lambda v=v: export_figure(fig(), v, out_dir=d / "names")
+                     and None, "name"))
+    P.append(api("export_figure(...) leaves no hidden file", lambda: {"differs": any(
+        p.name.startswith(".") for p in (d / "names").iterdir())}, None, expect_ok=True))
+    return P
+
+
+def widget_probes() -> list[Probe]:
+    """The playground and the notebooks' backend switch."""
+    from qsa_lab.inputs import notebook_backend
+    from qsa_lab.widgets import Params, Playground
+
+    P = []
+    for kw, needle in [(dict(preset="bogus"), "preset"), (dict(site="x"), "site"), (dict(plane="q"), "plane"),
+                       (dict(kv_dtype="int8"), "kv_dtype"), (dict(backend="CUDA"), "backend"),
+                       (dict(dims=("a",)), "dims"), (dict(dims=(999,)), "dims"), (dict(seed=-1), "seed"),
+                       (dict(fixes=("magic",)), "fixes"), (dict(nan_map="reference?"), "nan_map"),
+                       (dict(site="stale-tail"), "site")]:
+        P.append(api(f"Playground(Params({kw}))", lambda kw=kw: Playground(Params(**kw)) and None, needle))
+    P.append(api("Playground('not params')", lambda: Playground("x") and None, "params"))
+
+    def set_bad(**values):
+        def fn():
+            pg = Playground(Params(backend="emulate"))
+            if not pg.set(**values):
+                raise ValueError(__import__("re").sub("<[^>]+>", "", pg.message.value))
+            return {"differs": True}
+        return fn
+    for values, needle in [(dict(site="bogus"), "site"), (dict(dims="1,x"), "dims"), (dict(seed="-3"), "seed"),
+                           (dict(geometry="bogus"), "geometry")]:
+        P.append(api(f"Playground.set({values})", set_bad(**values), needle))
+    for v in ["bogus", "", "CUDA"] + ([] if torch.cuda.is_available() else ["cuda"]):
+        P.append(api(f"QSA_LAB_BACKEND={v!r} in a notebook -> emulation",
+                     lambda v=v: {"differs": notebook_backend(v) != "emulate"}, None, expect_ok=True))
     return P
 
 

@@ -1,11 +1,26 @@
-# Jupyter config that `make lab` passes with --config: the project's notebooks (NN_*.ipynb) are
-# saved without outputs, execution counts or widget state, so using them never breaks
-# `make test` (tests/test_notebooks.py checks the committed files are clean).
+# Jupyter config that `make lab` passes with --config: the project's notebooks (the committed
+# NN_*.ipynb, scripts/strip_outputs.py PROJECT_NOTEBOOKS) are saved without outputs, execution
+# counts or widget state and with their committed metadata, so using them never shows them
+# modified in git nor breaks `make test` (tests/test_notebooks.py checks the committed files).
+# A notebook of your own, a -Copy1 included, is saved as is.
+#
+# The hook is registered by a contents manager of our own rather than through the
+# pre_save_hook option: Jupyter applies this file twice, and setting that option a second time
+# prints "Overriding existing pre_save_hook".
 import sys
 from pathlib import Path
+
+from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from strip_outputs import pre_save  # noqa: E402
 
+
+class StrippingContentsManager(AsyncLargeFileManager):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.register_pre_save_hook(pre_save)
+
+
 c = get_config()  # noqa: F821 - provided by the Jupyter config loader
-c.FileContentsManager.pre_save_hook = pre_save
+c.ServerApp.contents_manager_class = StrippingContentsManager

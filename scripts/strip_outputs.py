@@ -1,46 +1,65 @@
-"""Strip outputs, execution counts and saved widget state from the project's notebooks.
+"""Strip outputs, execution counts and saved widget state from the project's notebooks, and
+normalise the metadata that opening and saving in Jupyter rewrites (kernelspec, language_info,
+cell UI state), so that using a notebook never shows it modified in git.
 
-    python scripts/strip_outputs.py notebooks/0*.ipynb     # what `make strip` runs
+    python scripts/strip_outputs.py            # what `make strip` runs: the project's notebooks
+    python scripts/strip_outputs.py PATH ...   # those of PATHs that are the project's notebooks
 
-`make lab` strips the same way on every save (scripts/jupyter_lab_config.py), so the
-committed notebooks stay output-free however they are used.
+`make lab` does the same on every save (scripts/jupyter_lab_config.py). Only the project's own
+notebooks (PROJECT_NOTEBOOKS, in notebooks/) are touched: a notebook of your own, including a
+copy such as `02_reproduce_the_grouped_nan-Copy1.ipynb`, keeps its outputs and metadata.
 """
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
-#: the committed notebooks: NN_name.ipynb (a notebook of your own keeps its outputs)
-PROJECT_NOTEBOOK = re.compile(r"\d\d_[^/]*\.ipynb")
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+#: the committed notebooks (tests/test_notebooks.py checks this list against notebooks/)
+PROJECT_NOTEBOOKS = ("01_e4m3_and_the_null_block.ipynb", "02_reproduce_the_grouped_nan.ipynb",
+                     "03_poison_playground.ipynb", "04_confirm_the_fix.ipynb", "05_fix_overhead.ipynb",
+                     "06_canary_any_kernel.ipynb")
+#: the notebook metadata as committed; Jupyter rewrites both on opening ("Python 3 (ipykernel)",
+#: the running Python's version, codemirror mode, ...)
+METADATA = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+            "language_info": {"name": "python"}}
+#: cell metadata the JupyterLab UI writes (scroll, collapse and timing state)
+UI_CELL_KEYS = ("collapsed", "scrolled", "execution", "jupyter", "trusted")
+
+
+def is_project_notebook(path) -> bool:
+    return Path(path).name in PROJECT_NOTEBOOKS
 
 
 def strip(nb: dict) -> bool:
     """Strip `nb` (nbformat JSON as dicts) in place -> whether anything changed."""
-    changed = False
+    before = json.dumps(nb, sort_keys=True)
     for cell in nb.get("cells", []):
         if cell.get("cell_type") == "code":
-            if cell.get("outputs") or cell.get("execution_count") is not None:
-                changed = True
             cell["outputs"], cell["execution_count"] = [], None
-    if "widgets" in nb.get("metadata", {}):
-        del nb["metadata"]["widgets"]
-        changed = True
-    return changed
+        for key in UI_CELL_KEYS:
+            cell.get("metadata", {}).pop(key, None)
+    nb["metadata"] = json.loads(json.dumps(METADATA))   # widget state and kernel details go too
+    return json.dumps(nb, sort_keys=True) != before
 
 
 def pre_save(model, path, **kwargs):
     """Jupyter ContentsManager pre-save hook: strip the project's notebooks before they are written."""
-    if model.get("type") == "notebook" and PROJECT_NOTEBOOK.fullmatch(Path(path).name):
+    if model.get("type") == "notebook" and is_project_notebook(path):
         strip(model["content"])
 
 
 def main(paths) -> int:
-    for p in map(Path, paths):
+    paths = [Path(p) for p in paths] or [NOTEBOOKS / n for n in PROJECT_NOTEBOOKS]
+    for p in paths:
+        if not is_project_notebook(p):
+            print(f"kept {p} (not one of the project's notebooks)")
+            continue
         nb = json.loads(p.read_text())
         if strip(nb):
-            p.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+            # as Jupyter writes it (nbformat.write): sorted keys, indent 1, a final newline
+            p.write_text(json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
             print(f"stripped {p}")
     return 0
 

@@ -57,9 +57,14 @@ def test_save_then_load_replays_bit_identically(tmp_path, capsys):
     tensors["out.grouped"] = torch.zeros_like(tensors["out.grouped"])
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-    save_file(tensors, str(tmp_path / "tampered.safetensors"), metadata=meta)
+    tampered = tmp_path / "tampered.safetensors"
+    save_file(tensors, str(tampered), metadata=meta)
     capsys.readouterr()
-    assert main(["diff", "--load", str(tmp_path / "tampered.safetensors"), "--backend", "emulate"]) == 1
+    # ... as an edit that the checksum catches (exit 2), and once re-signed as a replay that differs (exit 1)
+    assert main(["diff", "--load", str(tampered), "--backend", "emulate"]) == 2
+    assert "checksum mismatch" in capsys.readouterr().err
+    tampered.write_bytes(io.sign(tampered.read_bytes()))
+    assert main(["diff", "--load", str(tampered), "--backend", "emulate"]) == 1
     assert "DIFFERS on ['grouped']" in capsys.readouterr().out
 
 

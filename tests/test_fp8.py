@@ -72,3 +72,23 @@ def test_code_table_and_rates():
         fp8.decode(CODES, "e3m4")
     with pytest.raises(TypeError, match="uint8"):
         fp8.decode(CODES.int(), "e4m3")
+
+
+@pytest.mark.parametrize("fmt", fp8.FORMATS)
+def test_fast_encode_equals_search_encode(fmt):
+    """encode's torch-cast path gives encode_search's codes: every float16 and bfloat16 value,
+    and every float32 rounding decision (each 16-bit prefix with the low bits that sit on and
+    either side of a midpoint between codes), plus random float32 bit patterns."""
+    assert fp8._cast_agrees(fmt)
+    every16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for dt in (torch.float16, torch.bfloat16):
+        x = every16.view(dt)
+        assert torch.equal(fp8.encode(x, fmt), fp8.encode_search(x, fmt)), dt
+    prefix = torch.arange(65536, dtype=torch.int64) << 16
+    low = torch.tensor([0, 1, 2, 0x7FFF, 0x8000, 0x8001, 0xFFFE, 0xFFFF])
+    pattern = (prefix.unsqueeze(1) | low).flatten()
+    gen = torch.Generator().manual_seed(1)
+    pattern = torch.cat([pattern, torch.randint(0, 1 << 32, (1 << 20,), generator=gen, dtype=torch.int64)])
+    x = (pattern - ((pattern >> 31) << 32)).to(torch.int32).view(torch.float32)
+    assert torch.equal(fp8.encode(x, fmt), fp8.encode_search(x, fmt))
+    assert torch.equal(fp8.encode(fp8.rounding_boundaries(fmt), fmt), fp8.encode_search(fp8.rounding_boundaries(fmt), fmt))

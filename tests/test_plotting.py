@@ -71,10 +71,10 @@ def test_page_bytes_and_attribution(result):
 
 
 def test_page_byte_maps_every_site():
-    maps = figdata.page_byte_maps()
+    maps = figdata.page_byte_maps(sites=q.poison.SITES)
     assert [m["site"] for m in maps] == list(q.poison.SITES)
     by = {m["site"]: m for m in maps}
-    assert by["zeros"]["nan_bytes"] == 0 and by["targeted"]["nan_bytes"] == 20
+    assert by["zeros"]["nan_bytes"] == 0 and by["none"]["nan_bytes"] == 0 and by["targeted"]["nan_bytes"] == 20
     assert by["stale-tail"]["page"] != 0 and by["stale-tail"]["nan_bytes"] > 0
 
 
@@ -103,7 +103,15 @@ def test_repro_table_and_bench_figures():
     table, _ = run_repro(backend="emulate", cases=REPRO_CASES[:1], progress=False, repeat=False,
                          geometry_overrides=dict(context=512, topk=32))
     ax = plotting.plot_repro_table(table, ax=new_ax())
-    assert ax.tables and "480" in [c.get_text().get_text() for c in ax.tables[0].get_celld().values()]
+    cells = ax.tables[0].get_celld()
+    header = [cells[0, j].get_text().get_text() for j in range(max(j for _, j in cells) + 1)]
+    assert header[2] == "reference" and "expected to differ" in header and "as expected" in header
+    row = {h: cells[1, j] for j, h in enumerate(header)}
+    assert row["grouped"].get_text().get_text() == "480" and row["expected to differ"].get_text().get_text() == "grp"
+    # the unfixed route differs as predicted (yellow), the fixes equal the reference (green)
+    assert mcolors.to_hex(row["grouped"].get_facecolor()) == plotting.EXPECTED_DIFF_COLOR
+    assert mcolors.to_hex(row["fix A"].get_facecolor()) == plotting.SAME_COLOR
+    assert row["as expected"].get_text().get_text() == "yes"
     df, meta = figdata.bench_frame([{"variant": "grouped", "context": 8192, "rows": 16, "median_ms": 0.19,
                                      "ratio_to_unfixed": 1.0},
                                     {"variant": "grouped+kernel_fix", "context": 8192, "rows": 16,
@@ -123,7 +131,11 @@ def test_export_metadata_and_no_silent_overwrite(tmp_path):
     assert m["case"] == "rows 19 test" and m["backend"] == "emulate" and m["gpu"] and \
         m["qsa_lab_version"] == q.__version__
     assert "rows 19 test" in first[1].read_text() and b"rows 19 test" in first[2].read_bytes()
-    second = export_figure(fig, "demo", meta, out_dir=tmp_path)
+    assert export_figure(fig, "demo", meta, out_dir=tmp_path) == first     # the same bytes: no copy
+    assert len(list(tmp_path.iterdir())) == 3
+    assert len(m["git_commit"]) >= 40 and len(m["csrc_sha256"]) == 16    # which code drew it
+    fig.axes[0].plot([1, 0])
+    second = export_figure(fig, "demo", meta, out_dir=tmp_path)       # a different figure: numbered
     assert [p.name for p in second] == ["demo-1.png", "demo-1.svg", "demo-1.pdf"]
     before = first[0].stat().st_mtime_ns
     third = export_figure(fig, "demo", meta, out_dir=tmp_path, overwrite=True)
@@ -143,8 +155,86 @@ def test_write_repro_figures(tmp_path):
     stems = {p.stem for p in paths}
     assert {"01_e4m3_code_table", "01_fp16_byte_nan_rates", "01_page0_byte_maps", "02_plan", "02_nan_maps",
             "02_attribution", "02_routes", "03_playground_default", "04_repro_table",
-            "04_stale_tail_routes"} <= stems
+            "04_stale_tail_routes", "05_fix_cost"} <= stems
     assert all(p.exists() for p in paths) and len(paths) == 3 * len(stems)
+    meta = read_png_meta(tmp_path / "05_fix_cost.png")
+    assert "committed NVIDIA H200 run, data/bench_h200.json" in meta["timings_from"] and meta["git_commit"]
+    # one folder, and a second run leaves no numbered copies
+    assert write_repro_figures(results, tmp_path, table=table) == paths
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
+
+
+def overlapping_texts(fig) -> list:
+    """Pairs of visible texts of `fig` whose boxes overlap (each legend counts as one box)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.legend import Legend
+    from matplotlib.text import Text
+
+    FigureCanvasAgg(fig).draw()
+    r = fig.canvas.get_renderer()
+    legends = fig.findobj(Legend)
+    inside = {id(t) for lg in legends for t in lg.findobj(Text)}
+    ticks, drawn = set(), set()   # tick labels exist beyond the view limits too; only drawn ones count
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                ticks |= {id(tick.label1), id(tick.label2)}
+            for tick in axis._update_ticks():
+                drawn |= {id(tick.label1), id(tick.label2)}
+    boxes = [(t.get_text(), t.get_window_extent(r)) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and id(t) not in inside
+             and (id(t) not in ticks or id(t) in drawn)]
+    boxes += [("<legend>", lg.get_window_extent(r)) for lg in legends]
+    return [(a, b) for i, (a, x) in enumerate(boxes) for b, y in boxes[i + 1:]
+            if x.overlaps(y) and x.width and y.width]
+
+
+def test_fix_cost_figure_says_what_it_asks_and_labels_do_not_overlap():
+    from qsa_lab.figures import fix_cost_figure
+
+    fig, meta = fix_cost_figure()
+    assert overlapping_texts(fig) == []
+    per_tile, ratio, upstream = fig.axes[:3]
+    labels = [t.get_text() for t in per_tile.get_yticklabels()]
+    assert labels == ["unfixed", "fix A (kernel)", "fix B (pad)", "fix A+B", "fix C (masked load)"][::-1] or \
+        labels == ["unfixed", "fix A (kernel)", "fix B (pad)", "fix A+B", "fix C (masked load)"]
+    texts = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert "×1.055" in texts and "(+0.19)" in texts and "3.49 µs" in texts         # ratio and µs per tile
+    assert any(abs(line.get_xdata()[0] - 1.246) < 1e-9 for line in ratio.lines)    # the report's V100 ratio
+    assert "×1.25" in texts and "V100" in texts
+    assert "×1.040 (+0.32 µs)" in texts and "×1.073 (+0.25 µs)" in texts            # upstream beside ours
+    assert "committed NVIDIA H200 run" in fig._suptitle.get_text() and "H200" in meta["timings_from"]
+    for ax in fig.axes:                          # horizontal bars: no rotated label anywhere
+        assert all(t.get_rotation() == 0 for t in ax.get_xticklabels() + ax.get_yticklabels() + ax.texts)
+
+
+def test_bench_sweep_figure_is_readable():
+    df, meta = figdata.load_bench()
+    ax = plotting.plot_bench((df, meta), ax=Figure(figsize=(10, 4.5)).add_subplot())
+    assert ax.get_yscale() == "log" and not ax.texts and overlapping_texts(ax.figure) == []
+
+
+def test_page_byte_maps_show_the_page_each_site_writes():
+    maps = figdata.page_byte_maps()
+    assert [m["site"] for m in maps] == list(figdata.BYTE_MAP_SITES) and all(m["nan_bytes"] for m in maps)
+    by = {m["site"]: m for m in maps}
+    assert by["targeted"]["page"] == 0 and by["targeted"]["nan_bytes"] == 20        # 5 dims x 4 tokens
+    assert by["attended-k"]["plane"] == "k" and by["attended-k"]["page"] != 0
+    assert "most-attended" in by["attended-v"]["what"] and "null block" not in by["attended-v"]["what"]
+    fig = Figure(figsize=(15, 7.5), layout="constrained")
+    for d, ax in zip(maps, fig.subplots(3, 2).flat):
+        plotting.plot_page_bytes(d, ax=ax)
+    assert all(ax.get_title().startswith(f"site {m['site']}: page {m['page']} (") for m, ax in zip(maps, fig.axes))
+    assert fig.get_size_inches()[1] * 150 < 1200                                    # not 3120 px tall
+
+
+def test_nan_map_has_a_colour_bar_and_dim_ticks_fit_small_heads(result):
+    ax = plotting.plot_nan_map(figdata.nan_map(result, "grouped"), ax=Figure(figsize=(11, 5)).add_subplot())
+    cbar = [a for a in ax.child_axes if "|output|" in a.get_ylabel()]
+    assert cbar and ax.get_legend() is not None
+    ax = Figure().add_subplot()
+    plotting._dim_axis(ax, 16)
+    assert list(ax.get_xticks()) == list(range(16))                                 # not just 0 and 8
 
 
 def _label_boxes(ax):

@@ -104,15 +104,84 @@ def test_figure_is_replaced_in_place_and_fills_the_width(pg):
 
 
 def test_busy_state_shows_and_clears(pg):
+    """Dimmed and 'computing' while a redraw runs; the controls stay live (a disabled control
+    drops the clicks made during a redraw; they are coalesced instead, see below)."""
     seen = []
     pg.controls["site"].observe(lambda c: seen.append(("disabled", c["new"])), names="disabled")
     pg.widget.observe(lambda c: seen.append(("busy", "qsa-busy" in c["new"])), names="_dom_classes")
     pg.message.observe(lambda c: seen.append(("message", "computing" in c["new"])), names="value")
     assert pg.set(dims="11,12")
-    assert ("disabled", True) in seen and ("busy", True) in seen and ("message", True) in seen
-    assert seen.index(("disabled", True)) < seen.index(("disabled", False))
+    assert ("busy", True) in seen and ("message", True) in seen
+    assert seen.index(("busy", True)) < seen.index(("busy", False))
+    assert ("disabled", True) not in seen
     assert not pg.busy and not pg.controls["site"].disabled and "qsa-busy" not in pg.widget._dom_classes
     assert "computing" not in pg.message.value
+
+
+def test_changes_during_a_redraw_coalesce_to_the_latest_value(monkeypatch):
+    """Clicks that arrive while a redraw runs (in a worker thread, as in a kernel) are neither
+    dropped nor replayed one by one: one more redraw follows, with the controls' latest values."""
+    import threading
+
+    pg = W.Playground(cache=CACHE, background=True)
+    assert pg.redraws == 1
+    gate, entered = threading.Event(), threading.Event()
+    real = W.playground_data
+
+    def slow(p, cache=None):            # hold the first background redraw until all clicks are in
+        entered.set()
+        gate.wait(60)
+        return real(p, cache)
+
+    monkeypatch.setattr(W, "playground_data", slow)
+    pg.toggles["kernel_fix"].value = False          # a click: the worker starts and blocks in slow()
+    assert entered.wait(60)
+    for v in (True, False, True, False):            # four more clicks during that redraw
+        pg.toggles["kernel_fix"].value = v
+    pg.controls["dims"].value = "7"
+    gate.set()
+    assert pg.wait(120)
+    assert pg.requests == 6 and pg.redraws == 3     # the first redraw, the blocked one, one coalesced
+    assert pg.last_data["params"].fixes == ("pad_fix", "both_fixes", "masked_load")
+    assert pg.last_data["params"].dims == (7,) and "dims 7 |" in pg.status.value
+    assert "grouped+kernel_fix" not in pg.table.value
+
+
+def test_attended_k_view_shows_the_silent_drop(pg):
+    """attended-k: the grouped rows are finite where the reference is NaN, and the figure says so
+    (amber, not a solid red strip); the plane control shows the plane applied; no None."""
+    from qsa_lab.plotting import DROPPED_COLOR
+    import matplotlib.colors as mcolors
+
+    pg.set(plane="v")
+    assert pg.set(site="attended-k"), pg.message.value
+    p = pg.last_data["params"]
+    assert p.plane == "k" and pg.controls["plane"].value == "k" and pg.controls["plane"].disabled
+    t = pg.last_data["table"]
+    assert t.loc["reference", "nan_count"] > 0 and t.loc["xqa", "finite_where_ref_nan"] == 0
+    assert t.loc["grouped", "finite_where_ref_nan"] > 0 and t.loc["grouped", "nan_count"] < t.loc["xqa", "nan_count"]
+    assert "None" not in pg.table.value and "NaN in output" in pg.table.value
+    nm = pg.last_data["nan_map"]
+    groups = nm["groups"] * 8 * nm["q_heads"]
+    assert nm["dropped"][:groups].all() and not nm["dropped"][groups:].any()   # XQA rows: NaN, as the reference
+    rc = pg.last_data["routes"]
+    assert (rc["dropped_per_dim"][rc["routes"].index("grouped")] > 0).all()
+    img = pixels(pg.figure)[..., :3]
+    amber = np.array(mcolors.to_rgb(DROPPED_COLOR)) * 255
+    bottom = pg.figure.axes[1].get_window_extent()
+    h = img.shape[0]
+    strip = img[int(h - bottom.y1) + 2:int(h - bottom.y0) - 2, int(bottom.x0) + 2:int(bottom.x1) - 2]
+    share = (np.abs(strip.astype(float) - amber).sum(-1) < 30).mean()
+    assert share > 0.5, share                       # the grouped routes' strips are amber
+    pg.set(site="targeted")
+    assert not pg.controls["plane"].disabled and pg.last_data["params"].plane == "k"
+
+
+def test_report_3req_preset_uses_the_report_seed():
+    from qsa_lab.repro import CAUSAL3, CAUSAL3_SEED
+
+    name = next(n for n in W.PRESETS if n.startswith("3-req") and "8192" in n)
+    assert "report" in name and W.PRESETS[name] == CAUSAL3 and W.PRESETS[name].seed == CAUSAL3_SEED == 63
 
 
 def test_status_describes_only_the_case_drawn(pg):
@@ -200,15 +269,18 @@ def test_export_name_and_metadata_say_what_is_shown(pg, tmp_path):
     assert [p.suffix for p in paths] == [".png", ".svg", ".pdf"] and all(p.stat().st_size > 1000 for p in paths)
     assert all(p.is_absolute() for p in paths) and all(str(p) in pg.message.value for p in paths)
     stem = paths[0].stem
-    assert "targeted-v" in stem and "d7-168-170" in stem and "ps0" in stem and "ctx2048" in stem
+    assert "targeted-v" in stem and "d7-168-170" in stem and "_ps" not in stem and "ctx2048" in stem
     assert "gs0" in stem and "fixA+B+AB_" in stem and stem.endswith("emulate")
     meta = read_png_meta(paths[0])
     assert meta["backend"] == "emulate" and "rows 19" in meta["case"] and meta["qsa_lab_version"] and meta["gpu"]
-    assert meta["dims"] == "7,168,170" and meta["poison_seed"] == "0" and meta["site"] == "targeted"
+    assert meta["dims"] == "7,168,170" and meta["poison_seed"] == "" and meta["site"] == "targeted"
+    assert len(meta["git_commit"]) >= 40 and len(meta["csrc_sha256"]) == 16
     assert meta["plane"] == "v" and meta["geometry_seed"] == "0" and "context=2048" in meta["geometry"]
     assert meta["fixes"] == "kernel_fix,pad_fix,both_fixes" and "torch" in meta["versions"]
     assert "7,168,170" in paths[1].read_text() and b"poison_seed" in paths[2].read_bytes()
-    again = pg.export()
+    assert pg.export() == paths                    # the same figure again: the same files, no copy
+    pg.set(dims="7,168")
+    again = pg.export(name=stem)
     assert again[0] != paths[0] and again[0].stem.endswith("-1")       # never overwrites silently
     assert "exported" in pg.message.value
 

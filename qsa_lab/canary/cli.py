@@ -48,8 +48,7 @@ def _seconds(text: str) -> float:
 
 def add_parser(sub, parents=()):
     from ..cli import _int, _int_list, _overlap
-    from ..case import KV_DTYPES, LAYOUTS, SELECTIONS
-    from ..routes import BACKENDS
+    from ..geometry import BACKENDS, KV_DTYPES, LAYOUTS, SELECTIONS
 
     c = sub.add_parser("canary", parents=list(parents),
                        help="poison every byte a paged-attention call does not attend; which kernels leak",

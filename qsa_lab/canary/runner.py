@@ -19,7 +19,6 @@ A requested kernel with no clean-or-leak cell at all fails the run, it never pas
 from __future__ import annotations
 
 import json
-import operator
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..poison import PAYLOADS, payload_bits
+from ..poison import PAYLOADS, int_list, payload_bits
 from ..regions import REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of
 from .case import CanaryCase, as_canary_case, canary_case, load_case
 from .execution import DEFAULT_TIMEOUT, INPUTS, InProcess, Outcome, Worker
@@ -299,19 +298,10 @@ def _named(kernels) -> list:
 def _dims(dims, D: int):
     if dims is None:
         return None
-    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
-        raise TypeError(f"dims must be a list of ints, got {type(dims).__name__} {dims!r}")
-    out = []
-    for d in dims:
-        if isinstance(d, bool):
-            raise TypeError(f"dims must be a list of ints, got {d!r} in it")
-        try:
-            out.append(operator.index(d))
-        except TypeError:
-            raise TypeError(f"dims must be a list of ints, got {d!r} in it") from None
-    if not out or any(not 0 <= d < D for d in out):
-        raise ValueError(f"dims must be a non-empty list of head dims in [0, {D}), got {out}")
-    return out
+    dims = int_list(dims, "dims")  # '12' is not dims 1 and 2, nor 5.9 dim 5, nor True dim 1
+    if not dims or any(not 0 <= d < D for d in dims):
+        raise ValueError(f"dims must be a non-empty list of head dims in [0, {D}), got {dims}")
+    return dims
 
 
 def _case(case, kv_dtype, attend, geometry) -> CanaryCase:

@@ -12,24 +12,33 @@ result can be checked against its PyTorch twin:
 
 Build: torch.utils.cpp_extension.load on first use, TORCH_CUDA_ARCH_LIST set to the
 visible GPU's major.minor, into ~/.cache/qsa_lab/ext-<torch>-cu<cuda>-sm<arch>
-(override: QSA_LAB_BUILD_DIR), with -O3 -lineinfo and ptxas spill warnings.
+(override: QSA_LAB_BUILD_DIR), with -O3 -lineinfo and ptxas spill warnings. The sources come
+from qsa_lab.package_data (the installed copy, or the checkout's csrc/). A build says so on
+stderr before it starts (it takes a while), and a failed one names the compiler's first error.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+from .. import package_data
+
+CSRC = package_data.locate("csrc")  # the installed copy, or the checkout's csrc/
 SOURCES = ("bindings.cu",)
 HEADERS = ("fp8_decode.cuh", "grouped_page4.cuh", "xqa_page4.cuh")
 EXT_NAME = "qsa_lab_kernels"
 CUDA_FLAGS = ("-O3", "-lineinfo", "-Xptxas=-warn-spills")
 STALE_LOCK_S = 600  # a torch build lock older than this was left by a killed build
+# what a first build costs, announced before it starts: 92.6 s on an H200 (sm_90, nvcc 13.0,
+# 16 cores; data/gpu_check_h200.log, "build wall"); fewer cores take longer
+BUILD_ESTIMATE = "about 1.5 minutes on an H200, longer with fewer cores"
 
 KV_FORMATS = {"e4m3": 0, "e5m2": 1, "fp16": 2}
 # Kernel variants of the grouped forward (csrc/grouped_page4.cuh). early_v is not an
@@ -44,6 +53,7 @@ MAX_HEAD_DIM = 256
 
 _ext = None
 _error: str | None = None
+_first_error: str | None = None
 
 
 # ---------------------------------------------------------------- build and load
@@ -81,35 +91,78 @@ def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+_ERROR_WORD = re.compile(r"\b(error|fatal)\b", re.I)
+_NOT_A_COMPILER_LINE = ("[", "FAILED:", "ninja:", "Error building extension", "subprocess.CalledProcessError")
+
+
+def first_error(text: str) -> str:
+    """The compiler's first error line in a failed build's output (nvcc, ptxas, the host
+    compiler), not ninja's summary lines; else the output's last line."""
+    lines = [s.strip() for s in str(text).splitlines() if s.strip()]
+    for s in lines:
+        if _ERROR_WORD.search(s) and not s.startswith(_NOT_A_COMPILER_LINE):
+            return s
+    return lines[-1] if lines else "(no compiler output)"
+
+
+def missing_sources() -> list[str]:
+    """The kernel sources (csrc/) that are not where the package looks for them."""
+    return [n for n in SOURCES + HEADERS if not (CSRC / n).is_file()]
+
+
+def _needs_build(folder: Path) -> bool:
+    """No built library yet, or a source newer than it (torch rebuilds then)."""
+    lib = folder / f"{EXT_NAME}.so"
+    if not lib.is_file():
+        return True
+    built = lib.stat().st_mtime
+    return any((CSRC / n).stat().st_mtime > built for n in SOURCES + HEADERS if (CSRC / n).is_file())
+
+
 def load():
     """Build (first time) and import the extension. Raises RuntimeError with the reason."""
-    global _ext, _error
+    global _ext, _error, _first_error
     if _ext is not None:
         return _ext
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU visible: the compiled kernels need one; use backend='emulate'")
     if torch.version.cuda is None:
         raise RuntimeError("this torch is not a CUDA build; use backend='emulate'")
+    missing = missing_sources()
+    if missing:
+        _error = _first_error = (f"qsa_lab's kernel sources are missing from {CSRC} ({', '.join(missing)}): this "
+                                 "install is incomplete; reinstall it")
+        raise RuntimeError(_error)
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(folder)
     from torch.utils.cpp_extension import load as cpp_load
 
+    sm = "sm_" + _arch().replace(".", "")
+    building = _needs_build(folder)
+    if building:
+        print(f"qsa_lab: building the kernels for {sm} (first use, {BUILD_ESTIMATE}; cached in {folder})",
+              file=sys.stderr, flush=True)
+    start = time.monotonic()
     old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = _arch()
     try:
         _ext = cpp_load(name=EXT_NAME, sources=[str(CSRC / s) for s in SOURCES],
                         extra_include_paths=[str(CSRC)], extra_cflags=["-O3"],
                         extra_cuda_cflags=list(CUDA_FLAGS), build_directory=str(folder), verbose=False)
-        _error = None
-    except Exception as exc:  # the compiler's output is in the message: keep its tail
-        _error = f"building the qsa_lab kernels in {folder} failed:\n{_tail(str(exc))}"
+        _error = _first_error = None
+    except Exception as exc:  # the compiler's output is in the message: its first error, then its tail
+        _first_error = first_error(str(exc))
+        _error = (f"building the qsa_lab kernels for {sm} in {folder} failed: {_first_error}\n"
+                  f"{_tail(str(exc))}")
         raise RuntimeError(_error) from exc
     finally:
         if old_arch is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+    if building:
+        print(f"qsa_lab: kernels built for {sm} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return _ext
 
 
@@ -134,30 +187,51 @@ def _run(cmd) -> str:
         return f"unavailable ({exc})"
 
 
+def _torch_arch_list() -> list[str]:
+    """The archs this torch was compiled for, also when no GPU is usable (get_arch_list() is
+    empty then, which would hide 'this torch has no kernels for your GPU')."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_arch_list()
+    flags = getattr(torch._C, "_cuda_getArchFlags", lambda: None)() if torch.version.cuda else None
+    return flags.split() if flags else []
+
+
 def status() -> dict:
-    """What this machine can do, for `qsa-lab doctor`."""
+    """What this machine can do, for `qsa-lab doctor` (qsa_lab.doctor.verdict reads it)."""
     from torch.utils import cpp_extension
+
+    from ..doctor import describe_smi, nvidia_smi
 
     cuda_home = cpp_extension.CUDA_HOME
     nvcc = shutil.which("nvcc") or (str(Path(cuda_home) / "bin" / "nvcc") if cuda_home else None)
     host_cc = shutil.which(os.environ.get("CXX", "c++"))
+    nvcc_host = shutil.which(os.environ.get("CC", "gcc"))  # nvcc's host compiler: torch passes $CC as -ccbin
     gpu = torch.cuda.is_available()
+    smi = nvidia_smi()
     info = {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "cuda_available": gpu,
+        "nvidia_smi_sees": describe_smi(smi) or "no GPU (or no nvidia-smi)",
         "gpu": torch.cuda.get_device_name() if gpu else None,
         "capability": _arch() if gpu else None,
-        "torch_arch_list": torch.cuda.get_arch_list() if gpu else [],
+        "torch_arch_list": _torch_arch_list(),
         "build_arch_list": _arch() if gpu else None,
+        "kernel_sources": f"{CSRC} ({package_data.origin()})",
         "cuda_home": cuda_home,
         "nvcc": nvcc,
         "nvcc_version": _run([nvcc, "--version"]).splitlines()[-1] if nvcc and Path(nvcc).exists() else None,
         "host_compiler": host_cc,
         "host_compiler_version": _run([host_cc, "--version"]).splitlines()[0] if host_cc else None,
+        "nvcc_host_compiler": nvcc_host,
+        "nvcc_host_compiler_version": (_run([nvcc_host, "-dumpfullversion", "-dumpversion"])
+                                       if nvcc_host and "clang" not in Path(nvcc_host).name else None),
         "build_dir": str(build_dir()),
         "built": _ext is not None,
         "error": _error,
+        "build_error": _first_error,
+        "sources_missing": missing_sources(),
+        "nvidia_smi": smi,
     }
     try:
         from .nvrtc import find_toolkit

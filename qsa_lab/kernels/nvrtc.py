@@ -20,7 +20,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+from ..package_data import locate
+
+CSRC = locate("csrc")  # the installed copy, or the checkout's csrc/
 DEVICE_HEADERS = ("fp8_decode.cuh", "grouped_page4.cuh", "xqa_page4.cuh")
 
 FORMATS = ("qsa::kE4M3", "qsa::kE5M2", "qsa::kFP16")

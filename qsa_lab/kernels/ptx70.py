@@ -35,7 +35,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..package_data import checkout
+
+#: the checkout this tooling works on (None in an installed copy, which has no tests/ or benchmarks/)
+ROOT = checkout()
 ARCH = "compute_70"
 PTX_FILE = "qsa_lab_compute70.ptx"
 MANIFEST_FILE = "manifest.json"
@@ -56,9 +59,17 @@ class StaleError(RuntimeError):
 
 # ---------------------------------------------------------------- entry points
 
+def _checkout(root) -> Path:
+    if root is None:
+        raise ValueError("root: the PTX tooling works on a checkout of qsa_lab (this copy is installed); "
+                         "pass the checkout's folder")
+    return Path(root)
+
+
 def nvrtc_module(root: Path = ROOT):
     """`root`'s own qsa_lab/kernels/nvrtc.py (FORMATS, VARIANTS, instantiation_source),
     loaded by path so that a PTX for another checkout uses that checkout's lists."""
+    root = _checkout(root)
     path = Path(root) / "qsa_lab" / "kernels" / "nvrtc.py"
     if not path.is_file():
         raise ValueError(f"root: {root} holds no qsa_lab/kernels/nvrtc.py")
@@ -490,7 +501,7 @@ def mirror_structs(header: str, ptx: str, eps, lowered: dict) -> dict:
 
 def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) -> dict:
     """Compile every entry point of root/csrc for compute_70; write PTX + manifest to `out`."""
-    root, out = Path(root), Path(out)
+    root, out = _checkout(root), Path(out)
     nv = nvrtc_module(root)
     toolkit = toolkit or nv.find_toolkit()
     if toolkit is None:
@@ -544,7 +555,7 @@ def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) ->
 def read_folder(folder: Path, root: Path = ROOT) -> tuple[dict, str]:
     """(manifest, ptx) of `folder`, refused (StaleError) unless it was generated from the
     very csrc/ and nvrtc lists of `root` and the struct mirror still matches its PTX."""
-    folder = Path(folder)
+    folder, root = Path(folder), _checkout(root)
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
         ptx = (folder / PTX_FILE).read_text()

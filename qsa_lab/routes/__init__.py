@@ -7,14 +7,16 @@ the planner's groups through the grouped kernel and its remainder rows through X
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from ..case import Case, validate_case
+from ..case import Case, decoded_once, validate_case
+from ..geometry import BACKENDS
 from ..plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from . import emulate
-from .reference import reference_forward
+from .reference import reference_forward, reference_from_tokens
 
 #: grouped route -> (kernel variant, pad-fix applied to the plan)
 GROUPED = {
@@ -25,7 +27,6 @@ GROUPED = {
     "grouped+masked_load": ("masked_load", False),
 }
 ROUTES = ("reference", "xqa") + tuple(GROUPED)
-BACKENDS = ("auto", "emulate", "cuda")
 
 
 @dataclass
@@ -41,6 +42,22 @@ class RunResult:
 VARIANTS = tuple(dict.fromkeys(v for v, _ in GROUPED.values()))  # kernel variants: unfixed, kernel_fix, masked_load
 
 
+class NonFiniteQueryWarning(UserWarning):
+    """q holds NaN or Inf that no poison site put there (the grouped route hides it)."""
+
+
+def warn_nonfinite_query(case: Case) -> None:
+    """Warn when q is non-finite and the case's poison ('query') does not say so: the grouped
+    route returns such rows as 0 (its fmaxf softmax ignores NaN scores) where XQA and the
+    reference give NaN, so the route table alone would not show it."""
+    bad = ~torch.isfinite(case.q).flatten(1).all(dim=1)
+    if case.poison.get("site") != "query" and bool(bad.any()):
+        rows = torch.nonzero(bad).flatten().tolist()
+        warnings.warn(f"q: rows {rows[:8]}{' ...' if len(rows) > 8 else ''} hold NaN or Inf; the grouped route "
+                      "returns them as 0 (its softmax ignores NaN scores) where XQA and the reference give NaN",
+                      NonFiniteQueryWarning, stacklevel=3)
+
+
 def check_routes(routes) -> tuple:
     if isinstance(routes, str):  # a lone name would otherwise be read letter by letter
         routes = (routes,)
@@ -48,6 +65,9 @@ def check_routes(routes) -> tuple:
     bad = [r for r in routes if not isinstance(r, str) or r not in ROUTES]
     if bad:
         raise ValueError(f"routes: unknown route(s) {bad}; choose from {ROUTES}")
+    twice = sorted({r for r in routes if routes.count(r) > 1})
+    if twice:
+        raise ValueError(f"routes: {twice} named more than once")
     return routes
 
 
@@ -147,13 +167,15 @@ def xqa_output(case: Case, rows: torch.Tensor, impl) -> torch.Tensor:
 
 
 def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | None = None, *,
-               plan: GroupedPlan | None = None, progress: bool = False) -> RunResult:
+               plan: GroupedPlan | None = None, progress: bool = False, reference: bool = True) -> RunResult:
     """Run `case` through `routes` (default all). Outputs come back on the CPU.
 
     plan: the grouped plan before any fix, when the caller already has it (checked to belong
-    to this case); progress: a progress bar over the routes on stderr."""
+    to this case); progress: a progress bar over the routes on stderr; reference: compute the
+    float64 reference (`reference64`) even when the route 'reference' is not asked for."""
     routes = check_routes(routes)
     validate_case(case)
+    warn_nonfinite_query(case)
     backend = resolve_backend(backend, case.geometry)
     impl = backend_module(backend)
     dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
@@ -161,14 +183,20 @@ def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | N
     plan = plan_groups(run_case, grouping) if plan is None else check_plan(run_case, plan, grouping)
     fixed_plan = pad_fix(plan) if any(GROUPED.get(r, ("", False))[1] for r in routes) else None
     result = RunResult(case, backend, plan.to("cpu"))
-    ref = reference_forward(case)
-    result.reference64 = ref
-    all_rows = torch.arange(case.geometry.rows, device=dev)
     from tqdm import tqdm  # plain text on stderr: the CLI's long runs
 
-    for route in tqdm(routes, desc="routes", disable=not progress, file=sys.stderr):
+    bar = tqdm(routes, desc="routes", disable=not progress, file=sys.stderr)
+    if backend == "emulate":
+        with decoded_once(case.kv_cache, case.kv_format):  # every route reads this one decode
+            result.outputs, result.reference64 = _emulated(case, routes, plan, fixed_plan, reference, bar)
+        return result
+    if reference or "reference" in routes:
+        with decoded_once(case.kv_cache, case.kv_format):
+            result.reference64 = reference_forward(case)
+    all_rows = torch.arange(case.geometry.rows, device=dev)
+    for route in bar:
         if route == "reference":
-            out = ref.to(torch.float16)
+            out = result.reference64.to(torch.float16)
         elif route == "xqa":
             out = xqa_output(run_case, all_rows, impl)
         else:
@@ -176,3 +204,50 @@ def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | N
             out = grouped_output(run_case, fixed_plan if fixed else plan, variant, impl, checked=True)
         result.outputs[route] = out.cpu()
     return result
+
+
+def _emulated(case: Case, routes, plan: GroupedPlan, fixed_plan, reference: bool, bar):
+    """The emulation's routes -> (outputs, reference64), sharing what routes have in common, each
+    output bit for bit what its route gives alone: one gather of every row's tokens (reference
+    and XQA), one XQA run of the grouped routes' remainder rows, and one pass of the grouped
+    kernel for all its variants (grouped_forward_many: they share S, the softmax and the sums)."""
+    shared = {}
+
+    def all_tokens():  # XQA's partition padding included; the reference reads the first T slots
+        if "tokens" not in shared:
+            token_index, token_count = xqa_tokens(case)
+            T = token_index.shape[1]
+            K, V, valid = emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format,
+                                                width=emulate.xqa_width(T, case.kv_format))
+            shared["tokens"] = (K, V, valid), (K[:, :T], V[:, :T], valid[:, :T])
+        return shared["tokens"]
+
+    ref = reference_from_tokens(case, *all_tokens()[1]) if reference or "reference" in routes else None
+    grouped = [r for r in routes if r in GROUPED]
+    outputs = {}
+    for route in bar:
+        if route == "reference":
+            outputs[route] = ref.to(torch.float16)
+        elif route == "xqa":
+            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens()[0], case.k_scale, case.v_scale,
+                                                     kv_format=case.kv_format, sm_scale=case.sm_scale)
+        elif route not in outputs:  # the first grouped route: all of them at once
+            outputs.update(_emulated_grouped(case, grouped, plan, fixed_plan))
+    return {r: outputs[r] for r in routes}, ref
+
+
+def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan) -> dict:
+    outs = {r: torch.empty_like(case.q) for r in routes}
+    if plan.groups:
+        panels = [((fixed_plan if GROUPED[r][1] else plan).microblocks, GROUPED[r][0]) for r in routes]
+        many = emulate.grouped_forward_many(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+                                            panels, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                            sm_scale=case.sm_scale)
+        rows = plan.group_rows.flatten()
+        for r, (g, _) in zip(routes, many):
+            outs[r][rows] = g.reshape(-1, *case.q.shape[1:])
+    if plan.xqa_rows.numel():
+        rest = xqa_output(case, plan.xqa_rows, emulate)
+        for r in routes:
+            outs[r][plan.xqa_rows] = rest
+    return outs

@@ -55,23 +55,25 @@ def _check_variant(variant):
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len,
-                   kv_format, sm_scale, variant):
-    G, cap = microblocks.shape
+def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, kv_format, sm_scale):
+    """One chunk of groups through the grouped kernel, for several (microblocks, variant) at once.
+
+    What the variants share is computed once: they differ only in the panel rows that no query
+    of the group attends (padding entries repointed by fix B; rows zeroed by fix A / never
+    loaded by fix C), and those rows' scores are select-masked, so S, the maxima, P and the sums
+    are the same for every variant; only V and with it P @ V differ. -> [(out, lse)] per panel."""
+    G, cap = masks.shape
     _, hq, D = q.shape
     nt = cap // TILE_ENTRIES
     R = GROUP * hq
     dev = q.device
     f32 = torch.float32
     # 1. panels [G, nt, 32, D]: token j of a tile is entry j//4, token j%4
-    tok = (microblocks.long().unsqueeze(-1) * 4 + torch.arange(4, device=dev)).view(G, nt, 32)
-    K = token_values(kv_cache, tok, 0, kv_format)
-    V = token_values(kv_cache, tok, 1, kv_format)
-    if variant != "unfixed":
-        # fix A zeroes unattended rows after the load, fix C never loads them: same panel
-        dead = unattended_tokens(masks).view(G, nt, 32, 1)
-        K = torch.where(dead, 0.0, K)
-        V = torch.where(dead, 0.0, V)
+    arange4 = torch.arange(4, device=dev)
+    toks = [(mb.long().unsqueeze(-1) * 4 + arange4).view(G, nt, 32) for mb, _ in panels]
+    # fix A zeroes unattended rows after the load, fix C never loads them: same panel
+    dead = unattended_tokens(masks).view(G, nt, 32, 1)
+    K = token_values(kv_cache, toks[0], 0, kv_format)  # attended rows are the same in every panel
     # 2. active M-tiles of each tile (tiles past seq_len are never walked)
     mt_bits = tile_active_m_tiles(masks, seq_len, hq)
     row_tile = torch.arange(R, device=dev) // 16
@@ -83,61 +85,96 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks
     bit = (query.view(R, 1) * 4 + torch.arange(32, device=dev) % 4).view(1, 1, R, 32)
     entry_mask = masks.long().view(G, nt, 1, TILE_ENTRIES).repeat_interleave(4, dim=-1) & 0xFFFFFFFF
     attended = ((entry_mask >> bit) & 1).bool() & active.unsqueeze(-1)         # [G, nt, R, 32]
-    s = torch.where(attended, s, MASKED_SCORE)
+    s.masked_fill_(~attended, MASKED_SCORE)
     # 4. online softmax. A row without an attended token in a tile leaves max and sum
     # alone (tile_sum 0), so the running max is the NaN-ignoring running max of tile maxima.
     tile_max = fmax_reduce(s, -1)                                              # [G, nt, R]
     run_max = torch.cummax(torch.where(torch.isnan(tile_max), -torch.inf, tile_max), dim=1).values
     run_max = run_max.clamp(min=MASKED_SCORE)                                  # +inf stays +inf
     old_max = torch.cat([torch.full_like(run_max[:, :1], MASKED_SCORE), run_max[:, :-1]], dim=1)
-    p = torch.where(attended, torch.exp(torch.fmax(s - run_max.unsqueeze(-1), torch.tensor(EXP_FLOOR))), 0.0)
+    p = torch.exp(torch.fmax(s - run_max.unsqueeze(-1), torch.tensor(EXP_FLOOR))).masked_fill_(~attended, 0.0)
     tile_sum = p.sum(dim=-1)                                                   # fp32 probabilities
     exp_diff = torch.where(tile_sum > 0, torch.exp(torch.fmax(old_max - run_max, torch.tensor(EXP_FLOOR))), 1.0)
-    # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
-    pv = torch.matmul(p.to(torch.float16).float(), V)                         # [G, nt, R, D]
-    pv = torch.where(active.unsqueeze(-1), pv, 0.0)                            # inactive M-tiles: no P@V
-    O = torch.zeros(G, R, D, dtype=f32, device=dev)
+    p16 = p.to(torch.float16).float()
+    del s, p, attended
+    # the sum and the output scale do not depend on V
     row_sum = torch.zeros(G, R, dtype=f32, device=dev)
-    for t in range(nt):  # the kernel's accumulation order
-        O = O * exp_diff[:, t].unsqueeze(-1) + pv[:, t]
+    for t in range(nt):
         row_sum = row_sum * exp_diff[:, t] + tile_sum[:, t]
-    # 6. output: 0 for a row that attended nothing
     scale = torch.where(row_sum > 0, torch.tensor(v_scale, dtype=f32) / row_sum, 0.0)
-    out = (O * scale.unsqueeze(-1)).to(torch.float16).view(G, GROUP, hq, D)
     lse = torch.where(row_sum > 0, run_max[:, -1] + torch.log(row_sum), MASKED_SCORE).view(G, GROUP, hq)
-    return out, lse
+    outs, inactive = [], ~active.unsqueeze(-1)
+    for tok, (_, variant) in zip(toks, panels):
+        V = token_values(kv_cache, tok, 1, kv_format)
+        if variant != "unfixed":
+            V.masked_fill_(dead, 0.0)
+        # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
+        pv = torch.matmul(p16, V)                                              # [G, nt, R, D]
+        pv.masked_fill_(inactive, 0.0)                                         # inactive M-tiles: no P@V
+        O = torch.zeros(G, R, D, dtype=f32, device=dev)
+        for t in range(nt):  # the kernel's accumulation order
+            O = O * exp_diff[:, t].unsqueeze(-1) + pv[:, t]
+        # 6. output: 0 for a row that attended nothing
+        outs.append(((O * scale.unsqueeze(-1)).to(torch.float16).view(G, GROUP, hq, D), lse))
+    return outs
 
 
 def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len, *,
                     kv_format, sm_scale, variant, return_lse=False):
     """q [rows, Hq, D] fp16 -> out [groups, 8, Hq, D] fp16 (and lse [groups, 8, Hq] fp32)."""
-    _check_variant(variant)
-    G, cap = microblocks.shape
+    (out, lse), = grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, [(microblocks, variant)], masks,
+                                       seq_len, kv_format=kv_format, sm_scale=sm_scale)
+    return (out, lse) if return_lse else out
+
+
+def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, *, kv_format, sm_scale):
+    """grouped_forward for several kernel variants and plans of one case at once: `panels` is a
+    list of (microblocks, variant), plans that differ only in their padding entries (a plan and
+    its pad_fix) -> [(out, lse)], each bit for bit what grouped_forward gives it alone."""
+    for _, variant in panels:
+        _check_variant(variant)
+    G, cap = masks.shape
+    for mb, _ in panels:
+        if tuple(mb.shape) != (G, cap):
+            raise ValueError(f"microblocks: expected [{G}, {cap}] like masks, got {list(mb.shape)}")
     if cap % TILE_ENTRIES:
         raise ValueError(f"microblocks: cap must be a multiple of {TILE_ENTRIES}, got {cap}")
     per_group = max(cap * 4 * q.shape[-1] * max(m_tiles(q.shape[1]) * 16, 32), 1)
     step = max(1, _CHUNK_ELEMS // per_group)
-    outs, lses = [], []
+    parts = []
     for g0 in range(0, G, step):
         sl = slice(g0, g0 + step)
-        o, s = _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows[sl], microblocks[sl], masks[sl],
-                              seq_len[sl], kv_format, sm_scale, variant)
-        outs.append(o)
-        lses.append(s)
-    out = torch.cat(outs) if outs else q.new_zeros((0, GROUP) + tuple(q.shape[1:]))
-    lse = torch.cat(lses) if lses else q.new_zeros((0, GROUP, q.shape[1]), dtype=torch.float32)
-    return (out, lse) if return_lse else out
+        parts.append(_grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows[sl], [(mb[sl], v) for mb, v in panels],
+                                    masks[sl], seq_len[sl], kv_format, sm_scale))
+    result = []
+    for i in range(len(panels)):
+        if parts:
+            result.append((torch.cat([p[i][0] for p in parts]), torch.cat([p[i][1] for p in parts])))
+        else:
+            result.append((q.new_zeros((0, GROUP) + tuple(q.shape[1:])),
+                           q.new_zeros((0, GROUP, q.shape[1]), dtype=torch.float32)))
+    return result
 
 
-def gather_tokens(kv_cache, token_index, token_count, kv_format):
+def gather_tokens(kv_cache, token_index, token_count, kv_format, width: int | None = None):
     """Decoded K and V [n, T, D] float32 of each row's real tokens; unused slots are 0 and
-    never read from the cache (a real XQA never touches them)."""
-    valid = torch.arange(token_index.shape[1], device=token_index.device) < token_count.long().unsqueeze(1)
-    tok = torch.where(valid, token_index, 0)
-    K = token_values(kv_cache, tok, 0, kv_format)
-    V = token_values(kv_cache, tok, 1, kv_format)
-    keep = valid.unsqueeze(-1)
-    return torch.where(keep, K, 0.0), torch.where(keep, V, 0.0), valid
+    never read from the cache (a real XQA never touches them). width: T rounded up to XQA's
+    partition (more unused slots at the end), so that one gather serves XQA and the reference."""
+    n, T = token_index.shape
+    width = T if width is None else width
+    valid = torch.arange(width, device=token_index.device) < token_count.long().unsqueeze(1)
+    index = token_index if width == T else torch.nn.functional.pad(token_index, (0, width - T))
+    tok = torch.where(valid, index, 0)
+    dead = ~valid.unsqueeze(-1)
+    K = token_values(kv_cache, tok, 0, kv_format).masked_fill_(dead, 0.0)
+    V = token_values(kv_cache, tok, 1, kv_format).masked_fill_(dead, 0.0)
+    return K, V, valid
+
+
+def xqa_width(tokens: int, kv_format: str) -> int:
+    """Token slots XQA walks: `tokens` rounded up to whole partitions."""
+    part = XQA_PARTITION[kv_format][0]
+    return -(-tokens // part) * part
 
 
 def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
@@ -145,16 +182,24 @@ def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *,
     with its own max m_p (NaN ignored), exp sum l_p and normalised partial O_p * v_scale / l_p
     stored in the partial dtype; the reduce weighs partitions by exp(m_p - M) * l_p.
     -> [n, Hq, D] fp16."""
+    if q_rows.shape[0] == 0:
+        return q_rows.new_zeros((0,) + tuple(q_rows.shape[1:]))
+    return xqa_from_tokens(q_rows, *gather_tokens(kv_cache, token_index, token_count, kv_format), k_scale, v_scale,
+                           kv_format=kv_format, sm_scale=sm_scale)
+
+
+def xqa_from_tokens(q_rows, K, V, valid, k_scale, v_scale, *, kv_format, sm_scale):
+    """xqa_forward on the rows' tokens as gather_tokens gives them (shared with the reference)."""
     n, hq, D = q_rows.shape
     if n == 0:
         return q_rows.new_zeros((0, hq, D))
     part, part_dtype = XQA_PARTITION[kv_format]
-    K, V, valid = gather_tokens(kv_cache, token_index, token_count, kv_format)
     T = K.shape[1]
     n_part = -(-T // part)
     pad = n_part * part - T
-    K, V = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (K, V))
-    valid = torch.nn.functional.pad(valid, (0, pad))
+    if pad:  # slots past the last token: zero and not valid (gather_tokens(width=...) gives them already)
+        K, V = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (K, V))
+        valid = torch.nn.functional.pad(valid, (0, pad))
     s = torch.einsum("nhd,ntd->nht", q_rows.float(), K) * torch.tensor(sm_scale * k_scale, dtype=torch.float32)
     s = s.view(n, hq, n_part, part)
     vp = valid.view(n, 1, n_part, part)

@@ -11,7 +11,11 @@ from .emulate import gather_tokens
 def reference_forward(case: Case) -> torch.Tensor:
     """-> [rows, q_heads, head_dim] float64."""
     token_index, token_count = xqa_tokens(case)
-    K, V, valid = gather_tokens(case.kv_cache, token_index, token_count, case.kv_format)
+    return reference_from_tokens(case, *gather_tokens(case.kv_cache, token_index, token_count, case.kv_format))
+
+
+def reference_from_tokens(case: Case, K, V, valid) -> torch.Tensor:
+    """reference_forward on every row's tokens as gather_tokens gives them (shared with XQA)."""
     K, V = K.double() * case.k_scale, V.double() * case.v_scale
     s = torch.einsum("nhd,ntd->nht", case.q.double(), K) * case.sm_scale
     s = torch.where(valid.unsqueeze(1), s, -torch.inf)

@@ -45,10 +45,12 @@ from pathlib import Path
 
 import pytest
 
+from qsa_lab import package_data
+
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path(os.environ.get("QSA_LAB_CHROMIUM", "/usr/bin/chromium"))
 RESULTS = Path(os.environ.get("QSA_LAB_E2E_RESULTS", REPO / "results" / "e2e"))
-NOTEBOOKS = Path(os.environ.get("QSA_LAB_E2E_NOTEBOOKS", REPO / "notebooks"))
+NOTEBOOKS = Path(os.environ.get("QSA_LAB_E2E_NOTEBOOKS", package_data.locate("notebooks")))
 
 # What a sandboxed root machine without a GPU needs; --user-data-dir is given
 # by launch_persistent_context (Playwright refuses it inside args).
@@ -298,8 +300,8 @@ def lab_server(e2e_prerequisites, tmp_path_factory) -> LabServer:
     root = tmp / "work"
     shutil.copytree(NOTEBOOKS, root / "notebooks",
                     ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
-    if (REPO / "data").is_dir():  # notebooks may read ../data; read-only use
-        (root / "data").symlink_to(REPO / "data", target_is_directory=True)
+    if package_data.locate("data").is_dir():  # notebooks may read ../data; read-only use
+        (root / "data").symlink_to(package_data.locate("data"), target_is_directory=True)
     dirs = {name: tmp / name for name in
             ("config", "data", "runtime", "settings", "workspaces", "ipython", "mpl", "figures")}
     for path in dirs.values():

@@ -14,9 +14,9 @@ runs all cells from the Run menu, and then works the controls by hand:
      (playground-after-poison.png);
   4. unticking the pad_fix toggle redraws and drops its route from the table
      (playground-after-fix.png);
-  5. while a redraw runs the playground shows it (the figure dimmed, the
-     controls disabled, "computing..." in the message line), and all of it
-     clears once the new figure is there;
+  5. while a redraw runs the playground shows it (the figure dimmed,
+     "computing..." in the message line; the controls stay live), and all of
+     it clears once the new figure is there;
   6. a redraw with the notebook scrolled to the figure leaves the scroll
      position and the figure where they were (the image is replaced in place);
   7. dims "999" shows a visible "⚠ dims" message and keeps the figure;
@@ -24,7 +24,13 @@ runs all cells from the Run menu, and then works the controls by hand:
      tail", then site stale-tail, draws NaN on the grouped route;
   9. Export writes PNG, SVG and PDF into $QSA_LAB_FIGURES (the PNG carrying
      the case, backend, dims and poison seed in its metadata) and names the
-     files in the message line.
+     files in the message line;
+ 10. attended-k: the plane control shows k (the plane applied) and is
+     disabled, the route table shows the grouped route finite where the
+     reference is NaN (no None anywhere), screenshot playground-attended-k.png;
+ 11. clicks during a redraw coalesce: five clicks on a fix toggle while a
+     slow redraw (a context-8192 preset) runs end with the toggle and the
+     route table in the state of the last click, after at most two redraws.
 
 After every step the page is searched for tracebacks and widget errors.
 Screenshots go to results/e2e/ (failure-<step>.png too when a step fails).
@@ -50,6 +56,10 @@ NOTEBOOK = "03_poison_playground.ipynb"
 SITE_LABEL = re.compile(r"\bsite\b")
 DIMS_LABEL = re.compile(r"\bdims\b")
 FIX_LABEL = re.compile(r"\bpad_fix\b")
+KFIX_LABEL = re.compile(r"\bkernel_fix\b")
+KFIX_ROUTE = "grouped+kernel_fix"
+PLANE_LABEL = re.compile(r"\bplane\b")
+SLOW_PRESET = re.compile(r"19\srows,\sctx\s8192")   # the report's decode-like case: a slow first draw
 FIX_ROUTE = "grouped+pad_fix"   # the route table row that the pad_fix toggle adds
 UNFIXED_ROUTE = "grouped"       # the route whose NaN dims follow the poisoned dims
 EXPORT_LABEL = re.compile(r"\bExport\b")
@@ -391,8 +401,8 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         wait_until("the busy state cleared (figure not dimmed, controls enabled, no 'computing')",
                    lambda: busy_now(root) == {"dimmed": False, "disabled": 0, "computing": False}, WIDGET_TIMEOUT_S)
         seen = page.evaluate("() => { window.__qsaBusy.stop(); return window.__qsaBusy.seen; }")
-        assert seen == {"dimmed": True, "disabled": True, "computing": True}, \
-            f"the redraw did not show its busy state (seen: {seen})"
+        assert seen == {"dimmed": True, "disabled": False, "computing": True}, \
+            f"the redraw did not show its busy state, or disabled the controls (seen: {seen})"
         assert "dims 3,4" in root.locator(STATUS).inner_text(), root.locator(STATUS).inner_text()
         mark("busy state")
 
@@ -482,6 +492,61 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         assert all(str(figures.resolve()) in shown for _ in (0,)), f"no absolute path in {shown!r}"
         assert_no_widget_error(page)
         mark("exported")
+
+    with step("attended-k", page, results_dir, console):
+        plane = labelled(root, "widget-dropdown", PLANE_LABEL).locator("select")
+        plane.select_option("v")
+        wait_until("plane v applied", lambda: not busy_now(root)["computing"] and "/v" in
+                   root.locator(STATUS).inner_text(), REDRAW_TIMEOUT_S)
+        site.select_option("attended-k")
+
+        def attended_drawn():
+            status, rows = root.locator(STATUS).inner_text(), route_rows(root)
+            return ("attended-k/k" in status and not busy_now(root)["computing"] and rows) and rows
+
+        rows = wait_until("site attended-k drawn", attended_drawn, 2 * REDRAW_TIMEOUT_S)
+        assert plane.input_value() == "k" and plane.is_disabled(), "the plane control does not show the plane applied"
+        ref, grouped = rows["reference"], rows[UNFIXED_ROUTE]
+        assert int(ref[0]) > 0 and int(grouped[2]) > 0 and int(grouped[0]) < int(ref[0]), rows
+        assert "None" not in root.locator(TABLE).inner_text()
+        output_area(root).screenshot(path=str(results_dir / "playground-attended-k.png"))
+        site.select_option("targeted")
+        wait_until("site targeted again, plane control live", lambda: not plane.is_disabled()
+                   and "targeted" in root.locator(STATUS).inner_text() and not busy_now(root)["computing"],
+                   2 * REDRAW_TIMEOUT_S)
+        assert_no_widget_error(page)
+        mark("attended-k")
+
+    with step("coalesced-clicks", page, results_dir, console):
+        toggle = root.locator(".widget-checkbox", has_text=KFIX_LABEL).locator("input[type=checkbox]")
+        assert toggle.count() == 1, f"{toggle.count()} toggles labelled {KFIX_LABEL.pattern!r}"
+        was_on = toggle.is_checked()
+        root.locator(FIGURE).first.evaluate(
+            "img => { window.__qsaSrcs = new Set(); new MutationObserver(() => window.__qsaSrcs.add(img.src))"
+            ".observe(img, {attributes: true, attributeFilter: ['src']}); }")
+        geometry = labelled(root, "widget-dropdown", GEOMETRY_LABEL).locator("select")
+        options = geometry.locator("option").evaluate_all("els => els.map(e => e.textContent.trim())")
+        slow = next(o for o in options if SLOW_PRESET.search(o))
+        geometry.select_option(index=options.index(slow))
+        wait_until("the slow redraw running", lambda: busy_now(root)["computing"], REDRAW_TIMEOUT_S, 0.05)
+        for _ in range(5):                      # all five land while that redraw runs
+            toggle.click()
+        assert busy_now(root)["computing"], "the redraw ended before the clicks: nothing to coalesce"
+        want_on = not was_on                    # five toggles: the opposite of where it started
+
+        def settled():
+            rows = route_rows(root)
+            return (not busy_now(root)["computing"] and "ctx 8192" in root.locator(STATUS).inner_text()
+                    and (KFIX_ROUTE in rows) == want_on and rows)
+
+        wait_until("the playground settled on the last click", settled, 6 * REDRAW_TIMEOUT_S)
+        time.sleep(1.0)                          # a late extra redraw would show up here
+        assert toggle.is_checked() == want_on, "a click was dropped"
+        redraws = page.evaluate("() => window.__qsaSrcs.size")
+        assert 1 <= redraws <= 2, f"{redraws} redraws for one geometry change and five clicks: not coalesced"
+        assert (KFIX_ROUTE in route_rows(root)) == want_on
+        assert_no_widget_error(page)
+        mark("coalesced clicks")
 
     print(f"\ne2e timings (s since test start): {timings}; "
           f"exported: {sorted(p.name for p in files.values())}")
