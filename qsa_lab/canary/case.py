@@ -28,7 +28,7 @@ import torch
 
 from .. import fp8
 from ..case import KV_DTYPES, Case, Geometry, build_case, validate_case
-from ..regions import AttentionSpec, SPARSE, attended_tokens, spec_of, with_free_pages
+from ..regions import SPARSE, AttentionSpec, attended_tokens, with_free_pages
 
 TENSORS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
 #: small enough that every CPU kernel runs the whole matrix in seconds; three requests of
@@ -282,8 +282,6 @@ def canary_case(kv_dtype: str = "fp16", free_pages: int = FREE_PAGES, *, kv_head
         from ..regions import _written
 
         written = _written(base)
-        if mla:
-            written = written.clone()
         kv, ks, vs = _pool(base.kv_cache.shape, kv_heads, g.kv_dtype, written,
                            torch.Generator().manual_seed(g.seed + 1))
         if mla:
@@ -339,8 +337,6 @@ def _read_tensors(path) -> tuple[dict, dict]:
 def load_case(path, attend=None) -> CanaryCase:
     """A case file (CASE_FORMAT: a `diff --save` file or your engine's own dump) as a CanaryCase.
     attend: its spec (default sparse when it has selections, else dense)."""
-    import json
-
     t, meta = _read_tensors(path)
     missing = [k for k in ("kv_cache", "block_table", "seq_lens", "q") if k not in t]
     if missing:

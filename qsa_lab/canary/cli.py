@@ -15,7 +15,8 @@ import sys
 
 #: API argument -> CLI option, so that an error names what the user typed
 FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
-         "dims": "--dims", "planes": "--planes", "attend": "--attend", "timeout": "--timeout", "case": "--case", "kv_dtype": "--kv-dtype",
+         "dims": "--dims", "planes": "--planes", "attend": "--attend", "timeout": "--timeout", "case": "--case",
+         "kv_dtype": "--kv-dtype",
          "rows": "--rows", "requests": "--requests", "context": "--context", "topk": "--topk",
          "page_size": "--page-size", "q_heads": "--q-heads", "kv_heads": "--kv-heads", "head_dim": "--head-dim",
          "query_len": "--query-len", "seed": "--seed", "layout": "--layout", "selection": "--selection",

@@ -57,13 +57,14 @@ class Outcome:
         return self.kind in ("timeout", "exited")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as an integer tensor of the same element size."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.detach().contiguous().view(ints[t.element_size()]) if t.element_size() in ints else t
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a.cpu()), _bits(b.cpu()))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a.cpu()), bits(b.cpu()))
 
 
 def first_line(e: BaseException) -> str:

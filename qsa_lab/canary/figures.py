@@ -82,7 +82,8 @@ def plot_leak_matrix(data: dict, ax=None):
         ax.axhline(y + 0.5, color="white", lw=0.8)
     ax.set_xlabel("plane / payload")
     seen = {v for row in data["verdicts"] for v in row} | {"clean"}
-    ax.legend(handles=[Patch(color=c, label=v) for v, (_, c, _) in VERDICT_STYLE.items() if v in seen], loc="upper left",
+    handles = [Patch(color=c, label=v) for v, (_, c, _) in VERDICT_STYLE.items() if v in seen]
+    ax.legend(handles=handles, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.set_title(data["title"], fontsize=9)
     return ax

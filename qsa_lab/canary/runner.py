@@ -29,7 +29,8 @@ from .. import __version__
 from ..poison import PAYLOADS, int_list, payload_bits
 from ..regions import REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of
 from .case import CanaryCase, as_canary_case, canary_case, load_case
-from .execution import DEFAULT_TIMEOUT, INPUTS, InProcess, Outcome, Worker
+from .execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
+from .execution import bits as _as_bits
 from .kernels import builtin_kernels, kernel_name, resolve_kernel
 
 SCHEMA = "qsa_lab.canary/1"
@@ -179,11 +180,6 @@ def _available_payloads(kv_dtype: str) -> tuple:
     return tuple(out)
 
 
-def _as_bits(x: torch.Tensor) -> torch.Tensor:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return x.contiguous().view(ints[x.element_size()])
-
-
 def compare(control: torch.Tensor, poisoned: torch.Tensor) -> tuple[str, dict, torch.Tensor]:
     """-> (verdict, {"nan", "inf", "finite_changed"}, changed mask). Two NaNs count as equal
     whatever their payload bits; anything else must be bit-identical."""
@@ -210,11 +206,13 @@ def control_problem(first: torch.Tensor, second: torch.Tensor | None) -> str:
         return f"the control output holds {nan} NaN and {inf} Inf of {f.numel()}"
     if second is not None:
         if second.shape != first.shape or second.dtype != first.dtype:
-            return f"two control runs returned {list(first.shape)} {first.dtype} and {list(second.shape)} {second.dtype}"
+            return (f"two control runs returned {list(first.shape)} {first.dtype} and "
+                    f"{list(second.shape)} {second.dtype}")
         differ = int((_as_bits(first) != _as_bits(second)).sum())
         if differ:
             d = float((second.double() - first.double()).abs().max())
-            return f"two control runs differ in {differ} outputs (max |difference| {d:.3g}): the kernel is not deterministic"
+            return (f"two control runs differ in {differ} outputs (max |difference| {d:.3g}): "
+                    "the kernel is not deterministic")
     return ""
 
 
