@@ -1,0 +1,154 @@
+"""The canary on the built-in third-party kernels (FlashInfer, vLLM's Triton unified attention)
+at a production geometry: head_dim 128, 8 query heads over 2 KV heads (GQA 4:1), 16-token
+pages, fp16 and e4m3 pools, under the dense, window, window+sink and sparse specs, decode (one
+row per request) and a 4-row prefill chunk. Writes one JSON document and a Markdown table.
+
+    python benchmarks/canary_thirdparty.py --json data/canary_thirdparty_h200.json \
+        [--vllm-src PATH] [--jobs 12] [--kernels flashinfer:decode,...] [--kv-dtypes fp16,e4m3]
+
+Each (kernel, kv dtype) runs in its own worker process, several at once (--jobs): FlashInfer
+compiles one module per configuration on first use, and the workers compile theirs in
+parallel. Kernels that cannot run here are listed with the reason, never dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SCHEMA = "qsa_lab.canary-thirdparty/1"
+KERNELS = ("flashinfer:decode", "flashinfer:decode-tc", "flashinfer:prefill", "flashinfer:prefill-fa2",
+           "vllm:unified", "vllm:unified-3d")
+DECODE_ONLY = ("flashinfer:decode", "flashinfer:decode-tc", "vllm:unified-3d")
+SPECS = ("dense", "window:8", "window:8,sink:4", "sparse")
+GEOMETRY = dict(q_heads=8, kv_heads=2, head_dim=128, page_size=16, requests=3, context=40)
+TOPK = {"sparse": 4}          # 4 selected 4-token blocks of ~40 tokens: an unselected region exists
+PREFILL_ROWS = 4
+
+
+def cases(kernel: str, kv_dtype: str):
+    """(attend, query_len, CanaryCase) this kernel runs on."""
+    from qsa_lab.canary.case import canary_case
+
+    for query_len in ((1,) if kernel in DECODE_ONLY else (1, PREFILL_ROWS)):
+        for spec in SPECS:
+            geo = dict(GEOMETRY, topk=TOPK.get(spec, 16))
+            yield spec, query_len, canary_case(kv_dtype, attend=spec, query_len=query_len, **geo)
+
+
+def summarize(doc: dict) -> str:
+    """One cell of the table: 'clean', or the non-clean verdicts by plane and region."""
+    results = doc["results"]
+    if not results:
+        reasons = sorted({s.get("reason", "") for s in doc.get("skipped", [])})
+        return "skipped: " + "; ".join(reasons)[:160]
+    bad = {}
+    for r in results:
+        if r["verdict"] not in ("clean", "n/a"):
+            bad.setdefault((r["plane"].upper(), r["verdict"]), []).append(f"{r['region']}({r['payload']})")
+    if not bad:
+        return "clean"
+    return "; ".join(f"{plane} {v}: {', '.join(dict.fromkeys(where))}" for (plane, v), where in sorted(bad.items()))
+
+
+def worker(kernel: str, kv_dtype: str, out: Path) -> None:
+    from qsa_lab.canary import run_canary
+
+    runs = []
+    for spec, query_len, case in cases(kernel, kv_dtype):
+        t0 = time.time()
+        try:
+            report = run_canary([kernel], case=case, backend="auto")
+            doc = report.to_json()
+        except Exception as e:  # noqa: BLE001 - record it, carry on with the next case
+            doc = {"results": [], "skipped": [{"kernel": kernel, "reason": f"run_canary raised {type(e).__name__}: "
+                                                                            f"{e}"}]}
+        runs.append({"kernel": kernel, "kv_dtype": kv_dtype, "attend": spec, "query_len": query_len,
+                     "seconds": round(time.time() - t0, 2), "summary": summarize(doc),
+                     "geometry": doc.get("geometry"), "regions": doc.get("regions"),
+                     "results": [{k: r[k] for k in ("region", "plane", "payload", "verdict", "nan", "inf",
+                                                    "finite_changed") if k in r} for r in doc["results"]],
+                     "skipped": doc.get("skipped", [])})
+        print(f"[{kernel} {kv_dtype} {spec} q{query_len}] {runs[-1]['summary']} ({runs[-1]['seconds']} s)",
+              flush=True)
+    out.write_text(json.dumps(runs))
+
+
+def machine() -> dict:
+    import torch
+
+    from qsa_lab.canary.report import environment
+
+    env = environment(KERNELS)
+    env.update({"cpus": os.cpu_count(), "loadavg": list(os.getloadavg()), "platform": platform.platform()})
+    if torch.cuda.is_available():
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 1)
+    return env
+
+
+def table(runs: list, env: dict) -> str:
+    lib = {"flashinfer": f"FlashInfer {env.get('flashinfer')}", "vllm": f"vLLM {env.get('vllm')}"}
+    lines = ["| library | kernel | spec | query rows / request | kv | verdicts |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {lib[r['kernel'].split(':')[0]]} | `{r['kernel']}` | `{r['attend']}` | {r['query_len']} | "
+                     f"{r['kv_dtype']} | {r['summary']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--kv-dtypes", default="fp16,e4m3")
+    p.add_argument("--vllm-src", help="vLLM source checkout for vllm:* (else QSA_LAB_VLLM_SRC / an installed vllm)")
+    p.add_argument("--jobs", type=int, default=12)
+    p.add_argument("--worker", nargs=3, metavar=("KERNEL", "KV_DTYPE", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.vllm_src:
+        os.environ["QSA_LAB_VLLM_SRC"] = str(Path(args.vllm_src).resolve())
+    if args.worker:
+        worker(args.worker[0], args.worker[1], Path(args.worker[2]))
+        return 0
+    out = Path(args.json)
+    parts_dir = Path(tempfile.mkdtemp(prefix="canary_thirdparty."))
+    jobs = [(k, d) for k in args.kernels.split(",") for d in args.kv_dtypes.split(",")]
+    t0, running, done = time.time(), [], []
+    queue = list(jobs)
+    while queue or running:
+        while queue and len(running) < args.jobs:
+            k, d = queue.pop(0)
+            part = parts_dir / f"{k.replace(':', '_')}_{d}.json"
+            running.append((k, d, part, subprocess.Popen([sys.executable, __file__, "--worker", k, d, str(part)])))
+        time.sleep(1)
+        for job in [j for j in running if j[3].poll() is not None]:
+            running.remove(job)
+            done.append(job)
+    runs = []
+    for k, d, part, proc in sorted(done, key=lambda j: jobs.index((j[0], j[1]))):
+        if part.is_file():
+            runs += json.loads(part.read_text())
+        else:
+            runs.append({"kernel": k, "kv_dtype": d, "attend": "-", "query_len": "-", "results": [], "skipped": [],
+                         "summary": f"worker exited {proc.returncode} without results"})
+    env = machine()
+    doc = {"schema": SCHEMA, "machine": env, "geometry": GEOMETRY, "specs": list(SPECS),
+           "prefill_rows": PREFILL_ROWS, "wall_s": round(time.time() - t0, 1), "runs": runs}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    md = table(runs, env)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {out} ({len(runs)} runs, {doc['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
