@@ -8,9 +8,12 @@
 Where the unattended bytes are: qsa_lab.regions. Payloads: qsa_lab.poison.PAYLOAD_BITS.
 Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
 """
+from ..regions import AttentionSpec, attended_tokens
+from .case import CanaryCase, canary_case, load_case
 from .kernels import KernelSkipped, PagedCall, builtin_kernels
-from .runner import (DEFAULT_PAYLOADS, LEAKS, SCHEMA, VERDICTS, CanaryReport, LeakResult, assert_no_leak,
-                     canary_case, compare, load_canary, run_canary)
+from .runner import (DEFAULT_PAYLOADS, LEAKS, SCHEMA, VERDICTS, CanaryReport, LeakResult, assert_no_leak, compare,
+                     load_canary, run_canary)
 
-__all__ = ["KernelSkipped", "PagedCall", "builtin_kernels", "DEFAULT_PAYLOADS", "LEAKS", "SCHEMA", "VERDICTS",
-           "CanaryReport", "LeakResult", "assert_no_leak", "canary_case", "compare", "load_canary", "run_canary"]
+__all__ = ["AttentionSpec", "attended_tokens", "CanaryCase", "canary_case", "load_case", "KernelSkipped", "PagedCall",
+           "builtin_kernels", "DEFAULT_PAYLOADS", "LEAKS", "SCHEMA", "VERDICTS", "CanaryReport", "LeakResult",
+           "assert_no_leak", "compare", "load_canary", "run_canary"]

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..case import Case, Geometry, build_case, validate_case
-from ..poison import PAYLOADS, payload_bits, write_payload
-from ..regions import REGIONS, region_sizes, region_slots, with_free_pages
+from ..poison import PAYLOADS, payload_bits
+from ..regions import REGIONS, region_sizes, region_slots, regions_of
+from ..regions import check_region as _check_region
+from .case import CANARY_GEOMETRY, FREE_PAGES, CanaryCase, as_canary_case, canary_case
 from .kernels import KernelSkipped, PagedCall, builtin_kernels, kernel_name, resolve_kernel
 
 SCHEMA = "qsa_lab.canary/1"
@@ -25,19 +26,6 @@ PLANES = {"k": 0, "v": 1}
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
 VERDICTS = ("clean", "nan-leak", "inf-leak", "finite-leak")
 LEAKS = VERDICTS[1:]
-
-#: small enough that every CPU kernel runs the whole matrix in seconds; three requests of
-#: 33, 32 and 31 tokens on 16-token pages: the shorter two have a padded (null) block-table
-#: entry, the first and last a stale tail; every row attends its whole prefix (topk covers it)
-CANARY_GEOMETRY = Geometry(rows=10, requests=3, context=33, topk=16, page_size=16, q_heads=2, head_dim=16,
-                           kv_dtype="fp16")
-FREE_PAGES = 2
-
-
-def canary_case(kv_dtype: str = "fp16", free_pages: int = FREE_PAGES, **geometry) -> Case:
-    """The canary's case: CANARY_GEOMETRY (with `geometry` overrides) plus `free_pages` spare pages."""
-    return with_free_pages(build_case(CANARY_GEOMETRY.replace(kv_dtype=kv_dtype, **geometry)), free_pages)
-
 
 @dataclass
 class LeakResult:
@@ -75,7 +63,7 @@ class LeakResult:
 class CanaryReport:
     backend: str               # what the qsa routes ran on: "cuda" | "emulate" (or None: could not run)
     device: str                # where the torch kernels ran
-    case: Case
+    case: CanaryCase
     kernels: list
     results: list
     skipped: list              # {"kernel"?, "region"?, "payload"?, "reason"}
@@ -86,13 +74,13 @@ class CanaryReport:
     def to_json(self) -> dict:
         from ..export import gpu_name
 
-        g = self.case.geometry
+        c = self.case
         return {"schema": SCHEMA, "backend": self.backend, "device": self.device, "gpu": gpu_name(),
                 "torch": torch.__version__, "python": platform.python_version(), "qsa_lab_version": __version__,
-                "kv_dtype": g.kv_dtype, "geometry": g.to_dict(), "pool_pages": int(self.case.kv_cache.shape[0]),
+                "kv_dtype": c.kv_dtype, "geometry": c.geometry_dict(), "pool_pages": int(c.kv_cache.shape[0]),
                 "regions": region_sizes(self.case),
-                "payload_bits": {p: f"0x{payload_bits(g.kv_dtype, p):X}" for p in PAYLOADS
-                                 if p in _available_payloads(g.kv_dtype)},
+                "payload_bits": {p: f"0x{payload_bits(c.kv_dtype, p):X}" for p in PAYLOADS
+                                 if p in _available_payloads(c.kv_dtype)},
                 "kernels": list(self.kernels), "results": [r.to_dict() for r in self.results],
                 "skipped": list(self.skipped)}
 
@@ -157,7 +145,7 @@ def _choices(arg: str, given, allowed, default) -> tuple:
     return given
 
 
-def resolve_devices(backend: str, geometry: Geometry) -> tuple[torch.device, str | None, str | None]:
+def resolve_devices(backend: str, geometry) -> tuple[torch.device, str | None, str | None]:
     """-> (device for torch kernels, qsa backend or None, why the qsa routes cannot run)."""
     from ..routes import BACKENDS, resolve_backend
 
@@ -173,14 +161,21 @@ def resolve_devices(backend: str, geometry: Geometry) -> tuple[torch.device, str
         return device, None, str(e).splitlines()[0]
 
 
-def _run(fn, case: Case, device, memo: dict) -> torch.Tensor:
+def _run(fn, case: CanaryCase, device, memo: dict) -> torch.Tensor:
     out = fn(PagedCall.from_case(case, device, memo))
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"returned {type(out).__name__}, expected a tensor [rows, q_heads, head_dim]")
-    want = tuple(case.q.shape)
+    want = (case.rows, case.q_heads, case.out_dim)
     if tuple(out.shape) != want:
         raise ValueError(f"returned shape {list(out.shape)}, expected [rows, q_heads, head_dim] = {list(want)}")
     return out.detach().cpu()
+
+
+def check_region_of(region: str, spec) -> None:
+    try:
+        _check_region(region, spec)
+    except ValueError as e:
+        raise ValueError(f"regions: {e}") from None
 
 
 def _why(e: BaseException) -> str:
@@ -190,14 +185,31 @@ def _why(e: BaseException) -> str:
     return f"raised {type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def _filled(case: Case, slots, plane: int, payload: str, dims) -> Case:
+def write_region(kv_cache: torch.Tensor, slots: torch.Tensor, plane: int, kv_dtype: str, payload: str, dims=None,
+                 mla_v_dim: int | None = None) -> None:
+    """Write `payload` as whole elements of the storage dtype into `slots` ([pages, page_size]
+    bool) of one plane, every KV head, at every head dim or only `dims`, in place. MLA
+    (`mla_v_dim`): both planes are the latent plane 0, "v" its first mla_v_dim dims."""
+    bits = payload_bits(kv_dtype, payload)
+    D = kv_cache.shape[-1]
+    cols = torch.zeros(D, dtype=torch.bool)
+    cols[list(range(D if mla_v_dim is None or plane == 0 else mla_v_dim)) if dims is None else list(dims)] = True
+    if mla_v_dim is not None and plane == 1:
+        cols[mla_v_dim:] = False
+    target = 0 if mla_v_dim is not None else plane
+    elems = kv_cache.view(torch.int16 if kv_dtype == "fp16" else torch.uint8)[:, target]    # [pages, ps, H, D]
+    where = (slots.unsqueeze(-1) & cols).unsqueeze(2).expand(-1, -1, kv_cache.shape[3], -1)
+    elems[where.to(kv_cache.device)] = bits - 0x10000 if bits >= 0x8000 and kv_dtype == "fp16" else bits
+
+
+def _filled(case: CanaryCase, slots, plane: int, payload: str, dims) -> CanaryCase:
     out = case.clone()
-    write_payload(out.kv_cache, slots, (plane,), case.kv_format, payload, dims=dims)
+    write_region(out.kv_cache, slots, plane, case.kv_format, payload, dims, case.v_head_dim if case.mla else None)
     return out
 
 
 def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
-               case: Case | None = None, kv_dtype: str = "fp16", dims=None, progress: bool = False) -> CanaryReport:
+               case=None, kv_dtype: str = "fp16", dims=None, progress: bool = False, attend=None) -> CanaryReport:
     """Run the canary matrix.
 
     kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`) or
@@ -215,19 +227,21 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
                                                          else list(kernels))
     if not kernels:
         raise ValueError("kernels: empty list")
-    regions = _choices("regions", regions, REGIONS, REGIONS)
+    case = canary_case(kv_dtype, attend="sparse" if attend is None else attend) if case is None \
+        else as_canary_case(case, attend)
+    regions = _choices("regions", regions, REGIONS, regions_of(case.spec))
+    for r in regions:
+        check_region_of(r, case.spec)
     payloads = _choices("payloads", payloads, PAYLOADS, DEFAULT_PAYLOADS)
     planes = _choices("planes", planes, PLANES, PLANES)
-    case = canary_case(kv_dtype) if case is None else case
-    if not isinstance(case, Case):
-        raise TypeError(f"case must be a qsa_lab Case, got {type(case).__name__}")
-    validate_case(case)
-    D = case.geometry.head_dim
+    D = case.head_dim
     if dims is not None:
         dims = [int(d) for d in dims]
         if not dims or any(not 0 <= d < D for d in dims):
             raise ValueError(f"dims must be a non-empty list of head dims in [0, {D}), got {dims}")
     device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry)
+    why = case.qsa_unsupported()
+    qsa_reason, qsa_backend = (why, None) if why else (qsa_reason, qsa_backend)
     fns = {kernel_name(k): resolve_kernel(k, qsa_backend, qsa_reason) for k in kernels}
 
     skipped = []
@@ -280,13 +294,13 @@ def _run_matrix(fns, case, slots, regions, planes, payloads, dims, device, skipp
 
 
 def assert_no_leak(kernel, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
-                   case: Case | None = None, kv_dtype: str = "fp16", dims=None,
+                   case=None, kv_dtype: str = "fp16", dims=None, attend=None,
                    allow_skipped: bool = False) -> CanaryReport:
     """pytest helper: run the canary for one kernel (a callable fn(PagedCall) -> [rows, q_heads,
     head_dim], or a kernel name) and raise AssertionError listing every leak. A kernel that
     could not run fails too, unless allow_skipped. Returns the report when clean."""
     report = run_canary([kernel], regions=regions, payloads=payloads, planes=planes, backend=backend, case=case,
-                        kv_dtype=kv_dtype, dims=dims)
+                        kv_dtype=kv_dtype, dims=dims, attend=attend)
     name = report.kernels[0]
     lines = [r.describe() for r in report.leaks()]
     if not allow_skipped:
