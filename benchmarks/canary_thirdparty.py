@@ -61,7 +61,12 @@ def summarize(doc: dict) -> str:
 
 
 def worker(kernel: str, kv_dtype: str, out: Path) -> None:
+    from qsa_lab import kernels as qsa_ext
     from qsa_lab.canary import run_canary
+
+    # no qsa route runs here: keep backend "auto" (torch and third-party kernels on the GPU)
+    # from building qsa_lab's own CUDA extension in every worker
+    qsa_ext.available = lambda: False
 
     runs = []
     for spec, query_len, case in cases(kernel, kv_dtype):
@@ -106,7 +111,7 @@ def table(runs: list, env: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--json", help="output JSON path (a .md table is written beside it)")
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--kv-dtypes", default="fp16,e4m3")
     p.add_argument("--vllm-src", help="vLLM source checkout for vllm:* (else QSA_LAB_VLLM_SRC / an installed vllm)")
@@ -118,7 +123,10 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1], Path(args.worker[2]))
         return 0
+    if not args.json:
+        p.error("--json is required")
     out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
     parts_dir = Path(tempfile.mkdtemp(prefix="canary_thirdparty."))
     jobs = [(k, d) for k in args.kernels.split(",") for d in args.kv_dtypes.split(",")]
     t0, running, done = time.time(), [], []

@@ -415,4 +415,8 @@ def resolve_kernel(kernel, qsa_backend: str | None, qsa_reason: str | None = Non
         if kernel not in TORCH_KERNELS:
             raise ValueError(f"kernels: unknown torch kernel {kernel!r}; choose from {tuple(TORCH_KERNELS)}")
         return TORCH_KERNELS[kernel]
+    if kernel.startswith(("flashinfer:", "vllm:")):  # built-in third-party kernels (canary.adapters)
+        from .adapters import resolve
+
+        return resolve(kernel)
     return load_user_kernel(kernel)

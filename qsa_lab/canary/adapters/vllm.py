@@ -45,6 +45,7 @@ KERNEL_FILE = Path("vllm/v1/attention/ops/triton_unified_attention.py")
 MODULE = "vllm.v1.attention.ops.triton_unified_attention"
 SEGMENTS = 16  # KV segments of the 3D (split) decode launch, as vLLM's Triton backend uses
 _source: str | None = None
+CPU_OK = False  # tests run a stand-in kernel on the CPU; the real kernel needs a CUDA GPU
 
 
 def set_source(path) -> None:
@@ -93,8 +94,6 @@ def _load_from_source(src: str):
     """The kernel module from a checkout: vllm's packages point at src, the runtime modules are
     stand-ins; sys.modules is restored afterwards (the loaded functions keep their globals)."""
     path = Path(src) / KERNEL_FILE
-    if not path.is_file():
-        raise KernelSkipped(f"{ENV}={src}: no {KERNEL_FILE} there")
     saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "vllm" or k.startswith("vllm.")}
     try:
         root = Path(src) / "vllm"
@@ -117,20 +116,26 @@ def _load_from_source(src: str):
         sys.modules.update(saved)
 
 
-@functools.lru_cache(maxsize=None)
-def _load(src: str | None):
-    """-> (kernel module, where it came from: a description for the report)."""
+def _triton():
     try:
         import triton  # noqa: F401
     except ImportError as e:
         raise KernelSkipped(f"vLLM's unified attention is a Triton kernel and triton is not installed: {e}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _load(src: str | None):
+    """-> (kernel module, where it came from: a description for the report)."""
     if src:
+        if not (Path(src) / KERNEL_FILE).is_file():
+            raise KernelSkipped(f"{ENV}={src}: no {KERNEL_FILE} there")
+        _triton()
         return _load_from_source(src), _describe_source(src)
     try:
         mod = importlib.import_module(MODULE)
     except ImportError as e:
-        raise KernelSkipped(f"vllm is not installed (pip install vllm, or point {ENV} at a vLLM checkout): "
-                            f"{e}") from None
+        raise KernelSkipped(f"vllm is not installed (pip install vllm, or point {ENV} / --vllm-src at a vLLM "
+                            f"checkout): {e}") from None
     except Exception as e:  # noqa: BLE001 - a broken install is a skip reason
         raise KernelSkipped(f"vllm cannot be imported here: {type(e).__name__}: {e}") from None
     import vllm
@@ -172,7 +177,7 @@ def _window(spec, name: str) -> tuple[int, int]:
 
 def _run(call, split: bool, name: str) -> torch.Tensor:
     mod, _ = _load(source())
-    if call.device.type != "cuda":
+    if call.device.type != "cuda" and not CPU_OK:
         raise KernelSkipped(f"{name} needs a CUDA GPU (the call is on {call.device})")
     if getattr(call, "mla", False):
         raise KernelSkipped(f"{name}: an MLA latent pool is not vLLM's unified attention layout")
