@@ -46,11 +46,12 @@ def cases(kernel: str, kv_dtype: str):
 
 
 def summarize(doc: dict) -> str:
-    """One cell of the table: 'clean', or the non-clean verdicts by plane and region."""
+    """One cell of the table: 'clean', 'skipped: why', or the non-clean verdicts by plane."""
     results = doc["results"]
     if not results:
-        reasons = sorted({s.get("reason", "") for s in doc.get("skipped", [])})
-        return "skipped: " + "; ".join(reasons)[:160]
+        reasons = [s.get("reason", "") for s in doc.get("skipped", []) if "kernel" in s] or \
+                  [s.get("reason", "") for s in doc.get("skipped", [])]
+        return "skipped: " + "; ".join(sorted(set(reasons)))[:200]
     bad = {}
     for r in results:
         if r["verdict"] not in ("clean", "n/a"):
@@ -77,6 +78,13 @@ def worker(kernel: str, kv_dtype: str, out: Path) -> None:
         except Exception as e:  # noqa: BLE001 - record it, carry on with the next case
             doc = {"results": [], "skipped": [{"kernel": kernel, "reason": f"run_canary raised {type(e).__name__}: "
                                                                             f"{e}"}]}
+        report_dir = os.environ.get("QSA_LAB_THIRDPARTY_REPORT")
+        if report_dir and doc["results"] and report.leaks():
+            try:
+                write_leak_report(report, Path(report_dir) / f"{kernel.replace(':', '_')}_{kv_dtype}_"
+                                                               f"{spec.replace(':', '').replace(',', '_')}_q{query_len}")
+            except Exception as e:  # noqa: BLE001 - the verdicts stand without the report
+                print(f"  report failed: {type(e).__name__}: {e}", flush=True)
         runs.append({"kernel": kernel, "kv_dtype": kv_dtype, "attend": spec, "query_len": query_len,
                      "seconds": round(time.time() - t0, 2), "summary": summarize(doc),
                      "geometry": doc.get("geometry"), "regions": doc.get("regions"),
@@ -86,6 +94,19 @@ def worker(kernel: str, kv_dtype: str, out: Path) -> None:
         print(f"[{kernel} {kv_dtype} {spec} q{query_len}] {runs[-1]['summary']} ({runs[-1]['seconds']} s)",
               flush=True)
     out.write_text(json.dumps(runs))
+
+
+def write_leak_report(report, folder: Path) -> None:
+    """--report: the leak report of one run, and a replay of each of its saved calls (logged)."""
+    from qsa_lab.canary.replay import replay
+    from qsa_lab.canary.report import write_report
+
+    write_report(report, folder, force=True)
+    for f in sorted((folder / "calls").glob("*.safetensors")):
+        r = replay(f)
+        print(f"  replay {f.name}: control {r['control_nan']} NaN; poisoned {r['nan']} NaN, {r['inf']} Inf, "
+              f"{r['finite_changed']} finite changed of {r['outputs']} (rows {r['rows']}) -> {r['verdict']}",
+              flush=True)
 
 
 def machine() -> dict:
@@ -101,11 +122,17 @@ def machine() -> dict:
 
 
 def table(runs: list, env: dict) -> str:
-    lib = {"flashinfer": f"FlashInfer {env.get('flashinfer')}", "vllm": f"vLLM {env.get('vllm')}"}
-    lines = ["| library | kernel | spec | query rows / request | kv | verdicts |", "|---|---|---|---|---|---|"]
-    for r in runs:
-        lines.append(f"| {lib[r['kernel'].split(':')[0]]} | `{r['kernel']}` | `{r['attend']}` | {r['query_len']} | "
-                     f"{r['kv_dtype']} | {r['summary']} |")
+    """Markdown: one row per library x kernel x spec, one column per kv dtype x query rows."""
+    lib = {"flashinfer": ("FlashInfer", env.get("flashinfer")), "vllm": ("vLLM", env.get("vllm_rev") or env.get("vllm"))}
+    cols = list(dict.fromkeys((r["kv_dtype"], r["query_len"]) for r in runs))
+    head = [f"{d}, {'decode' if q == 1 else f'{q}-row chunk'}" for d, q in cols]
+    cell = {(r["kernel"], r["attend"], r["kv_dtype"], r["query_len"]): r["summary"] for r in runs}
+    keys = list(dict.fromkeys((r["kernel"], r["attend"]) for r in runs))
+    lines = ["| library | version | kernel | spec | " + " | ".join(head) + " |", "|---" * (4 + len(cols)) + "|"]
+    for k, spec in keys:
+        name, version = lib[k.split(":")[0]]
+        lines.append(f"| {name} | {version} | `{k}` | `{spec}` | "
+                     + " | ".join(cell.get((k, spec, d, q), "-") for d, q in cols) + " |")
     return "\n".join(lines)
 
 
@@ -115,11 +142,15 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--kv-dtypes", default="fp16,e4m3")
     p.add_argument("--vllm-src", help="vLLM source checkout for vllm:* (else QSA_LAB_VLLM_SRC / an installed vllm)")
+    p.add_argument("--vllm-rev", help="what --vllm-src holds, for the table (e.g. 'main @ 0013943')")
     p.add_argument("--jobs", type=int, default=12)
+    p.add_argument("--report", metavar="DIR", help="also write a leak report (qsa_lab.canary.report) per leaking run")
     p.add_argument("--worker", nargs=3, metavar=("KERNEL", "KV_DTYPE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.vllm_src:
         os.environ["QSA_LAB_VLLM_SRC"] = str(Path(args.vllm_src).resolve())
+    if args.report:
+        os.environ["QSA_LAB_THIRDPARTY_REPORT"] = str(Path(args.report).resolve())
     if args.worker:
         worker(args.worker[0], args.worker[1], Path(args.worker[2]))
         return 0
@@ -148,6 +179,8 @@ def main(argv=None) -> int:
             runs.append({"kernel": k, "kv_dtype": d, "attend": "-", "query_len": "-", "results": [], "skipped": [],
                          "summary": f"worker exited {proc.returncode} without results"})
     env = machine()
+    if args.vllm_rev:
+        env["vllm_rev"] = args.vllm_rev
     doc = {"schema": SCHEMA, "machine": env, "geometry": GEOMETRY, "specs": list(SPECS),
            "prefill_rows": PREFILL_ROWS, "wall_s": round(time.time() - t0, 1), "runs": runs}
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -144,12 +144,18 @@ def _load(src: str | None):
 
 
 def _describe_source(src: str) -> str:
+    """'source PATH [@ commit] (triton_unified_attention.py sha256 ...)'; the commit only when
+    PATH is itself the root of a git checkout."""
     digest = hashlib.sha256((Path(src) / KERNEL_FILE).read_bytes()).hexdigest()[:12]
+    commit = ""
     try:
-        commit = subprocess.run(["git", "-C", src, "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
+        def git(*args):
+            return subprocess.run(["git", "-C", src, *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        top = git("rev-parse", "--show-toplevel")
+        if top and Path(top).resolve() == Path(src).resolve():
+            commit = git("rev-parse", "--short=12", "HEAD")
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        pass
     return f"source {src}" + (f" @ {commit}" if commit else "") + f" ({KERNEL_FILE.name} sha256 {digest})"
 
 
