@@ -1,13 +1,28 @@
 """qsa_lab: reproduce, fingerprint and fix the grouped page4 null-block NaN.
 
 Data flow: case -> poison -> plan -> route -> fingerprint -> figure.
+
+The names below load on first use (`qsa_lab.build_case` imports torch then), so that
+`import qsa_lab.cli` and `qsa-lab --help` stay free of torch.
 """
 __version__ = "0.1.0"
 
-from .case import Case, Geometry, build_case  # noqa: E402
-from .poison import apply_poison  # noqa: E402
-from .plan import pad_fix, plan_groups  # noqa: E402
-from .routes import ROUTES, run_routes  # noqa: E402
+_LAZY = {"Case": "case", "Geometry": "geometry", "build_case": "case", "apply_poison": "poison",
+         "plan_groups": "plan", "pad_fix": "plan", "ROUTES": "routes", "run_routes": "routes"}
 
 __all__ = ["Case", "Geometry", "build_case", "apply_poison", "plan_groups", "pad_fix", "ROUTES",
            "run_routes", "__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -22,93 +22,18 @@ from dataclasses import dataclass, field
 import torch
 
 from . import fp8
+from .geometry import (DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS,  # noqa: F401
+                       Geometry)
 
-KV_DTYPES = ("e4m3", "e5m2", "fp16")
-LAYOUTS = ("contiguous", "scatter")
-GROUPINGS = ("consecutive", "request")
-SELECTIONS = ("indexer", "random")
 SINK_BLOCKS = 4      # leading blocks every row keeps (attention sink)
 WINDOW_BLOCKS = 128  # trailing complete blocks every row keeps (local window; topk // 4 if fewer)
 # The upstream indexer (its benchmark's score_reference): 4 heads of dim 128, one key per 4-token block,
 # block score = sum over heads of ReLU(q . k) / sqrt(128), top-k by (score desc, block id asc).
 INDEXER_HEADS = 4
 INDEXER_DIM = 128
-DEFAULT_OVERLAP = 0.8
 CALIBRATION_BLOCKS = 2048  # key sample on which the overlap knob is calibrated
 CALIBRATION_PAIRS = 32
 SCORE_CHUNK = 64           # rows scored at once
-#: inclusive range of every integer Geometry field. The bounds keep each size far beyond the
-#: report's (19 rows, 8192 tokens, topk 512, page 32, 6 heads, dim 256) yet small enough that
-#: one field alone cannot ask for an absurd allocation; combinations are bounded by the memory
-#: estimate in qsa_lab.resources.
-RANGES = {
-    "rows": (1, 1 << 16),
-    "requests": (1, 1 << 12),
-    "context": (5, 1 << 20),
-    "topk": (1, 1 << 16),
-    "page_size": (4, 1024),
-    "q_heads": (1, 16),
-    "head_dim": (16, 1024),
-    "seed": (0, (1 << 63) - 1),   # torch.Generator.manual_seed takes 64 bits
-}
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Shape of a case. Defaults are the report's decode-like geometry."""
-
-    rows: int = 19
-    requests: int = 1
-    layout: str = "contiguous"
-    context: int = 8192
-    topk: int = 512
-    page_size: int = 32
-    q_heads: int = 6
-    head_dim: int = 256
-    kv_dtype: str = "e4m3"
-    seed: int = 0
-    group_rows: str = "consecutive"
-    selection: str = "indexer"
-    overlap: float = DEFAULT_OVERLAP
-
-    def __post_init__(self):
-        def need(ok, arg, what):
-            if not ok:
-                raise ValueError(f"{arg}: must be {what}, got {getattr(self, arg)!r}")
-
-        for name in RANGES:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name}: must be an int, got {type(v).__name__} {v!r}")
-            lo, hi = RANGES[name]
-            need(lo <= v <= hi, name, f"in {lo}..{hi}")
-        need(self.rows >= self.requests, "rows", f">= requests ({self.requests})")
-        need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}")
-        need(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}")
-        need(self.group_rows in GROUPINGS, "group_rows", f"one of {GROUPINGS}")
-        need(self.selection in SELECTIONS, "selection", f"one of {SELECTIONS}")
-        need(isinstance(self.overlap, (int, float)) and not isinstance(self.overlap, bool)
-             and 0.0 <= self.overlap <= 1.0, "overlap", "a number in [0, 1] (mean neighbour overlap)")
-        need(self.page_size % 4 == 0, "page_size", "a multiple of 4 (one microblock is 4 tokens)")
-        need(self.head_dim % 16 == 0, "head_dim", "a multiple of 16 (one WMMA tile)")
-        rows_per_req = -(-self.rows // self.requests)
-        need(self.context - self.requests + 1 >= rows_per_req + 4, "context",
-             f">= rows per request + requests + 3 ({rows_per_req + self.requests + 3})")
-
-    @property
-    def m_tiles(self) -> int:
-        """16-row M-tiles of one group's 8*q_heads score rows."""
-        return -(-8 * self.q_heads // 16)
-
-    @property
-    def sm_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def replace(self, **kw) -> "Geometry":
-        return dataclasses.replace(self, **kw)
 
 
 @dataclass

@@ -6,6 +6,10 @@ one line (the traceback only with --debug); 130 interrupted.
 
 Every input is checked before any work: geometry ranges and the memory estimate, the
 backend, every output path. Only then is anything built, run or written.
+
+Start-up is kept light: parsing, --help and every check of an argument import only plain-Python
+modules (qsa_lab.geometry, .resources, .outputs); torch, pandas and matplotlib load inside a
+command's handler, after its arguments were checked (tests/test_cli_startup.py holds this).
 """
 from __future__ import annotations
 
@@ -101,9 +105,8 @@ def _overlap(text: str) -> float:
 
 
 def _add_case_args(p):
-    from .case import DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS, Geometry
-    from .poison import PAYLOADS, PLANES, SITES
-    from .routes import BACKENDS
+    from .geometry import (BACKENDS, DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, PAYLOADS, PLANES, RANGES,
+                           SELECTIONS, SITES, Geometry)
 
     d = Geometry()
 
@@ -154,8 +157,7 @@ def _add_case_args(p):
 def _geometry(args):
     """The requested Geometry, range-checked and within the memory budget (UsageError otherwise)."""
     from . import resources
-    from .case import Geometry
-    from .repro import CAUSAL3, DECODE
+    from .geometry import CAUSAL3, DECODE, Geometry
 
     base = {"decode": DECODE, "causal3": CAUSAL3, None: Geometry()}[args.geometry]
     names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
@@ -240,12 +242,8 @@ def _replay_differs(case, result, saved_plan, saved) -> list[str]:
 
 
 def cmd_diff(args) -> int:
-    from . import io, resources
-    from .analysis import diff_json
-    from .case import build_case
+    from . import resources
     from .outputs import write_text
-    from .poison import apply_poison
-    from .routes import resolve_backend, run_routes
 
     if args.save == "-":
         raise UsageError("--save: writes a file; '-' (stdout) is only for --json")
@@ -257,6 +255,12 @@ def cmd_diff(args) -> int:
     else:
         geometry = _geometry(args)
         saved = None
+    from . import io  # torch from here on: every argument above was checked without it
+    from .analysis import diff_json
+    from .case import build_case
+    from .poison import apply_poison
+    from .routes import resolve_backend, run_routes
+
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
     if saved is None:
@@ -300,7 +304,6 @@ def cmd_diff(args) -> int:
 
 def cmd_repro(args) -> int:
     from .outputs import check_folder, check_output, writing, write_text
-    from .routes import resolve_backend
 
     with _blame({}, "--out"):
         out = check_folder(args.out, "--out")
@@ -311,6 +314,8 @@ def cmd_repro(args) -> int:
     if not args.no_figures:
         with _blame({}, "--figures"):
             check_folder(args.figures, "--figures")
+    from .routes import resolve_backend  # torch from here on
+
     with _blame({}, "--backend"):
         resolve_backend(args.backend)
     from .repro import run_repro
@@ -346,11 +351,11 @@ def cmd_repro(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import torch
-
     from .outputs import write_text
 
     outs = _outputs(args, {"--json": args.json})
+    import torch
+
     if not torch.cuda.is_available():
         raise Failure("bench: no CUDA GPU visible; timings need one (committed H200 numbers: "
                       "data/bench_h200.json)")
@@ -409,12 +414,12 @@ def _canary_matrix(report) -> str:
 
 def cmd_canary(args) -> int:
     """qsa-lab canary: every kernel x region x plane x payload, a control and a poisoned run."""
-    from .canary import run_canary
-    from .canary.kernels import builtin_kernels
-
     from .outputs import write_text
 
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json})
+    from .canary import run_canary  # torch from here on
+    from .canary.kernels import builtin_kernels
+
     kernels = (args.kernels or []) + (args.kernel or [])
     with _blame(CANARY_FLAGS, "canary"):  # name the option, not the Python argument
         report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads, backend=args.backend,
@@ -445,8 +450,7 @@ def cmd_canary(args) -> int:
 
 
 def _add_canary_parser(sub, parents=()):
-    from .case import KV_DTYPES
-    from .routes import BACKENDS
+    from .geometry import BACKENDS, KV_DTYPES
 
     c = sub.add_parser("canary", parents=list(parents), help="poison every byte a paged-attention call does not attend; which kernels leak",
                        description="For each kernel x region x plane (k, v) x payload: a zero-filled control run and "
@@ -532,14 +536,21 @@ def _unknown_options(parser, argv) -> None:
             raise UsageError(f"{tok.split('=', 1)[0]}: unrecognized option")
 
 
+def parse_args(argv) -> argparse.Namespace:
+    """Parse and check the command line; plain Python only (no torch, pandas, matplotlib), so
+    --help and a bad argument answer at once. UsageError / SystemExit (--help) propagate."""
+    parser = build_parser()
+    _unknown_options(parser, argv)
+    return parser.parse_args(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
+    # -- signal handling goes here, before anything else runs --
     try:
-        parser = build_parser()
-        _unknown_options(parser, argv)
-        args = parser.parse_args(argv)
-        return args.func(args)
+        args = parse_args(argv)
+        return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
     except UsageError as e:
         return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, False)  # bad input: one line, even with --debug
     except Failure as e:

@@ -35,10 +35,9 @@ import operator
 import torch
 
 from .case import Case, kv_values
+from .geometry import PAYLOADS, PLANES, SITES  # noqa: F401 - part of this module's API
 from .regions import region_slots, stale_slots
 
-SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail", "attended-k", "attended-v")
-PLANES = {"k": (0,), "v": (1,), "kv": (0, 1)}
 REPORT_DIMS = (102, 152, 168, 170, 230)
 ATTENDED_SITES = {"attended-k": "k", "attended-v": "v"}  # site -> the plane it writes (its own)
 DIM_SITES = ("targeted", "stale-tail") + tuple(ATTENDED_SITES)  # sites that write chosen head dims only
@@ -46,7 +45,6 @@ DIM_SITES = ("targeted", "stale-tail") + tuple(ATTENDED_SITES)  # sites that wri
 SITE_REGIONS = {"zeros": "null-block", "targeted": "null-block", "random": "null-block",
                 "fp16-state": "null-block", "stale-tail": "stale-microblock"}
 NAN_BYTE = 0x7F  # NaN in both e4m3 and e5m2
-PAYLOADS = ("nan", "inf", "max", "zero")
 #: (kv_dtype, payload) -> one element's bit pattern in the storage dtype. E4M3 (fn) has no Inf
 #: code; "max" is the largest finite value (a kernel that gives an unattended slot any weight
 #: at all changes its output with it)

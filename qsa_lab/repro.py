@@ -9,16 +9,11 @@ import torch
 
 from .analysis import max_abs_diff, nan_dims
 from .case import Geometry, build_case
+from .geometry import CAUSAL3, CAUSAL3_SEED, DECODE  # noqa: F401 - the report's presets
 from .poison import REPORT_DIMS, apply_poison
 from .routes import GROUPED, RunResult, run_routes
 
 REPORT_CSV = Path(__file__).resolve().parent.parent / "data" / "report_verification.csv"
-DECODE = Geometry()                                              # 19 rows, contiguous, decode-like
-# 24 rows, 3 requests, scatter, causal. The NaN count is 16 rows x 5 dims per M-tile that a padded
-# category activates; seed 63 is a seed whose plan pads 8 of the 9 M-tiles, as the report's did
-# (640). Most seeds pad all 9 (720): see the README.
-CAUSAL3_SEED = 63
-CAUSAL3 = Geometry(rows=24, requests=3, layout="scatter", seed=CAUSAL3_SEED)
 FIXES = [r for r in GROUPED if r != "grouped"]
 
 

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .case import Geometry
+from .geometry import Geometry  # plain Python: the CLI checks budgets before torch loads
 
 # bytes per element, fitted to measured peaks (see tests/test_reliability.py for the check
 # that the estimate covers a real run) with a margin

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..case import Case, validate_case
+from ..geometry import BACKENDS
 from ..plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from . import emulate
 from .reference import reference_forward
@@ -25,7 +26,6 @@ GROUPED = {
     "grouped+masked_load": ("masked_load", False),
 }
 ROUTES = ("reference", "xqa") + tuple(GROUPED)
-BACKENDS = ("auto", "emulate", "cuda")
 
 
 @dataclass

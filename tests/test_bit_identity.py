@@ -1,0 +1,98 @@
+"""The emulation's every route, bit for bit as before the speed-ups.
+
+tests/data/bitid_*.npz hold the outputs (bits) and NaN masks of every route, written by
+tests/data/make_bitid_baseline.py from the code at commit d412ef2 (see tests/bitid_cases.py for
+the cases). Any change to an output bit, a NaN mask, the fp8 encoder's cache bytes, the plan,
+a poison record or a canary verdict fails here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bitid_cases import bits, digest, make_case, nan_bits
+
+from qsa_lab.canary import run_canary
+from qsa_lab.plan import pad_fix
+from qsa_lab.repro import REPRO_CASES, run_case
+from qsa_lab.routes import GROUPED, ROUTES, emulate, run_routes
+
+DATA = Path(__file__).resolve().parent / "data"
+REPORT = np.load(DATA / "bitid_report.npz")
+SMALL = np.load(DATA / "bitid_small.npz")
+CANARY = json.loads(str(np.load(DATA / "bitid_canary.npz")["canary"]))
+REPORT_META = json.loads(str(REPORT["report/meta"]))
+SMALL_META = json.loads(str(SMALL["small/specs"]))
+SPECS = SMALL_META["specs"]
+
+
+def test_baseline_covers_the_spread():
+    """The saved cases are what the test claims: every route, kv dtype and poison site."""
+    assert len(REPORT_META["cases"]) == len(REPRO_CASES) == 12
+    assert all(set(c["routes"]) == set(ROUTES) for c in REPORT_META["cases"])
+    assert {s["geometry"]["kv_dtype"] for s in SPECS} == {"e4m3", "e5m2", "fp16"}
+    assert {s["poison"]["site"] for s in SPECS} >= {"none", "zeros", "targeted", "random", "fp16-state",
+                                                     "stale-tail", "attended-k", "attended-v"}
+    for key in ("q_heads", "head_dim", "page_size", "requests"):
+        assert len({s["geometry"][key] for s in SPECS}) >= 3, key
+
+
+@pytest.mark.parametrize("i", range(len(REPRO_CASES)), ids=[rc.name for rc in REPRO_CASES])
+def test_report_case_bit_identical(i):
+    rc, want = REPRO_CASES[i], REPORT_META["cases"][i]
+    assert want["name"] == rc.name
+    res = run_case(rc, "emulate")
+    assert digest(res.case.kv_cache) == want["kv_cache"]
+    assert digest(res.case.q) == want["q"]
+    assert json.loads(json.dumps(res.case.poison)) == want["poison"]
+    assert {k: digest(getattr(res.plan, k)) for k in want["plan"]} == want["plan"]
+    for r in ROUTES:
+        np.testing.assert_array_equal(nan_bits(res.outputs[r]), REPORT[f"report/{i}/{r}/nan"], err_msg=r)
+    np.testing.assert_array_equal(nan_bits(res.reference64), REPORT[f"report/{i}/reference64/nan"])
+    assert {r: digest(o) for r, o in res.outputs.items()} == want["routes"]
+    assert digest(res.reference64) == want["reference64"]
+
+
+@pytest.mark.parametrize("i", range(len(SPECS)))
+def test_small_case_bit_identical(i):
+    spec = SPECS[i]
+    case = make_case(spec)
+    assert digest(case.kv_cache) == SMALL_META["digests"][i]["kv_cache"]
+    res = run_routes(case, backend="emulate")
+    assert set(res.outputs) == set(ROUTES)
+    for r, o in res.outputs.items():
+        want = SMALL[f"small/{i}/{r}"]
+        np.testing.assert_array_equal(torch.isnan(o).numpy(), np.isnan(want.view(np.float16)), err_msg=f"{r} NaN")
+        np.testing.assert_array_equal(bits(o), want, err_msg=r)
+    assert digest(res.reference64) == SMALL_META["digests"][i]["reference64"]
+    fixed = pad_fix(res.plan)
+    for route, (variant, fix) in GROUPED.items():
+        key = f"small/{i}/lse/{route}"
+        assert (key in SMALL) == bool(res.plan.groups)
+        if res.plan.groups:
+            plan = fixed if fix else res.plan
+            _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+                                             plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                             sm_scale=case.sm_scale, variant=variant, return_lse=True)
+            np.testing.assert_array_equal(bits(lse), SMALL[key], err_msg=f"{route} lse")
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "e4m3"])
+def test_canary_bit_identical(kv_dtype):
+    """The canary's qsa routes: each poisoned output, bit for bit (the canary's verdicts are
+    drawn from these)."""
+    key = ("kernel", "region", "plane", "payload")
+    want = {tuple(r[k] for k in key): r for r in CANARY[kv_dtype]["results"] if r["kernel"].startswith("qsa:")}
+    assert len(want) >= 100
+    rep = run_canary([f"qsa:{r}" for r in ROUTES], backend="emulate", kv_dtype=kv_dtype)
+    got = {(r.kernel, r.region, r.plane, r.payload): r for r in rep.results}
+    assert set(got) == set(want)
+    for k, r in got.items():
+        assert digest(r.output) == want[k]["output"], k
+        assert digest(r.leak) == want[k]["leak"], k
+        assert (r.verdict, r.nan, r.inf, r.finite_changed) == tuple(want[k][f] for f in
+                                                                    ("verdict", "nan", "inf", "finite_changed")), k
