@@ -421,6 +421,16 @@ def cmd_canary(args) -> int:
     from .canary.kernels import builtin_kernels
 
     kernels = (args.kernels or []) + (args.kernel or [])
+    if args.report:
+        from .canary.report import check_report_dir
+
+        with _blame({"report": "--report"}, "--report"):
+            check_report_dir(args.report, args.force)
+    if args.vllm_src:
+        from .canary.adapters.vllm import set_source
+
+        with _blame({"path": "--vllm-src"}, "--vllm-src"):
+            set_source(args.vllm_src)
     with _blame(CANARY_FLAGS, "canary"):  # name the option, not the Python argument
         report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads, backend=args.backend,
                             kv_dtype=args.kv_dtype, progress=sys.stderr.isatty() and args.json != "-")
@@ -444,6 +454,11 @@ def cmd_canary(args) -> int:
             with _blame({}, "--json"):
                 write_text(outs["--json"], json.dumps(doc, indent=2) + "\n", "--json", force=args.force)
             print(f"# wrote {args.json}")
+    if args.report:
+        from .canary.report import write_report
+
+        path = write_report(report, args.report, force=args.force, progress=lambda m: print(f"# {m}", file=sys.stderr))
+        print(f"# wrote {path} (and report.html, leak_matrix.png, calls/)", file=sys.stderr if args.json == "-" else sys.stdout)
     if args.fail_on_leak and (leaks or user_failed):
         return EXIT_DIFFERS
     return EXIT_OK
@@ -457,7 +472,7 @@ def _add_canary_parser(sub, parents=()):
                                    "a poisoned run; verdict clean, nan-leak, inf-leak or finite-leak.")
     c.add_argument("--kernels", type=_name_list, metavar="K,..",
                    help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
-                        "or module:function / file.py:function (default: every built-in kernel)")
+                        "flashinfer:decode|decode-tc|prefill|prefill-fa2, vllm:unified|unified-3d, or module:function / file.py:function (default: every built-in kernel)")
     c.add_argument("--kernel", action="append", metavar="module:function",
                    help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim] (repeatable; default: none)")
     c.add_argument("--regions", type=_name_list, metavar="R,..",
@@ -468,6 +483,10 @@ def _add_canary_parser(sub, parents=()):
                         "(default auto)")
     c.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16", help="the pool's storage dtype (default fp16)")
     c.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.canary/1 document (- for stdout; default: none)")
+    c.add_argument("--report", metavar="DIR", help="write a leak report there: report.md / .html, the leak matrix, "
+                   "versions, and per leaking cell its smallest poisoned call with a replay command (default: none)")
+    c.add_argument("--vllm-src", metavar="PATH", help="vLLM source checkout for the vllm:* kernels "
+                   "(default: $QSA_LAB_VLLM_SRC, else an installed vllm)")
     c.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
     c.add_argument("--fail-on-leak", action="store_true",
                    help="exit 1 when anything leaks (or a module:function kernel could not run; default: off)")

@@ -190,16 +190,23 @@ def _replay_command(path: Path, kernel: str) -> str:
     return cmd if named else cmd + " --kernel MODULE:FUNCTION"
 
 
+def check_report_dir(out_dir, force: bool = False) -> Path:
+    """The report folder, checked before any work: a folder that does not exist or is empty
+    (with force: any folder; its report files are replaced)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"report: {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"report: {out} is not empty (add --force to replace the report in it)")
+    return out
+
+
 def write_report(report, out_dir, force: bool = False, minimize: bool = True, fns: dict | None = None,
                  progress=None) -> Path:
     """Write DIR/report.md, DIR/report.html, DIR/leak_matrix.png, DIR/canary.json and one call
     file per leaking cell (DIR/calls). `fns`: kernel name -> callable (default: resolved from
     the names; give it for kernels passed as callables). -> the Markdown file's path."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"report: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ValueError(f"report: {out} is not empty (use --force to replace its report)")
+    out = check_report_dir(out_dir, force)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(report.kernels)
     doc = report.to_json()
@@ -223,8 +230,7 @@ def _figure(report, path: Path) -> str | None:
     from .figures import leak_matrix, plot_leak_matrix
 
     fig = plot_leak_matrix(leak_matrix(report)).figure
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path.name
 

@@ -52,7 +52,7 @@ def set_source(path) -> None:
     """Load the kernel from this vLLM checkout (None: QSA_LAB_VLLM_SRC, else an installed vllm)."""
     global _source
     if path is not None and not (Path(path) / KERNEL_FILE).is_file():
-        raise ValueError(f"vllm-src: {path} has no {KERNEL_FILE}")
+        raise ValueError(f"path: {path} is not a vLLM checkout (no {KERNEL_FILE})")
     _source = None if path is None else str(path)
 
 
