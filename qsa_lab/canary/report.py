@@ -29,6 +29,7 @@ import torch
 from .. import __version__
 
 SCHEMA = "qsa_lab.canary-call/1"
+LEAKS = ("nan-leak", "inf-leak", "finite-leak")
 MAX_STEPS = 24  # halving steps: enough for 2**24 slots
 
 
@@ -96,7 +97,7 @@ def smallest_leak(fn, case, region: str, plane: str, payload: str, dims=None, de
     memo = {} if memo is None else memo
     full = region_slots(case, region)
     verdict, counts, _ = leaks_with(fn, case, full, plane, payload, dims, device, memo)
-    if verdict in ("clean",):
+    if verdict not in LEAKS:
         return full, verdict, counts
     coords = torch.nonzero(full)
     for _ in range(MAX_STEPS):
@@ -237,7 +238,6 @@ def _figure(report, path: Path) -> str | None:
 
 def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progress) -> list:
     from .kernels import resolve_kernel
-    from .runner import LEAKS
 
     leaking = [r for r in report.results if r.verdict in LEAKS]
     seen, calls, memos = set(), [], {}
@@ -277,7 +277,7 @@ def _blocks(report, doc: dict, env: dict, figure, calls) -> list:
     c = report.case
     non_clean = [r for r in report.results if r.verdict != "clean"]
     b = [("h1", "qsa_lab canary leak report"),
-         ("p", f"{len([r for r in report.results if r.verdict in ('nan-leak', 'inf-leak', 'finite-leak')])} "
+         ("p", f"{len([r for r in report.results if r.verdict in LEAKS])} "
                f"leaking of {len(report.results)} checks; kernels: {', '.join(report.kernels)}."),
          ("h2", "Versions"), ("table", ["component", "version"], [[k, str(v)] for k, v in env.items()]),
          ("h2", "Case and attention spec"),

@@ -176,9 +176,9 @@ def _window(spec, name: str) -> tuple[int, int]:
         return (-1, -1)
     if spec.kind == "window" and not spec.sink:
         return (spec.window - 1, 0)
-    why = ("sink tokens (its `sinks` argument is a per-head logit)" if spec.kind == "window"
-           else f"a {spec.kind} spec (no mask argument)")
-    raise KernelSkipped(f"{name}: vLLM's unified attention takes a sliding window but not {why}")
+    why = ("no sink tokens (its `sinks` argument is a per-head logit)" if spec.kind == "window"
+           else f"no mask argument for a {spec.kind} spec")
+    raise KernelSkipped(f"{name}: vLLM's unified attention has a sliding window but {why}")
 
 
 def _run(call, split: bool, name: str) -> torch.Tensor:
