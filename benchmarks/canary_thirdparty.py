@@ -69,12 +69,7 @@ def _short(reason: str) -> str:
 
 
 def worker(kernel: str, kv_dtype: str, out: Path) -> None:
-    from qsa_lab import kernels as qsa_ext
     from qsa_lab.canary import run_canary
-
-    # no qsa route runs here: keep backend "auto" (torch and third-party kernels on the GPU)
-    # from building qsa_lab's own CUDA extension in every worker
-    qsa_ext.available = lambda: False
 
     runs = []
     for spec, query_len, case in cases(kernel, kv_dtype):

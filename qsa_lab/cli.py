@@ -6,10 +6,6 @@ one line (the traceback only with --debug); 130 interrupted.
 
 Every input is checked before any work: geometry ranges and the memory estimate, the
 backend, every output path. Only then is anything built, run or written.
-
-Start-up is kept light: parsing, --help and every check of an argument import only plain-Python
-modules (qsa_lab.geometry, .resources, .outputs); torch, pandas and matplotlib load inside a
-command's handler, after its arguments were checked (tests/test_cli_startup.py holds this).
 """
 from __future__ import annotations
 
@@ -105,8 +101,9 @@ def _overlap(text: str) -> float:
 
 
 def _add_case_args(p):
-    from .geometry import (BACKENDS, DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, PAYLOADS, PLANES, RANGES,
-                           SELECTIONS, SITES, Geometry)
+    from .case import DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS, Geometry
+    from .poison import PAYLOADS, PLANES, SITES
+    from .routes import BACKENDS
 
     d = Geometry()
 
@@ -157,7 +154,8 @@ def _add_case_args(p):
 def _geometry(args):
     """The requested Geometry, range-checked and within the memory budget (UsageError otherwise)."""
     from . import resources
-    from .geometry import CAUSAL3, DECODE, Geometry
+    from .case import Geometry
+    from .repro import CAUSAL3, DECODE
 
     base = {"decode": DECODE, "causal3": CAUSAL3, None: Geometry()}[args.geometry]
     names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
@@ -242,8 +240,12 @@ def _replay_differs(case, result, saved_plan, saved) -> list[str]:
 
 
 def cmd_diff(args) -> int:
-    from . import resources
+    from . import io, resources
+    from .analysis import diff_json
+    from .case import build_case
     from .outputs import write_text
+    from .poison import apply_poison
+    from .routes import resolve_backend, run_routes
 
     if args.save == "-":
         raise UsageError("--save: writes a file; '-' (stdout) is only for --json")
@@ -255,12 +257,6 @@ def cmd_diff(args) -> int:
     else:
         geometry = _geometry(args)
         saved = None
-    from . import io  # torch from here on: every argument above was checked without it
-    from .analysis import diff_json
-    from .case import build_case
-    from .poison import apply_poison
-    from .routes import resolve_backend, run_routes
-
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
     if saved is None:
@@ -304,6 +300,7 @@ def cmd_diff(args) -> int:
 
 def cmd_repro(args) -> int:
     from .outputs import check_folder, check_output, writing, write_text
+    from .routes import resolve_backend
 
     with _blame({}, "--out"):
         out = check_folder(args.out, "--out")
@@ -314,8 +311,6 @@ def cmd_repro(args) -> int:
     if not args.no_figures:
         with _blame({}, "--figures"):
             check_folder(args.figures, "--figures")
-    from .routes import resolve_backend  # torch from here on
-
     with _blame({}, "--backend"):
         resolve_backend(args.backend)
     from .repro import run_repro
@@ -351,11 +346,11 @@ def cmd_repro(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    import torch
+
     from .outputs import write_text
 
     outs = _outputs(args, {"--json": args.json})
-    import torch
-
     if not torch.cuda.is_available():
         raise Failure("bench: no CUDA GPU visible; timings need one (committed H200 numbers: "
                       "data/bench_h200.json)")
@@ -386,111 +381,17 @@ def cmd_doctor(args) -> int:
 
 # -- canary -----------------------------------------------------------------------------------------
 
-CANARY_FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
-                "dims": "--dims"}
-VERDICT_MARKS = {"clean": ".", "nan-leak": "N", "inf-leak": "I", "finite-leak": "F"}
-
-
-def _name_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
-    return names
-
-
-def _canary_matrix(report) -> str:
-    """Kernels down, region/plane/payload across: . clean, N NaN, I Inf, F finite leak."""
-    import pandas as pd
-
-    df = report.frame()
-    if df.empty:
-        return "(no results)"
-    df["mark"] = df.verdict.map(VERDICT_MARKS)
-    t = df.pivot_table(index="kernel", columns=["region", "plane", "payload"], values="mark", aggfunc="first",
-                       sort=False).fillna("-")
-    with pd.option_context("display.width", 250, "display.max_columns", 200):
-        return t.to_string()
-
-
 def cmd_canary(args) -> int:
-    """qsa-lab canary: every kernel x region x plane x payload, a control and a poisoned run."""
-    from .outputs import write_text
+    """qsa-lab canary: every kernel x region x plane x payload, controls and poisoned runs (qsa_lab.canary.cli)."""
+    from .canary import cli
 
-    outs = _outputs(args, {"--json": None if args.json == "-" else args.json})
-    from .canary import run_canary  # torch from here on
-    from .canary.kernels import builtin_kernels
-
-    kernels = (args.kernels or []) + (args.kernel or [])
-    if args.report:
-        from .canary.report import check_report_dir
-
-        with _blame({"report": "--report"}, "--report"):
-            check_report_dir(args.report, args.force)
-    if args.vllm_src:
-        from .canary.adapters.vllm import set_source
-
-        with _blame({"path": "--vllm-src"}, "--vllm-src"):
-            set_source(args.vllm_src)
-    with _blame(CANARY_FLAGS, "canary"):  # name the option, not the Python argument
-        report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads, backend=args.backend,
-                            kv_dtype=args.kv_dtype, progress=sys.stderr.isatty() and args.json != "-")
-    doc = report.to_json()
-    leaks = report.leaks()
-    builtin = set(builtin_kernels())
-    user_failed = [s for s in report.skipped if s.get("kernel") and s["kernel"] not in builtin]
-    if args.json == "-":
-        print(json.dumps(doc, indent=2))
-    else:
-        print(f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; "
-              f"backend {report.backend}, device {report.device}")
-        print(f"# regions (slots): {doc['regions']}; payload bits: {doc['payload_bits']}")
-        print(_canary_matrix(report))
-        print("# . clean   N NaN leak   I Inf leak   F finite leak (bits changed)   - not run")
-        for s in report.skipped:
-            what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
-            print(f"# skipped {what}: {s['reason']}")
-        print(f"# {len(leaks)} leaking of {len(report.results)} results")
-        if "--json" in outs:
-            with _blame({}, "--json"):
-                write_text(outs["--json"], json.dumps(doc, indent=2) + "\n", "--json", force=args.force)
-            print(f"# wrote {args.json}")
-    if args.report:
-        from .canary.report import write_report
-
-        path = write_report(report, args.report, force=args.force, progress=lambda m: print(f"# {m}", file=sys.stderr))
-        print(f"# wrote {path} (and report.html, leak_matrix.png, calls/)", file=sys.stderr if args.json == "-" else sys.stdout)
-    if args.fail_on_leak and (leaks or user_failed):
-        return EXIT_DIFFERS
-    return EXIT_OK
+    return cli.run(args)
 
 
 def _add_canary_parser(sub, parents=()):
-    from .geometry import BACKENDS, KV_DTYPES
+    from .canary import cli
 
-    c = sub.add_parser("canary", parents=list(parents), help="poison every byte a paged-attention call does not attend; which kernels leak",
-                       description="For each kernel x region x plane (k, v) x payload: a zero-filled control run and "
-                                   "a poisoned run; verdict clean, nan-leak, inf-leak or finite-leak.")
-    c.add_argument("--kernels", type=_name_list, metavar="K,..",
-                   help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
-                        "flashinfer:decode|decode-tc|prefill|prefill-fa2, vllm:unified|unified-3d, or module:function / file.py:function (default: every built-in kernel)")
-    c.add_argument("--kernel", action="append", metavar="module:function",
-                   help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim] (repeatable; default: none)")
-    c.add_argument("--regions", type=_name_list, metavar="R,..",
-                   help="null-block, stale-tail, stale-microblock, free-pages, unselected (default: all)")
-    c.add_argument("--payloads", type=_name_list, metavar="P,..", help="nan, inf, max, zero (default nan,inf,max)")
-    c.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="qsa routes: compiled kernels or emulation; torch kernels on the GPU unless 'emulate' "
-                        "(default auto)")
-    c.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16", help="the pool's storage dtype (default fp16)")
-    c.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.canary/1 document (- for stdout; default: none)")
-    c.add_argument("--report", metavar="DIR", help="write a leak report there: report.md / .html, the leak matrix, "
-                   "versions, and per leaking cell its smallest poisoned call with a replay command (default: none)")
-    c.add_argument("--vllm-src", metavar="PATH", help="vLLM source checkout for the vllm:* kernels "
-                   "(default: $QSA_LAB_VLLM_SRC, else an installed vllm)")
-    c.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
-    c.add_argument("--fail-on-leak", action="store_true",
-                   help="exit 1 when anything leaks (or a module:function kernel could not run; default: off)")
-    c.set_defaults(func=cmd_canary)
+    cli.add_parser(sub, parents).set_defaults(func=cmd_canary)
 
 
 def build_parser():
@@ -555,21 +456,14 @@ def _unknown_options(parser, argv) -> None:
             raise UsageError(f"{tok.split('=', 1)[0]}: unrecognized option")
 
 
-def parse_args(argv) -> argparse.Namespace:
-    """Parse and check the command line; plain Python only (no torch, pandas, matplotlib), so
-    --help and a bad argument answer at once. UsageError / SystemExit (--help) propagate."""
-    parser = build_parser()
-    _unknown_options(parser, argv)
-    return parser.parse_args(argv)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
-    # -- signal handling goes here, before anything else runs --
     try:
-        args = parse_args(argv)
-        return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
+        parser = build_parser()
+        _unknown_options(parser, argv)
+        args = parser.parse_args(argv)
+        return args.func(args)
     except UsageError as e:
         return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, False)  # bad input: one line, even with --debug
     except Failure as e:

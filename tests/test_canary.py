@@ -168,7 +168,8 @@ def test_kernel_fix_is_clean_for_every_region_plane_and_payload(kv_dtype):
                      else ("nan", "max", "zero"), backend="emulate", kv_dtype=kv_dtype)
     fixed = [r for r in rep.results if r.kernel == "qsa:grouped+kernel_fix"]
     assert len(fixed) == 4 * 2 * (4 if kv_dtype != "e4m3" else 3)   # unselected is empty here
-    assert {r.verdict for r in fixed} == {"clean"}
+    assert {r.verdict for r in fixed if r.region != "free-pages"} == {"clean"}
+    assert {r.verdict for r in fixed if r.region == "free-pages"} == {"n/a"}   # no input references them
     # ... on the very bytes that make the unfixed route leak
     assert rep.find("qsa:grouped", "stale-tail", "v", "nan").verdict == "nan-leak"
 
@@ -193,13 +194,14 @@ def test_sdpa_math_with_a_boolean_mask_leaks_masked_k_and_v():
     assert k.where() == {"rows": readers, "heads": [0, 1], "dims": list(range(16))}
     assert v.where() == {"rows": readers, "heads": [0, 1], "dims": [5]}
     assert rep.find("torch:sdpa-math", "null-block", "v", "inf").verdict == "nan-leak"   # 0 * Inf = NaN
-    # pages outside every block table are never read
-    assert {r.verdict for r in rep.results if r.region == "free-pages"} == {"clean"}
+    # pages outside every block table are never read, and no input references them: n/a, not "clean"
+    assert {r.verdict for r in rep.results if r.region == "free-pages"} == {"n/a"}
 
 
 def test_sdpa_cut_at_the_attended_length_is_clean():
     rep = run_canary(["torch:sdpa-cut"], payloads=["nan", "inf"], backend="emulate")
-    assert len(rep.results) == 16 and {r.verdict for r in rep.results} == {"clean"}
+    assert len(rep.results) == 16 and {r.verdict for r in rep.results if r.region != "free-pages"} == {"clean"}
+    assert rep.checks("torch:sdpa-cut") == 12 and rep.exit_code() == 0
 
 
 def test_flex_eager_is_clean_for_k_and_leaks_v():
@@ -245,7 +247,7 @@ def test_user_kernels_get_the_verdicts_they_were_built_for():
 
 def test_assert_no_leak_passes_a_clean_kernel():
     rep = assert_no_leak(honest_kernel, backend="emulate", payloads=["nan", "inf", "max"])
-    assert len(rep.results) == 4 * 2 * 3 and not rep.leaks()
+    assert len(rep.results) == 4 * 2 * 3 and not rep.leaks() and rep.checks(rep.kernels[0]) == 3 * 2 * 3
 
 
 def test_assert_no_leak_lists_the_leaks():
@@ -258,7 +260,7 @@ def test_assert_no_leak_lists_the_leaks():
 
 
 def test_assert_no_leak_fails_a_kernel_that_cannot_run():
-    with pytest.raises(AssertionError, match="could not run: raised RuntimeError: no kernel image"):
+    with pytest.raises(AssertionError, match="error in 24 cell.*control run: raised RuntimeError: no kernel image"):
         assert_no_leak(broken_kernel, backend="emulate")
     rep = assert_no_leak(gpu_only_kernel, backend="emulate", allow_skipped=True)
     assert {"kernel": f"{__name__}:gpu_only_kernel", "reason": "needs a GPU"} in rep.skipped and not rep.results
@@ -279,7 +281,8 @@ def test_bad_arguments_name_themselves():
 
 def test_wrong_output_shape_is_reported_not_raised():
     rep = run_canary([lambda call: call.q[:1]], regions=["null-block"], backend="emulate")
-    assert rep.results == [] and "returned shape [1, 2, 16]" in rep.skipped[0]["reason"]
+    assert {r.verdict for r in rep.results} == {"error"} and "returned shape [1, 2, 16]" in rep.results[0].error
+    assert rep.exit_code() == 3
 
 
 def test_e4m3_has_no_inf_payload():
@@ -325,8 +328,8 @@ def test_site_stale_tail_is_the_microblock_part_of_the_region_stale_tail():
 
 def test_paged_flex_eager_reads_the_whole_pool():
     rep = run_canary(["torch:flex-paged"], regions=["free-pages"], payloads=["nan"], backend="emulate")
-    assert rep.find("torch:flex-paged", "free-pages", "k", "nan").verdict == "clean"
-    assert rep.find("torch:flex-paged", "free-pages", "v", "nan").verdict == "nan-leak"
+    assert rep.find("torch:flex-paged", "free-pages", "k", "nan").verdict == "n/a"
+    assert rep.find("torch:flex-paged", "free-pages", "v", "nan").verdict == "nan-leak"   # unreferenced, yet read
 
 
 def test_sparse_case_has_unselected_slots_that_masking_kernels_read():
@@ -344,5 +347,7 @@ def test_a_malformed_case_is_refused_before_any_kernel_runs():
     bad = dataclasses.replace(CASE, positions=CASE.positions.int())
     with pytest.raises(ValueError, match="^positions: expected"):
         run_canary([honest_kernel], case=bad, backend="emulate")
-    with pytest.raises(TypeError, match="case must be a qsa_lab Case"):
-        run_canary([honest_kernel], case="case", backend="emulate")
+    with pytest.raises(TypeError, match="case must be a qsa_lab Case or CanaryCase"):
+        run_canary([honest_kernel], case=42, backend="emulate")
+    with pytest.raises(FileNotFoundError, match="^case: no file"):
+        run_canary([honest_kernel], case="no-such-case.safetensors", backend="emulate")

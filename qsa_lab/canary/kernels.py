@@ -22,11 +22,8 @@ Built in:
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -353,10 +350,27 @@ TORCH_KERNELS = {"torch:sdpa-math": sdpa_kernel("math"), "torch:sdpa-efficient":
                  "torch:sdpa-cut": sdpa_cut, "torch:flex": flex, "torch:flex-paged": flex_paged}
 
 
+#: name prefixes of the built-in third-party kernels (qsa_lab.canary.adapters: FlashInfer, vLLM)
+THIRD_PARTY = ("flashinfer:", "vllm:")
+#: kernels other modules add by name (e.g. adapters of other libraries): name -> fn(PagedCall)
+REGISTERED: dict = {}
+
+
+def register_kernel(name: str, fn: Callable) -> None:
+    """Make `name` (e.g. 'flashinfer:decode') a built-in kernel, run in this process."""
+    if not isinstance(name, str) or ":" not in name or name.startswith(("qsa:", "torch:")):
+        raise ValueError(f"name: expected 'library:kernel' outside qsa: / torch:, got {name!r}")
+    REGISTERED[name] = fn
+
+
+def registered() -> dict:
+    return dict(REGISTERED)
+
+
 def builtin_kernels() -> tuple:
     from ..routes import ROUTES
 
-    return tuple(f"qsa:{r}" for r in ROUTES) + tuple(TORCH_KERNELS)
+    return tuple(f"qsa:{r}" for r in ROUTES) + tuple(TORCH_KERNELS) + tuple(REGISTERED)
 
 
 def _first_line(e: BaseException) -> str:
@@ -364,32 +378,13 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def load_user_kernel(spec: str) -> Callable:
-    """'package.module:function' or 'path/to/file.py:function' -> the callable."""
-    mod_name, _, fn_name = spec.rpartition(":")
-    if not mod_name or not fn_name:
-        raise ValueError(f"kernels: {spec!r} is not a known kernel nor module:function")
-    try:
-        if mod_name.endswith(".py"):
-            path = Path(mod_name)
-            if not path.is_file():
-                raise ValueError(f"kernels: {spec!r}: no file {path}")
-            mspec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(mspec)
-            mspec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"kernels: {spec!r}: cannot import {mod_name!r} ({_first_line(e)})") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"kernels: {spec!r}: {mod_name} has no callable {fn_name!r}")
-    return fn
-
-
 def kernel_name(kernel) -> str:
+    """A kernel's name: the string itself, a callable's `canary_name` attribute or module:qualname."""
     if isinstance(kernel, str):
         return kernel
+    given = getattr(kernel, "canary_name", None)
+    if isinstance(given, str) and given:
+        return given
     return f"{getattr(kernel, '__module__', '?')}:{getattr(kernel, '__qualname__', repr(kernel))}"
 
 
@@ -415,8 +410,10 @@ def resolve_kernel(kernel, qsa_backend: str | None, qsa_reason: str | None = Non
         if kernel not in TORCH_KERNELS:
             raise ValueError(f"kernels: unknown torch kernel {kernel!r}; choose from {tuple(TORCH_KERNELS)}")
         return TORCH_KERNELS[kernel]
-    if kernel.startswith(("flashinfer:", "vllm:")):  # built-in third-party kernels (canary.adapters)
+    if kernel in REGISTERED:
+        return REGISTERED[kernel]
+    if kernel.startswith(THIRD_PARTY):  # built-in third-party kernels (canary.adapters), not in the default run
         from .adapters import resolve
 
         return resolve(kernel)
-    return load_user_kernel(kernel)
+    raise ValueError(f"kernels: {kernel!r} is not a known kernel nor module:function / file.py:function")

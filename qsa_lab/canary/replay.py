@@ -24,8 +24,9 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
 
     control, poisoned, meta = load_call(path)
     name = meta["kernel"] if kernel is None else kernel
-    device, qsa_backend, qsa_reason = resolve_devices(backend, control.geometry)
-    if control.qsa_unsupported():
+    qsa = isinstance(name, str) and name.startswith("qsa:")
+    device, qsa_backend, qsa_reason = resolve_devices(backend, control.geometry, qsa)
+    if qsa and control.qsa_unsupported():
         qsa_backend, qsa_reason = None, control.qsa_unsupported()
     fn = resolve_kernel(name, qsa_backend, qsa_reason)
     memo = {}
