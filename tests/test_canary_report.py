@@ -43,7 +43,7 @@ def test_report_has_figure_versions_case_spec_and_every_non_clean_cell(window_re
     leaks = report.leaks()
     assert leaks and all(r.kernel == LEAKY for r in leaks)
     for r in leaks:
-        assert f"| {LEAKY} | {r.region} | {r.plane} | {r.payload} | {r.verdict} | {r.nan} |" in md
+        assert f"| {LEAKY} | {r.region} | {r.plane} | {r.payload} | {r.verdict} | {r.nan} | {r.inf} |" in md
     assert "<table>" in page and "leak_matrix.png" in page and "python -m qsa_lab.canary.replay" in page
     assert json.loads((out / "canary.json").read_text())["schema"] == "qsa_lab.canary/1"
 
@@ -80,7 +80,7 @@ def test_cli_report_on_a_qsa_route_writes_replayable_calls(tmp_path):
     out = tmp_path / "grouped"
     r = run("-m", "qsa_lab", "canary", "--kernels", "qsa:grouped", "--backend", "emulate", "--payloads", "nan",
             "--report", str(out))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr                       # the canary's exit code for a leak
     md = (out / "report.md").read_text()
     assert "qsa:grouped" in md and "nan-leak" in md
     call = sorted((out / "calls").glob("qsa_grouped__*__v__nan.safetensors"))

@@ -18,23 +18,22 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     "outputs", "device"} for the saved call at `path` (kernel: a name or callable, default the saved one)."""
     import torch
 
-    from .kernels import KernelSkipped, kernel_name, resolve_kernel
-    from .report import _outputs, load_call
+    from .kernels import kernel_name
+    from .report import _outputs, kernel_runner, load_call
     from .runner import compare, resolve_devices
 
     control, poisoned, meta = load_call(path)
     name = meta["kernel"] if kernel is None else kernel
     qsa = isinstance(name, str) and name.startswith("qsa:")
     device, qsa_backend, qsa_reason = resolve_devices(backend, control.geometry, qsa)
-    if qsa and control.qsa_unsupported():
-        qsa_backend, qsa_reason = None, control.qsa_unsupported()
-    fn = resolve_kernel(name, qsa_backend, qsa_reason)
-    memo = {}
+    if qsa and (control.qsa_unsupported() or qsa_backend is None):
+        raise RuntimeError(f"{name} cannot run here: {control.qsa_unsupported() or qsa_reason}")
+    runner = kernel_runner(name, qsa_backend)
     try:
-        ctrl = _outputs(fn, control, device, memo)
-        out = _outputs(fn, poisoned, device, memo)
-    except KernelSkipped as e:
-        raise RuntimeError(f"{meta['kernel']} could not run here: {e}") from e
+        ctrl = _outputs(runner, control, device)
+        out = _outputs(runner, poisoned, device)
+    finally:
+        runner.close()
     verdict, counts, changed = compare(ctrl, out)
     idx = torch.nonzero(changed)
     where = {k: sorted(set(idx[:, i].tolist())) for i, k in enumerate(("rows", "heads", "dims"))}

@@ -72,31 +72,46 @@ def _poisoned(case, slots: torch.Tensor, plane: str, payload: str, dims):
     return out
 
 
-def _outputs(fn, case, device, memo) -> torch.Tensor:
-    from .kernels import PagedCall
+def kernel_runner(kernel, backend=None, timeout: float = 600.0):
+    """The canary's own way of calling a kernel (qsa_lab.canary.runner): built-ins and callables
+    in this process, `module:function` / `file.py:function` in a worker process; loaded."""
+    from .runner import _runner
 
-    out = fn(PagedCall.from_case(case.clone(), device, memo))
-    return out.detach().cpu()
+    reason = None if backend else "the qsa routes did not run in this report's canary run"
+    runner = _runner(kernel, backend, reason, timeout)
+    runner.load()
+    return runner
 
 
-def leaks_with(fn, case, slots, plane, payload, dims, device, memo) -> tuple[str, dict, torch.Tensor]:
+def _outputs(runner, case, device) -> torch.Tensor:
+    """One call of `runner` on `case` (fresh copies of its tensors); the output on the CPU."""
+    from .execution import INPUTS
+    from .runner import _meta
+
+    t = case.tensors()
+    out = runner.call({k: t[k].detach().cpu() for k in INPUTS}, _meta(case), device)
+    if out.kind != "ok":
+        raise RuntimeError(f"the kernel {out.kind}: {out.error}")
+    return out.output
+
+
+def leaks_with(runner, case, slots, plane, payload, dims, device) -> tuple[str, dict, torch.Tensor]:
     """(verdict, counts, poisoned output) of one control + poisoned pair poisoning `slots`."""
     from .runner import compare
 
-    control = _outputs(fn, _poisoned(case, slots, plane, "zero", dims), device, memo)
-    out = _outputs(fn, _poisoned(case, slots, plane, payload, dims), device, memo)
+    control = _outputs(runner, _poisoned(case, slots, plane, "zero", dims), device)
+    out = _outputs(runner, _poisoned(case, slots, plane, payload, dims), device)
     verdict, counts, _ = compare(control, out)
     return verdict, counts, out
 
 
-def smallest_leak(fn, case, region: str, plane: str, payload: str, dims=None, device="cpu", memo=None):
+def smallest_leak(runner, case, region: str, plane: str, payload: str, dims=None, device="cpu"):
     """The fewest slots of `region` found whose poison still gives the same verdict: halve
     while one half alone does. -> (slots [pages, page_size] bool, verdict, counts)."""
     from ..regions import region_slots
 
-    memo = {} if memo is None else memo
     full = region_slots(case, region)
-    verdict, counts, _ = leaks_with(fn, case, full, plane, payload, dims, device, memo)
+    verdict, counts, _ = leaks_with(runner, case, full, plane, payload, dims, device)
     if verdict not in LEAKS:
         return full, verdict, counts
     coords = torch.nonzero(full)
@@ -107,7 +122,7 @@ def smallest_leak(fn, case, region: str, plane: str, payload: str, dims=None, de
         for part in (coords[:half], coords[half:]):
             slots = torch.zeros_like(full)
             slots[part[:, 0], part[:, 1]] = True
-            v, c, _ = leaks_with(fn, case, slots, plane, payload, dims, device, memo)
+            v, c, _ = leaks_with(runner, case, slots, plane, payload, dims, device)
             if v == verdict:
                 coords, counts = part, c
                 break
@@ -183,12 +198,12 @@ def _slug(text: str) -> str:
 
 
 def _replay_command(path: Path, kernel: str) -> str:
-    cmd = f"python -m qsa_lab.canary.replay {path}"
-    from .kernels import TORCH_KERNELS
-    from .adapters import is_thirdparty
+    """The replay line; a kernel given as a Python callable has no name the replay can load."""
+    import re as _re
 
-    named = kernel.startswith("qsa:") or kernel in TORCH_KERNELS or is_thirdparty(kernel) or ".py:" in kernel
-    return cmd if named else cmd + " --kernel MODULE:FUNCTION"
+    cmd = f"python -m qsa_lab.canary.replay {path}"
+    loadable = _re.fullmatch(r"[\w.]+:[\w.]+|.+\.py:\w+|(qsa|torch|flashinfer|vllm):[\w+.-]+", kernel)
+    return cmd if loadable else cmd + " --kernel MODULE:FUNCTION"
 
 
 def check_report_dir(out_dir, force: bool = False) -> Path:
@@ -237,45 +252,47 @@ def _figure(report, path: Path) -> str | None:
 
 
 def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progress) -> list:
-    from .kernels import resolve_kernel
+    from ..regions import region_slots
 
     leaking = [r for r in report.results if r.verdict in LEAKS]
-    seen, calls, memos = set(), [], {}
+    seen, calls, runners = set(), [], {}
     device = torch.device(report.device) if report.device else torch.device("cpu")
-    for r in leaking:
-        key = (r.kernel, r.region, r.plane, r.payload)
-        if key in seen:
-            continue
-        seen.add(key)
-        fn = fns.get(r.kernel) or resolve_kernel(r.kernel, report.backend)
-        memo = memos.setdefault(r.kernel, {})
-        from ..regions import region_slots
-
-        slots = region_slots(report.case, r.region)
-        verdict, counts = r.verdict, {"nan": r.nan, "inf": r.inf, "finite_changed": r.finite_changed}
-        dims = report.dims if hasattr(report, "dims") else None
-        if minimize:
-            if progress:
-                progress(f"report: smallest leaking call of {r.kernel} {r.region}/{r.plane}/{r.payload}")
-            try:
-                slots, verdict, counts = smallest_leak(fn, report.case, r.region, r.plane, r.payload, dims,
-                                                       device, memo)
-            except Exception as e:  # noqa: BLE001 - keep the full region; say so
-                counts = {**counts, "minimize_error": f"{type(e).__name__}: {e}"}
-        name = _slug(f"{r.kernel}__{r.region}__{r.plane}__{r.payload}") + ".safetensors"
-        path = save_call(out / "calls" / name, report.case, r.kernel, r.region, r.plane, r.payload, slots, dims,
-                         verdict, counts, env)
-        coords = torch.nonzero(slots).tolist()
-        calls.append({"kernel": r.kernel, "region": r.region, "plane": r.plane, "payload": r.payload,
-                      "verdict": verdict, "counts": counts, "slots": coords, "file": f"calls/{name}",
-                      "replay": _replay_command(out / "calls" / name, r.kernel),
-                      "full_region": int(region_slots(report.case, r.region).sum())})
+    try:
+        for r in leaking:
+            key = (r.kernel, r.region, r.plane, r.payload)
+            if key in seen:
+                continue
+            seen.add(key)
+            slots = region_slots(report.case, r.region)
+            verdict, counts = r.verdict, {"nan": r.nan, "inf": r.inf, "finite_changed": r.finite_changed}
+            if minimize:
+                if progress:
+                    progress(f"report: smallest leaking call of {r.kernel} {r.region}/{r.plane}/{r.payload}")
+                try:
+                    if r.kernel not in runners:
+                        runners[r.kernel] = kernel_runner(fns.get(r.kernel, r.kernel), report.backend,
+                                                          getattr(report, "timeout", 600.0))
+                    slots, verdict, counts = smallest_leak(runners[r.kernel], report.case, r.region, r.plane,
+                                                           r.payload, None, device)
+                except Exception as e:  # noqa: BLE001 - keep the whole region; say why
+                    counts = {**counts, "minimize_error": f"{type(e).__name__}: {e}"}
+            name = _slug(f"{r.kernel}__{r.region}__{r.plane}__{r.payload}") + ".safetensors"
+            path = save_call(out / "calls" / name, report.case, r.kernel, r.region, r.plane, r.payload, slots,
+                             None, verdict, counts, env)
+            calls.append({"kernel": r.kernel, "region": r.region, "plane": r.plane, "payload": r.payload,
+                          "verdict": verdict, "counts": counts, "slots": torch.nonzero(slots).tolist(),
+                          "file": f"calls/{name}", "replay": _replay_command(path, r.kernel),
+                          "full_region": int(region_slots(report.case, r.region).sum())})
+    finally:
+        for runner in runners.values():
+            runner.close()
     return calls
 
 
 def _blocks(report, doc: dict, env: dict, figure, calls) -> list:
     c = report.case
-    non_clean = [r for r in report.results if r.verdict != "clean"]
+    non_clean = [r for r in report.results if r.verdict not in ("clean", "n/a")]
+    na = list(dict.fromkeys(f"{r.kernel} {r.region}" for r in report.results if r.verdict == "n/a"))
     b = [("h1", "qsa_lab canary leak report"),
          ("p", f"{len([r for r in report.results if r.verdict in LEAKS])} "
                f"leaking of {len(report.results)} checks; kernels: {', '.join(report.kernels)}."),
@@ -290,11 +307,16 @@ def _blocks(report, doc: dict, env: dict, figure, calls) -> list:
         b += [("h2", "Leak matrix"), ("img", figure)]
     b += [("h2", "Cells that are not clean")]
     if non_clean:
-        b.append(("table", ["kernel", "region", "plane", "payload", "verdict", "NaN", "Inf", "finite changed"],
+        b.append(("table", ["kernel", "region", "plane", "payload", "verdict", "NaN", "Inf", "finite changed",
+                            "note"],
                   [[r.kernel, r.region, r.plane, r.payload, r.verdict, str(r.nan), str(r.inf),
-                    str(r.finite_changed)] for r in non_clean]))
+                    str(r.finite_changed), (r.error or r.note or ", ".join(r.modified))[:200]]
+                   for r in non_clean]))
     else:
         b.append(("p", "None: every check ran clean."))
+    if na:
+        b.append(("p", "n/a (the call's inputs reference no byte of the region, so no leak can be drawn): "
+                       + "; ".join(na) + "."))
     if report.skipped:
         b += [("h2", "Not run"),
               ("table", ["what", "reason"], [["/".join(str(s[k]) for k in ("kernel", "region", "plane", "payload")
