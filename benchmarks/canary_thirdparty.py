@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-dtypes", default="fp16,e4m3")
     p.add_argument("--vllm-src", help="vLLM source checkout for vllm:* (else QSA_LAB_VLLM_SRC / an installed vllm)")
     p.add_argument("--vllm-rev", help="what --vllm-src holds, for the table (e.g. 'main @ 0013943')")
+    p.add_argument("--label", help="recorded in the JSON (e.g. the qsa_lab commit that ran)")
     p.add_argument("--jobs", type=int, default=12)
     p.add_argument("--report", metavar="DIR", help="also write a leak report (qsa_lab.canary.report) per leaking run")
     p.add_argument("--worker", nargs=3, metavar=("KERNEL", "KV_DTYPE", "OUT"), help=argparse.SUPPRESS)
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     env = machine()
     if args.vllm_rev:
         env["vllm_rev"] = args.vllm_rev
-    doc = {"schema": SCHEMA, "machine": env, "geometry": GEOMETRY, "specs": list(SPECS),
+    doc = {"schema": SCHEMA, "label": args.label, "machine": env, "geometry": GEOMETRY, "specs": list(SPECS),
            "prefill_rows": PREFILL_ROWS, "wall_s": round(time.time() - t0, 1), "runs": runs}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     md = table(runs, env)
