@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   done
 ) > "$OUT/repro.log" 2>&1 &
 
-timeout 480 python3 benchmarks/canary_thirdparty.py --json "$OUT/canary_thirdparty_h200.json" --vllm-src "$VLLM_SRC" \
+timeout 420 python3 benchmarks/canary_thirdparty.py --json "$OUT/canary_thirdparty_h200.json" --vllm-src "$VLLM_SRC" \
   --vllm-rev "$VLLM_REV" --label "$LABEL" --report /tmp/thirdparty_reports > "$OUT/canary.log" 2>&1
 echo "matrix exit $?"
 wait
