@@ -138,6 +138,13 @@ def table(runs: list, env: dict) -> str:
     return "\n".join(lines)
 
 
+def dump(doc: dict) -> str:
+    """The document as JSON with one run per line."""
+    rest = {k: v for k, v in doc.items() if k != "runs"}
+    runs = ",\n".join("  " + json.dumps(r, separators=(",", ":")) for r in doc["runs"])
+    return json.dumps(rest, indent=1)[:-2] + ',\n "runs": [\n' + runs + "\n ]\n}\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="output JSON path (a .md table is written beside it)")
@@ -186,7 +193,7 @@ def main(argv=None) -> int:
         env["vllm_rev"] = args.vllm_rev
     doc = {"schema": SCHEMA, "label": args.label, "machine": env, "geometry": GEOMETRY, "specs": list(SPECS),
            "prefill_rows": PREFILL_ROWS, "wall_s": round(time.time() - t0, 1), "runs": runs}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.write_text(dump(doc))
     md = table(runs, env)
     out.with_suffix(".md").write_text(md + "\n")
     print(md)
