@@ -285,13 +285,15 @@ def region_slots(case, region: str) -> torch.Tensor:
     return out
 
 
-def region_referenced(case, region: str, page_list: bool = False) -> bool:
-    """Whether the call's inputs reference any byte of `region`: page 0 through block-table
-    padding entries (never when the kernel reads only each request's used pages,
-    `page_list`), a request's last page for the stale slots, its pages for in-range tokens;
-    free pages never. A region the inputs do not reference gets 'n/a' rather than 'clean'."""
+def region_referenced(case, region: str, reads: str = "block_table") -> bool:
+    """Whether the call's inputs reference any byte of `region`, for a kernel that reads the
+    pool through `reads`: "block_table" (page 0 through its padding entries), "page_table"
+    (only each request's used pages: never page 0) or "padded_plan" (tables of its own padded
+    with page 0, as qsa_lab's grouped plan: always page 0). The stale slots are referenced
+    through a request's last page, in-range tokens through its pages; free pages never.
+    A region the inputs do not reference gets 'n/a' rather than 'clean'."""
     if region == "null-block":
-        return not page_list and has_padding_entries(case)
+        return reads == "padded_plan" or (reads == "block_table" and has_padding_entries(case))
     if region == "free-pages":
         return False
     return bool(region_slots(case, region).any())

@@ -83,6 +83,7 @@ _forever = threading.Event()
 
 
 def hangs(call):
+    print("hanging", file=sys.stderr, flush=True)
     _forever.wait(3600)
     return reference(call)
 

@@ -101,7 +101,8 @@ def test_a_mask_past_seq_len_is_refused():
 def test_null_block_is_referenced_only_through_padding_entries():
     case = canary_case()
     assert region_referenced(case, "null-block")               # the shorter requests have a padding entry
-    assert not region_referenced(case, "null-block", page_list=True)
+    assert not region_referenced(case, "null-block", "page_table")
+    assert region_referenced(canary_case(requests=1, rows=4), "null-block", "padded_plan")
     assert not region_referenced(case, "free-pages")
     one = canary_case(requests=1, rows=4)
     assert not region_referenced(one, "null-block")

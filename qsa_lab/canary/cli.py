@@ -15,7 +15,7 @@ import sys
 
 #: API argument -> CLI option, so that an error names what the user typed
 FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
-         "dims": "--dims", "attend": "--attend", "timeout": "--timeout", "case": "--case", "kv_dtype": "--kv-dtype",
+         "dims": "--dims", "planes": "--planes", "attend": "--attend", "timeout": "--timeout", "case": "--case", "kv_dtype": "--kv-dtype",
          "rows": "--rows", "requests": "--requests", "context": "--context", "topk": "--topk",
          "page_size": "--page-size", "q_heads": "--q-heads", "kv_heads": "--kv-heads", "head_dim": "--head-dim",
          "query_len": "--query-len", "seed": "--seed", "layout": "--layout", "selection": "--selection",
@@ -72,6 +72,7 @@ def add_parser(sub, parents=()):
                    help="null-block, stale-tail, stale-microblock, free-pages and the spec's in-range one: unselected "
                         "(sparse), out-of-window (window) (default: all of the spec)")
     k.add_argument("--payloads", type=_name_list, metavar="P,..", help="nan, inf, max, zero (default nan,inf,max)")
+    k.add_argument("--planes", type=_name_list, metavar="P,..", help="k, v (default k,v)")
     k.add_argument("--dims", type=_int_list, metavar="D,..", help="head dims to poison (default: every dim)")
     k.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="qsa routes: compiled kernels or emulation (only qsa: kernels build qsa_lab's extension); "
@@ -226,7 +227,8 @@ def run(args) -> int:
     kernels = (args.kernels or []) + (args.kernel or [])
     try:
         with _blame(FLAGS, "canary"), _quiet_stdout(args.json == "-"):
-            report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads, backend=args.backend,
+            report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads,
+                                planes=args.planes or ("k", "v"), backend=args.backend,
                                 kv_dtype=args.kv_dtype, dims=args.dims, attend=None if case else args.attend,
                                 case=case, progress=sys.stderr.isatty() and args.json != "-",
                                 **({"timeout": args.timeout} if args.timeout else {}), **geometry)

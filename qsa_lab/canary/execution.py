@@ -6,9 +6,11 @@ selections is caught). The output must be a floating-point tensor of the call's 
 shape on the call's device. Anything raised, SystemExit and KeyboardInterrupt included, is
 an outcome, never a crash.
 
-    InProcess   built-in kernels and Python callables: each call runs in a thread joined
-                with the timeout; a call that has not returned by then is reported as timed
-                out (the thread is abandoned, its result ignored) and the kernel is not called again
+    InProcess   Python callables: each call runs in a thread joined with the timeout; a call
+                that has not returned by then is reported as timed out (the thread is
+                abandoned, its result ignored) and the kernel is not called again. Built-in
+                kernels (qsa:, torch:, registered adapters) run in the main thread, unbounded
+                (torch.compile and JIT builds expect it)
     Worker      user kernels named `module:function` / `file.py:function`: one subprocess
                 per kernel (python -m qsa_lab.canary.worker), reused for all of its calls;
                 its stdout goes to stderr, so nothing a kernel prints reaches `--json -`;
@@ -70,9 +72,10 @@ def first_line(e: BaseException) -> str:
         else f"SystemExit: {e.code!r}"
 
 
-def call_kernel(fn, inputs: dict, meta: dict, device, memo: dict) -> Outcome:
+def call_kernel(fn, inputs: dict, meta: dict, device, memo: dict, interruptible: bool = False) -> Outcome:
     """Run fn once on fresh copies of `inputs` (CPU tensors) on `device`; check its output and
-    that no input changed. Never raises (except for a real interrupt in the caller's thread)."""
+    that no input changed. Never raises, except KeyboardInterrupt when `interruptible` (the
+    main thread: that is a real Ctrl-C)."""
     given = {k: inputs[k].to(device, copy=True) for k in INPUTS}
     call = PagedCall(**given, **meta, memo=memo)
     want = (call.rows, call.q_heads, call.out_dim)
@@ -80,6 +83,10 @@ def call_kernel(fn, inputs: dict, meta: dict, device, memo: dict) -> Outcome:
         out = fn(call)
     except KernelSkipped as e:
         return Outcome("skipped", error=str(e))
+    except KeyboardInterrupt:
+        if interruptible:
+            raise
+        return Outcome("error", error="raised KeyboardInterrupt", traceback=traceback.format_exc())
     except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from a kernel are its outcome
         return Outcome("error", error=f"raised {first_line(e)}", traceback=traceback.format_exc())
     modified = [k for k in INPUTS if not same_bits(given[k], inputs[k])]
@@ -97,16 +104,19 @@ def call_kernel(fn, inputs: dict, meta: dict, device, memo: dict) -> Outcome:
 
 
 class InProcess:
-    """A callable run in this process, each call in a thread joined with the timeout."""
+    """A callable run in this process: in a thread joined with the timeout (`thread`), or in
+    the main thread (built-in kernels)."""
 
-    def __init__(self, fn, timeout: float):
-        self.fn, self.timeout, self.memo, self.dead = fn, timeout, {}, None
+    def __init__(self, fn, timeout: float, thread: bool = True):
+        self.fn, self.timeout, self.memo, self.dead, self.thread = fn, timeout, {}, None, thread
         self.paged_inputs = getattr(fn, "paged_inputs", None)
 
     def load(self) -> None:
         pass
 
     def call(self, inputs: dict, meta: dict, device) -> Outcome:
+        if not self.thread:
+            return call_kernel(self.fn, inputs, meta, device, self.memo, interruptible=True)
         box = {}
 
         def target():

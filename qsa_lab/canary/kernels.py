@@ -215,6 +215,8 @@ def qsa_kernel(route: str, backend: str) -> Callable:
         from ..routes import run_routes
 
         return run_routes(call.to_case(), routes=[route], backend=backend).outputs[route]
+    if route.startswith("grouped"):
+        run.paged_inputs = "padded_plan"   # its plan pads every category with the null block
     return run
 
 

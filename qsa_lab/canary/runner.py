@@ -40,7 +40,10 @@ LEAKS = ("nan-leak", "inf-leak", "finite-leak")
 FAILURES = ("error", "unstable-control", "input-modified")
 VERDICTS = ("clean",) + LEAKS + FAILURES + ("n/a",)
 CHECKED = ("clean",) + LEAKS        # verdicts that are a leak check that ran
-PAGED_INPUTS = ("block_table", "page_table")
+#: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its
+#: padding entries (default), only each request's used pages (page_table()), or tables of its
+#: own that pad with the null block (the qsa grouped routes' plan)
+PAGED_INPUTS = ("block_table", "page_table", "padded_plan")
 MAX_HINT = ("the max payload changed outputs: the kernel reads these slots into its result, so either it "
             "attends them (is the attention spec right for this kernel? see --attend) or it leaks finite values")
 
@@ -401,7 +404,7 @@ def _runner(kernel, qsa_backend, qsa_reason, timeout):
     if isinstance(kernel, str) and ":" in kernel and kernel.split(":", 1)[0] not in ("qsa", "torch") \
             and not _is_registered(kernel):
         return Worker(kernel, timeout)
-    return InProcess(resolve_kernel(kernel, qsa_backend, qsa_reason), timeout)
+    return InProcess(resolve_kernel(kernel, qsa_backend, qsa_reason), timeout, thread=callable(kernel))
 
 
 def _is_registered(name: str) -> bool:
@@ -444,7 +447,7 @@ def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, s
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
     try:
         for name, runner in runners.items():
-            page_list = _paged_inputs(runner) == "page_table"
+            reads = _paged_inputs(runner)
             stop = None         # (verdict, why) once the kernel cannot be called again
             for region, plane in cells:
                 bar.update(1)
@@ -458,7 +461,7 @@ def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, s
                     skipped.append({"kernel": name, "reason": cell["skipped"]})
                     stop = ("skipped", cell["skipped"])
                     continue
-                referenced = region_referenced(case, region, page_list)
+                referenced = region_referenced(case, region, reads)
                 for payload in payloads:
                     results.append(_verdict(row, payload, cell, referenced))
                 if cell["dead"]:
