@@ -166,3 +166,31 @@ def test_x(qsa_canary_cell):
 ''')
     result = pytester.runpytest("-p", "qsa_lab.canary.pytest_plugin")
     assert result.ret != 0 and "qsa_canary marker: give exactly one kernel" in result.stdout.str() + result.stderr.str()
+
+
+QSA_PLUGIN_TEST = '''
+import pytest
+
+
+@pytest.mark.qsa_canary("qsa:grouped", backend="emulate", payloads=["nan"])
+def test_grouped(qsa_canary_cell):
+    qsa_canary_cell.check()
+
+
+@pytest.mark.qsa_canary("qsa:grouped+both_fixes", backend="emulate", payloads=["nan"])
+def test_fixed(qsa_canary_cell):
+    qsa_canary_cell.check()
+'''
+
+
+def test_pytest_plugin_on_the_qsa_routes_fails_exactly_the_grouped_leaks(pytester):
+    pytester.makepyfile(test_routes=QSA_PLUGIN_TEST)
+    result = pytester.runpytest("-p", "qsa_lab.canary.pytest_plugin", "-rfs")
+    out = result.stdout.str()
+    leaking = ("null-block", "stale-tail", "stale-microblock")
+    assert result.parseoutcomes().get("failed") == len(leaking), out
+    for region in leaking:
+        assert f"FAILED test_routes.py::test_grouped[{region}-v-nan]" in out
+        assert f"qsa:grouped leaks nan from region {region} on the V plane: nan-leak" in out
+    assert "test_fixed" not in out.split("short test summary")[1].split("SKIPPED")[0]
+    assert "n/a (the call's inputs reference no byte of this region)" in out      # free pages: skipped, not passed
