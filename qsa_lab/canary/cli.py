@@ -60,7 +60,11 @@ def add_parser(sub, parents=()):
     k = c.add_argument_group("kernels and matrix")
     k.add_argument("--kernels", type=_name_list, metavar="K,..",
                    help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
-                        "or module:function / file.py:function (default: every built-in kernel)")
+                        "flashinfer:decode|decode-tc|prefill|prefill-fa2, vllm:unified|unified-3d (README "
+                        "'Third-party kernels'), or module:function / file.py:function (default: every built-in "
+                        "qsa: and torch: kernel)")
+    k.add_argument("--vllm-src", metavar="PATH", help="a vLLM source checkout for the vllm: kernels "
+                   "(default: $QSA_LAB_VLLM_SRC, else an installed vllm)")
     k.add_argument("--kernel", action="append", metavar="module:function",
                    help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim], run in a worker process "
                         "(repeatable; default: none)")
@@ -104,7 +108,9 @@ def add_parser(sub, parents=()):
                         "geometry option but --attend")
     o = c.add_argument_group("output")
     o.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.canary/1 document (- for stdout; default: none)")
-    o.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
+    o.add_argument("--report", metavar="DIR", help="write a leak report there: report.md / .html, the leak matrix, "
+                   "versions, and per leaking cell its smallest poisoned call with a replay command (default: none)")
+    o.add_argument("--force", action="store_true", help="let --json / --report replace files (default: never)")
     o.add_argument("--fail-on-leak", action="store_true",
                    help="kept for scripts: a leak always exits 1 now, a failed kernel 3 (default: off)")
     return c
@@ -203,6 +209,16 @@ def run(args) -> int:
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, inputs)
     from .case import load_case  # torch from here on: every argument above was checked without it
     from .runner import run_canary
+    if args.report:  # checked before any kernel runs
+        from .report import check_report_dir
+
+        with _blame({"report": "--report"}, "--report"):
+            check_report_dir(args.report, args.force)
+    if args.vllm_src:
+        from .adapters.vllm import set_source
+
+        with _blame({"path": "--vllm-src"}, "--vllm-src"):
+            set_source(args.vllm_src)
 
     case = None
     if args.case:
@@ -243,6 +259,11 @@ def run(args) -> int:
             with _blame({}, "--json"):
                 write_text(outs["--json"], json.dumps(doc, indent=2) + "\n", "--json", force=args.force)
             print(f"# wrote {args.json}")
+    if args.report:
+        from .report import write_report
+
+        path = write_report(report, args.report, force=args.force, progress=lambda m: print(f"# {m}", file=sys.stderr))
+        print(f"# wrote {path} (and report.html, leak_matrix.png, calls/)", file=sys.stderr if args.json == "-" else None)
     debug = getattr(args, "debug", False)
     for f in report.failures():
         if debug:

@@ -363,6 +363,8 @@ TORCH_KERNELS = {"torch:sdpa-math": sdpa_kernel("math"), "torch:sdpa-efficient":
                  "torch:sdpa-cut": sdpa_cut, "torch:flex": flex, "torch:flex-paged": flex_paged}
 
 
+#: name prefixes of the built-in third-party kernels (qsa_lab.canary.adapters: FlashInfer, vLLM)
+THIRD_PARTY = ("flashinfer:", "vllm:")
 #: kernels other modules add by name (e.g. adapters of other libraries): name -> fn(PagedCall)
 REGISTERED: dict = {}
 
@@ -423,4 +425,8 @@ def resolve_kernel(kernel, qsa_backend: str | None, qsa_reason: str | None = Non
         return TORCH_KERNELS[kernel]
     if kernel in REGISTERED:
         return REGISTERED[kernel]
+    if kernel.startswith(THIRD_PARTY):  # built-in third-party kernels (canary.adapters), not in the default run
+        from .adapters import resolve
+
+        return resolve(kernel)
     raise ValueError(f"kernels: {kernel!r} is not a known kernel nor module:function / file.py:function")

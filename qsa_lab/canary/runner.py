@@ -396,9 +396,9 @@ def _runner(kernel, qsa_backend, qsa_reason, timeout):
 
 
 def _is_registered(name: str) -> bool:
-    from .kernels import registered
+    from .kernels import THIRD_PARTY, registered
 
-    return name in registered()
+    return name in registered() or name.startswith(THIRD_PARTY)
 
 
 def _paged_inputs(runner) -> str:
