@@ -111,6 +111,8 @@ def test_a_hung_kernel_times_out_and_is_not_called_again():
     assert "timed out after 1 s" in rep.results[0].error and len(rep.results) == 2 * 2
     assert rep.results[-1].error.startswith("not run: the kernel timed out after 1 s at null-block/k")
     assert f["cells"] == 4
+    with pytest.raises(AssertionError, match="timed out after 1 s"):
+        assert_no_leak(K.hangs, timeout=1, **FAST)
 
 
 @pytest.mark.parametrize("kernel,text", [(K.nan_everywhere, "control output holds 320 NaN and 0 Inf of 320"),
@@ -137,6 +139,8 @@ def test_a_kernel_that_edits_an_input_is_caught_and_cannot_touch_the_next(name):
     assert rep.find("canary_kernels:zero_times_v", "null-block", "v", "nan").verdict == "nan-leak"
     assert all(torch.equal(before[k], t) for k, t in case.tensors().items())
     assert rep.exit_code() == 3
+    with pytest.raises(AssertionError, match="input-modified in 4 cell"):
+        assert_no_leak(edit, **FAST)
 
 
 def test_two_callables_of_one_name_stay_apart():
