@@ -664,6 +664,7 @@ def _main(argv=None) -> int:
     try:
         args = parse_args(argv)
         with warnings.catch_warnings():  # a warning is one line too, e.g. a loaded q holding NaN
+            warnings.simplefilter("always", UserWarning)  # every run says it, not only the first in a process
             warnings.showwarning = _show_warning
             return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
     except UsageError as e:

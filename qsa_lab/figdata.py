@@ -64,7 +64,7 @@ def page_bytes(case: Case, plane: str = "v", page: int | None = None) -> dict:
 
 
 #: the sites that write NaN bytes (none and zeros write none: nothing to show on a byte map)
-BYTE_MAP_SITES = tuple(s for s in SITES if s not in ("none", "zeros"))
+BYTE_MAP_SITES = tuple(s for s in SITES if s not in ("none", "zeros", "query"))  # query writes q, no page byte
 
 
 def page_byte_maps(geometry: Geometry | None = None, sites=BYTE_MAP_SITES, plane: str = "v", seed: int = 0,
