@@ -16,7 +16,8 @@ PY := .venv/bin/python
 RUN_HINT := run qsa-lab as .venv/bin/qsa-lab, or first 'source .venv/bin/activate' (once per shell)
 endif
 STAMP := $(ENV_DIR)/.qsa_lab-setup
-export TORCH_FALLBACK TORCH_CUDA12 TORCH_CUDA12_INDEX
+# TORCH_FALLBACK, TORCH_CUDA12, TORCH_CUDA12_INDEX (empty: PyPI) reach scripts/choose_torch.py
+# from the command line or the environment as they are; unset, it uses its own defaults
 
 .PHONY: setup demo test test-fast lab strip doctor wheel clean
 
@@ -35,9 +36,11 @@ demo: setup
 	$(PY) -m qsa_lab doctor
 	$(PY) -m qsa_lab repro --out results --figures figures --force
 
+# the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise
+TEST_WORKERS ?= auto
 test: setup
 	bash scripts/setup_test_extras.sh "$(PY)"
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not wheel"
