@@ -16,7 +16,8 @@ PY := .venv/bin/python
 RUN_HINT := run qsa-lab as .venv/bin/qsa-lab, or first 'source .venv/bin/activate' (once per shell)
 endif
 STAMP := $(ENV_DIR)/.qsa_lab-setup
-export TORCH_FALLBACK TORCH_CUDA12 TORCH_CUDA12_INDEX
+# TORCH_FALLBACK, TORCH_CUDA12, TORCH_CUDA12_INDEX (empty: PyPI) reach scripts/choose_torch.py
+# from the command line or the environment as they are; unset, it uses its own defaults
 
 .PHONY: setup demo test test-fast lab strip doctor wheel clean
 

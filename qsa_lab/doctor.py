@@ -157,16 +157,18 @@ def verdict(info: dict) -> str:
                 f"{info.get('kernel_sources')}): this install is incomplete; pip: pip install --force-reinstall "
                 "qsa_lab (or pip install -e . in a checkout); conda: the same inside the env")
     if not info.get("cuda_available"):
+        driver = cuda_version(f"release {smi.get('driver_cuda')}") if smi.get("driver_cuda") else None
+        old_gpu = smi_gpu is not None and (capability(smi_gpu["capability"]) or (0, 0)) < (7, 5)
+        pip = (PIP_CUDA12 if old_gpu or (driver and driver[0] == 12)
+               else "pip install torch (PyPI's default build, for a CUDA 13 driver)")
         if smi_gpu and info.get("torch_cuda"):
             return (f"verdict: nvidia-smi sees {smi_gpu['name']} (driver {smi_gpu['driver']}, CUDA "
                     f"{smi.get('driver_cuda') or '?'}) but torch {info.get('torch')} (built for CUDA "
-                    f"{info.get('torch_cuda')}) does not: the driver is too old for this torch; pip: a torch for a "
-                    f"CUDA {str(smi.get('driver_cuda') or '12').split('.')[0]} driver, e.g. {PIP_CUDA12}; "
-                    f"{CONDA_HINT}; until then everything runs on the emulation")
+                    f"{info.get('torch_cuda')}) does not: the driver is too old for this torch; pip: {pip}, or update "
+                    f"the driver; {CONDA_HINT}; until then everything runs on the emulation")
         if smi_gpu:
             return (f"verdict: this torch {info.get('torch')} is a CPU build but nvidia-smi sees {smi_gpu['name']}: "
-                    f"install a CUDA build to use it (pip: {PIP_CUDA12} for sm_70 or a CUDA 12 driver, else pip "
-                    f"install torch; {CONDA_HINT}); until then everything runs on the emulation")
+                    f"to use it, pip: {pip}; {CONDA_HINT}; until then everything runs on the emulation")
         why = "this torch is a CPU build" if not info.get("torch_cuda") else "no CUDA GPU is visible"
         return (f"verdict: {why}: everything runs on the PyTorch emulation (backend emulate), same results, "
                 "slower; the kernels are built only where a GPU is visible")

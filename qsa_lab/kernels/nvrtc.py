@@ -20,9 +20,12 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..package_data import locate
+if __package__:  # imported as qsa_lab.kernels.nvrtc: the installed copy's csrc/, or the checkout's
+    from ..package_data import locate
 
-CSRC = locate("csrc")  # the installed copy, or the checkout's csrc/
+    CSRC = locate("csrc")
+else:  # loaded by path from another checkout (kernels/ptx70.py, nvrtc_module): that checkout's csrc/
+    CSRC = Path(__file__).resolve().parents[2] / "csrc"
 DEVICE_HEADERS = ("fp8_decode.cuh", "grouped_page4.cuh", "xqa_page4.cuh")
 
 FORMATS = ("qsa::kE4M3", "qsa::kE5M2", "qsa::kFP16")
