@@ -272,6 +272,16 @@ def cmd_diff(args) -> int:
 
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
+    if saved is None and not 0 <= args.poison_seed < 1 << 63:  # cheap poison checks before any work starts
+        raise UsageError(f"--poison-seed: must be in 0..{(1 << 63) - 1}, got {args.poison_seed}")
+    if saved is None and args.dims is not None:
+        from .poison import DIM_SITES
+
+        if args.poison not in DIM_SITES:
+            raise UsageError(f"--dims: only applies to --poison {', '.join(DIM_SITES)}, not {args.poison!r}")
+        bad = [d for d in args.dims if not 0 <= d < geometry.head_dim]
+        if bad:
+            raise UsageError(f"--dims: head dims must lie in [0, {geometry.head_dim}), got {bad}")
     est = resources.estimate(geometry)
     long_run = backend == "emulate" and est.seconds > 10
     if saved is None:
@@ -601,6 +611,7 @@ def _main(argv=None) -> int:
     try:
         args = parse_args(argv)
         with warnings.catch_warnings():  # a warning is one line too, e.g. a loaded q holding NaN
+            warnings.simplefilter("always", UserWarning)  # every run says it, not only the first in a process
             warnings.showwarning = _show_warning
             return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
     except UsageError as e:
