@@ -145,7 +145,7 @@ def run_once(name: str, tree: Path) -> dict:
     _, how, _, _ = ROWS[name]
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
     with tempfile.TemporaryDirectory(prefix="qsa-bench-") as tmp:
-        cmd = pytest_command(tree) if how == "make_test" else [sys.executable] + [a.format(tmp=tmp) for a in how]
+        cmd = pytest_command(tree) if how == "make_test" else [sys.executable] + [a.replace("{tmp}", tmp) for a in how]
         t = time.perf_counter()
         p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         wall = time.perf_counter() - t

@@ -284,12 +284,13 @@ def cmd_diff(args) -> int:
             raise UsageError(f"--dims: head dims must lie in [0, {geometry.head_dim}), got {bad}")
     est = resources.estimate(geometry)
     long_run = backend == "emulate" and est.seconds > 10
-    if long_run:
-        print(f"# estimated {est.describe()}", file=sys.stderr)
     if saved is None:
         from tqdm import tqdm  # stderr: never into --json -
 
-        with tqdm(total=2, desc="building the case", file=sys.stderr, disable=not long_run,
+        # on a terminal only: a poison option found bad after the build must still be the only
+        # line a script reading stderr gets
+        shown = long_run and sys.stderr.isatty()
+        with tqdm(total=2, desc="building the case", file=sys.stderr, disable=not shown,
                   bar_format="{desc}: {n}/{total} [{elapsed}]") as stage:
             case = build_case(geometry, max_memory=args.max_memory)
             stage.update()
@@ -298,6 +299,8 @@ def cmd_diff(args) -> int:
                 case = apply_poison(case, args.poison, plane=args.plane, dims=args.dims, seed=args.poison_seed,
                                     payload=args.payload)
             stage.update()
+    if long_run:
+        print(f"# estimated {est.describe()}", file=sys.stderr)
     result = run_routes(case, routes=list(saved) if saved else None, backend=backend, progress=long_run)
     replay = None
     if saved is not None:
