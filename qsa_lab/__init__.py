@@ -1,15 +1,12 @@
 """qsa_lab: reproduce, fingerprint and fix the grouped page4 null-block NaN.
 
 Data flow: case -> poison -> plan -> route -> fingerprint -> figure.
-
-The names below load on first use (`qsa_lab.build_case` imports torch then), so that
-`import qsa_lab.cli` and `qsa-lab --help` stay free of torch.
 """
 __version__ = "0.1.0"
 
-# The names below are imported on first use (PEP 562): `import qsa_lab` imports no torch, so
-# `python -m qsa_lab` and `qsa-lab` install their signal handling (qsa_lab.signals) before
-# the seconds-long torch import, and Ctrl-C during it is one line too.
+# The names below are imported on first use (PEP 562; `qsa_lab.build_case` imports torch then):
+# `import qsa_lab.cli` and `qsa-lab --help` stay free of torch, and `python -m qsa_lab` / `qsa-lab`
+# install their signal handling (qsa_lab.signals) before the seconds-long torch import.
 _LAZY = {"Case": "case", "Geometry": "geometry", "build_case": "case", "apply_poison": "poison",
          "plan_groups": "plan", "pad_fix": "plan", "ROUTES": "routes", "run_routes": "routes"}
 

@@ -150,7 +150,9 @@ def fingerprint(result: RunResult, route: str = "grouped"):
 def attribute(result: RunResult, route: str = "grouped"):
     """Every NaN dim of a grouped route traced to the bytes behind it: one record per
     (group, M-tile, dim, microblock, token) whose V byte decodes to non-finite and that the
-    route read without any query attending it."""
+    route read without any query attending it. NaN that comes from what rows do attend (sites
+    query, attended-v) or that XQA gives the remainder rows has no such byte and no record:
+    predict_nan covers those rows too."""
     import pandas as pd
 
     out = route_output(result, route)

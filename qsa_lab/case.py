@@ -107,7 +107,10 @@ def token_values(kv_cache: torch.Tensor, tokens: torch.Tensor, plane: int, kv_dt
     if planes is not None and planes[0] is kv_cache and planes[1] == kv_dtype:
         flat = planes[2][plane]
         return flat.index_select(0, tokens.reshape(-1)).view(*tokens.shape, flat.shape[-1])
-    ps = kv_cache.shape[2]
+    pages, _, ps, _, d = kv_cache.shape
+    if tokens.numel() > pages * ps:  # more reads than the plane has tokens: decode the plane, then gather
+        flat = kv_values(kv_cache[:, plane, :, 0, :].reshape(pages * ps, d), kv_dtype)
+        return flat.index_select(0, tokens.reshape(-1)).view(*tokens.shape, d)
     return kv_values(kv_cache[tokens // ps, plane, tokens % ps, 0, :], kv_dtype)
 
 
@@ -379,28 +382,48 @@ FP16_MAX = 65504.0
 FP32_MAX = 3.4028234663852886e38
 
 
+#: the bits below which a magnitude (sign bit cleared) is finite: fp16 0x7C00, E4M3 0x7F, E5M2 0x7C; the
+#: magnitudes of each format grow with their bits, so the largest finite value is the table value
+#: of the largest finite magnitude bits
+_FINITE_BELOW = {"fp16": 0x7C00, "e4m3": 0x7F, "e5m2": 0x7C}
+
+
+def _largest_finite(raw: torch.Tensor, kv_dtype: str) -> float:
+    """max |value| over the finite elements of fp8 codes or fp16 values (0.0 if none), from their
+    bits: one pass over the raw elements, nothing decoded."""
+    if raw.dtype == torch.float16:
+        mag = raw.view(torch.int16) & 0x7FFF
+    elif raw.dtype == torch.uint8:
+        mag = raw & 0x7F
+    else:  # any other float: by value
+        t = raw.float().abs()
+        t = t[torch.isfinite(t)]
+        return float(t.max()) if t.numel() else 0.0
+    fmt = "fp16" if raw.dtype == torch.float16 else kv_dtype
+    top = int(torch.where(mag < _FINITE_BELOW[fmt], mag, 0).max()) if mag.numel() else 0
+    if fmt == "fp16":
+        return float(torch.tensor(top, dtype=torch.int16).view(torch.float16))
+    return float(fp8.decode(torch.tensor([top], dtype=torch.uint8), fmt)[0])
+
+
 def _check_scales(case: Case) -> None:
     """Scales the kernels' arithmetic can hold: sm_scale * k_scale and v_scale are fp32 numbers
     (0 or Inf there would silently change every score), the largest possible score |q| |K| D
     sm_scale k_scale stays inside fp32, and the largest V value times v_scale inside the fp16
     output (beyond it outputs overflow to Inf)."""
-    def largest(t):
-        t = t.float().abs()
-        t = t[torch.isfinite(t)]
-        return float(t.max()) if t.numel() else 0.0
-
     g = case.geometry
+
     for name, s in (("k_scale", case.k_scale * g.sm_scale), ("v_scale", case.v_scale)):
         s32 = float(torch.tensor(s, dtype=torch.float32))
         if not (math.isfinite(s32) and s32 >= torch.finfo(torch.float32).tiny):
             raise ValueError(f"{name}: {getattr(case, name)!r} does not fit the kernels' fp32 arithmetic "
                              "(it becomes 0 or Inf there)")
-    v_max = largest(kv_values(case.kv_cache[:, 1, :, 0, :], g.kv_dtype))
+    v_max = _largest_finite(case.kv_cache[:, 1, :, 0, :], g.kv_dtype)
     if v_max * case.v_scale > FP16_MAX:
         raise ValueError(f"v_scale: {case.v_scale!r} times the largest V value ({v_max:g}) exceeds fp16's "
                          f"{FP16_MAX:g}: outputs would overflow to Inf")
-    k_max = largest(kv_values(case.kv_cache[:, 0, :, 0, :], g.kv_dtype))
-    if largest(case.q) * k_max * g.head_dim * g.sm_scale * case.k_scale > FP32_MAX:
+    k_max = _largest_finite(case.kv_cache[:, 0, :, 0, :], g.kv_dtype)
+    if _largest_finite(case.q, "fp16") * k_max * g.head_dim * g.sm_scale * case.k_scale > FP32_MAX:
         raise ValueError(f"k_scale: {case.k_scale!r} lets a score |q . K| * sm_scale * k_scale exceed fp32's "
                          f"{FP32_MAX:.3g}: scores would overflow to Inf")
 

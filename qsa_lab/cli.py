@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_BAD_ARGS = EXIT_BAD_INPUT  # older name
@@ -271,15 +272,22 @@ def cmd_diff(args) -> int:
 
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
-    if saved is None:
-        case = build_case(geometry, max_memory=args.max_memory)
-        with _blame(POISON_FLAGS, "--poison"):
-            case = apply_poison(case, args.poison, plane=args.plane, dims=args.dims, seed=args.poison_seed,
-                                payload=args.payload)
     est = resources.estimate(geometry)
     long_run = backend == "emulate" and est.seconds > 10
     if long_run:
         print(f"# estimated {est.describe()}", file=sys.stderr)
+    if saved is None:
+        from tqdm import tqdm  # stderr: never into --json -
+
+        with tqdm(total=2, desc="building the case", file=sys.stderr, disable=not long_run,
+                  bar_format="{desc}: {n}/{total} [{elapsed}]") as stage:
+            case = build_case(geometry, max_memory=args.max_memory)
+            stage.update()
+            stage.set_description_str("poisoning the case")
+            with _blame(POISON_FLAGS, "--poison"):
+                case = apply_poison(case, args.poison, plane=args.plane, dims=args.dims, seed=args.poison_seed,
+                                    payload=args.payload)
+            stage.update()
     result = run_routes(case, routes=list(saved) if saved else None, backend=backend, progress=long_run)
     replay = None
     if saved is not None:
@@ -354,6 +362,8 @@ def cmd_repro(args) -> int:
             if not args.no_figures:
                 from .figures import write_repro_figures
 
+                if not args.quiet:
+                    print(f"# drawing the figures into {args.figures} ...", file=sys.stderr, flush=True)
                 # without --force an existing figure is kept and the new one numbered (export_figure)
                 with _blame({}, "--figures"):
                     written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
@@ -446,92 +456,17 @@ def cmd_lab(args) -> int:
 
 # -- canary -----------------------------------------------------------------------------------------
 
-CANARY_FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
-                "dims": "--dims"}
-VERDICT_MARKS = {"clean": ".", "nan-leak": "N", "inf-leak": "I", "finite-leak": "F"}
-
-
-def _name_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
-    return names
-
-
-def _canary_matrix(report) -> str:
-    """Kernels down, region/plane/payload across: . clean, N NaN, I Inf, F finite leak."""
-    import pandas as pd
-
-    df = report.frame()
-    if df.empty:
-        return "(no results)"
-    df["mark"] = df.verdict.map(VERDICT_MARKS)
-    t = df.pivot_table(index="kernel", columns=["region", "plane", "payload"], values="mark", aggfunc="first",
-                       sort=False).fillna("-")
-    with pd.option_context("display.width", 250, "display.max_columns", 200):
-        return t.to_string()
-
-
 def cmd_canary(args) -> int:
-    """qsa-lab canary: every kernel x region x plane x payload, a control and a poisoned run."""
-    from .outputs import write_text
+    """qsa-lab canary: every kernel x region x plane x payload, controls and poisoned runs (qsa_lab.canary.cli)."""
+    from .canary import cli
 
-    outs = _outputs(args, {"--json": None if args.json == "-" else args.json})
-    from .canary import run_canary  # torch from here on
-    from .canary.kernels import builtin_kernels
-
-    kernels = (args.kernels or []) + (args.kernel or [])
-    with _blame(CANARY_FLAGS, "canary"):  # name the option, not the Python argument
-        report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads, backend=args.backend,
-                            kv_dtype=args.kv_dtype, progress=sys.stderr.isatty() and args.json != "-")
-    doc = report.to_json()
-    leaks = report.leaks()
-    builtin = set(builtin_kernels())
-    user_failed = [s for s in report.skipped if s.get("kernel") and s["kernel"] not in builtin]
-    if args.json == "-":
-        print(json.dumps(doc, indent=2))
-    else:
-        print(f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; "
-              f"backend {report.backend}, device {report.device}")
-        print(f"# regions (slots): {doc['regions']}; payload bits: {doc['payload_bits']}")
-        print(_canary_matrix(report))
-        print("# . clean   N NaN leak   I Inf leak   F finite leak (bits changed)   - not run")
-        for s in report.skipped:
-            what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
-            print(f"# skipped {what}: {s['reason']}")
-        print(f"# {len(leaks)} leaking of {len(report.results)} results")
-        if "--json" in outs:
-            with _blame({}, "--json"):
-                write_text(outs["--json"], json.dumps(doc, indent=2) + "\n", "--json", force=args.force)
-            print(f"# wrote {args.json}")
-    if args.fail_on_leak and (leaks or user_failed):
-        return EXIT_DIFFERS
-    return EXIT_OK
+    return cli.run(args)
 
 
 def _add_canary_parser(sub, parents=()):
-    from .geometry import BACKENDS, KV_DTYPES
+    from .canary import cli
 
-    c = sub.add_parser("canary", parents=list(parents), help="poison every byte a paged-attention call does not attend; which kernels leak",
-                       description="For each kernel x region x plane (k, v) x payload: a zero-filled control run and "
-                                   "a poisoned run; verdict clean, nan-leak, inf-leak or finite-leak.")
-    c.add_argument("--kernels", type=_name_list, metavar="K,..",
-                   help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
-                        "or module:function / file.py:function (default: every built-in kernel)")
-    c.add_argument("--kernel", action="append", metavar="module:function",
-                   help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim] (repeatable; default: none)")
-    c.add_argument("--regions", type=_name_list, metavar="R,..",
-                   help="null-block, stale-tail, stale-microblock, free-pages, unselected (default: all)")
-    c.add_argument("--payloads", type=_name_list, metavar="P,..", help="nan, inf, max, zero (default nan,inf,max)")
-    c.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="qsa routes: compiled kernels or emulation; torch kernels on the GPU unless 'emulate' "
-                        "(default auto)")
-    c.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16", help="the pool's storage dtype (default fp16)")
-    c.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.canary/1 document (- for stdout; default: none)")
-    c.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
-    c.add_argument("--fail-on-leak", action="store_true",
-                   help="exit 1 when anything leaks (or a module:function kernel could not run; default: off)")
-    c.set_defaults(func=cmd_canary)
+    cli.add_parser(sub, parents).set_defaults(func=cmd_canary)
 
 
 def build_parser():
@@ -594,6 +529,10 @@ def build_parser():
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"qsa-lab: warning: {_one_line(message)}", file=sys.stderr)
+
+
 def _fail(message: str, code: int, debug: bool) -> int:
     if debug:
         traceback.print_exc()
@@ -641,19 +580,26 @@ def parse_args(argv) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """The `qsa-lab` program (argv None: sys.argv) or one command in-process (argv a list).
+    Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals); as the program
+    the handler stays until the interpreter exits, in-process the caller's handlers come back."""
     from . import signals
 
-    with signals.installed():  # Ctrl-C / SIGTERM / SIGHUP: one line, temporaries removed (qsa_lab.signals)
+    if argv is None:
+        signals.install()
+        return _main(argv)
+    with signals.installed():
         return _main(argv)
 
 
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = "--debug" in argv
-    # -- signal handling goes here, before anything else runs --
     try:
         args = parse_args(argv)
-        return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
+        with warnings.catch_warnings():  # a warning is one line too, e.g. a loaded q holding NaN
+            warnings.showwarning = _show_warning
+            return args.func(args)  # the handler imports what it needs (torch ...) after its own checks
     except UsageError as e:
         return _fail(f"error: {_one_line(e)}", EXIT_BAD_INPUT, False)  # bad input: one line, even with --debug
     except Failure as e:

@@ -63,8 +63,8 @@ def page_bytes(case: Case, plane: str = "v", page: int | None = None) -> dict:
             "nan_dims": sorted(set(torch.nonzero(nan)[:, 1].tolist()))}
 
 
-#: the sites that write NaN bytes (none and zeros write none: nothing to show on a byte map)
-BYTE_MAP_SITES = tuple(s for s in SITES if s not in ("none", "zeros"))
+#: the sites that write NaN bytes into the cache (none and zeros write none, query writes q)
+BYTE_MAP_SITES = tuple(s for s in SITES if s not in ("none", "zeros", "query"))
 
 
 def page_byte_maps(geometry: Geometry | None = None, sites=BYTE_MAP_SITES, plane: str = "v", seed: int = 0,
@@ -323,7 +323,7 @@ def _dims_text(dims, shown: int = 5) -> str:
     dims = list(dims)
     if not dims:
         return NOT_GIVEN
-    return ",".join(map(str, dims[:shown])) + (f",… ({len(dims)})" if len(dims) > shown else "")
+    return ", ".join(map(str, dims[:shown])) + (f", … ({len(dims)})" if len(dims) > shown else "")
 
 
 def repro_frame(table):
@@ -358,7 +358,7 @@ def repro_frame(table):
     out["max|fix−xqa|"] = worst
     out["max|xqa−ref|"] = ["NaN in output" if num(v) is None else f"{v:.1e}" for v in table["max|xqa-reference|"]]
     for col, name in (("report_grouped_nan", "report: grouped NaN"),
-                      ("report_max|grouped-xqa|", "report: max|grouped−xqa|")):
+                      ("report_max|grouped-xqa|", "report: max |grouped − xqa|")):
         vals = table[col] if col in table.columns else [None] * len(table)
         out[name] = [NOT_GIVEN if num(v) is None or str(v).strip() == "" else str(v) for v in vals]
     if "bit_identical_repeat" in table.columns:
@@ -383,7 +383,8 @@ def repro_display(table):
                 "background-color:#d3f9d8" if route not in differ else
                 "background-color:#fff3bf" if route in expected else "background-color:#ffd6e0;color:#a00")
     return (frame.style.hide(axis="index").apply(lambda _: colours, axis=None, subset=counts)
-            .set_properties(subset=["case"], **{"text-align": "left", "min-width": "14em", "white-space": "normal"})
+            .set_properties(subset=["case"], **{"text-align": "left", "min-width": "12em", "white-space": "normal"})
+            .set_properties(subset=["poisoned dims"], **{"max-width": "8em", "white-space": "normal"})
             .set_table_styles([{"selector": "", "props": "table-layout:auto; font-size:12px"},
-                               {"selector": "th", "props": "text-align:center; white-space:normal; max-width:7em"},
-                               {"selector": "td", "props": "padding:2px 5px"}]))
+                               {"selector": "th", "props": "text-align:center; white-space:normal; max-width:6em"},
+                               {"selector": "td", "props": "padding:2px 4px"}]))

@@ -29,6 +29,9 @@ MAX_HEADER_BYTES = 1 << 24  # our headers are a few KiB; safetensors itself caps
 
 
 ORIGINS = ("geometry", "custom")
+#: every metadata key save() writes (older files: all but origin and checksum)
+META_KEYS = ("geometry", "kv_dtype", "sm_scale", "qsa_lab_version", "poison", "backend", "k_scale", "v_scale",
+             "origin", "checksum")
 
 
 def save(result, path, overwrite: bool = False, arg: str = "path", origin: str | None = None) -> Path:
@@ -284,6 +287,11 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
                              f"{list(t.shape)} {t.dtype}")
     saved = GroupedPlan(plan.group_rows, plan.xqa_rows, tensors["plan.microblocks"], tensors["plan.masks"],
                         plan.categories, tensors["plan.seq_len"], geometry.q_heads)
+    unknown = sorted(set(meta) - set(META_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: metadata {unknown[0][:40]!r} is not one qsa_lab writes (damaged or edited?)")
+    if "origin" in meta and "checksum" not in meta:   # origin and checksum came together: one is gone
+        raise ValueError(f"{where}: metadata 'checksum' is missing from a file that has 'origin' (damaged or edited?)")
     if "checksum" in meta and meta["checksum"] != checksum(header, data[8 + struct.unpack("<Q", data[:8])[0]:]):
         raise ValueError(f"{where}: checksum mismatch: the file changed while it was read, or was edited or "
                          "damaged after it was saved (read it again once nothing writes it)")

@@ -197,17 +197,20 @@ def plot_page_bytes(data: dict, ax=None):
 
 def plot_attribution(data: dict, ax=None):
     """data: figdata.attribution_map. The null microblock's V bytes (tokens 0-3 x dims) with
-    NaN bytes ringed, and a pale band over every dim the route's output has NaN on."""
+    NaN bytes in NAN_COLOR and ringed, and below them a black triangle under every dim the
+    route's output has NaN on: where the two line up, each NaN dim has its byte."""
     ax = _ax(ax, (10, 2.6))
     sub = dict(data, codes=data["codes"][:4], nan=data["nan"][:4])
     sub["nan_dims"] = sorted(set(np.nonzero(sub["nan"])[1].tolist()))
     plot_page_bytes(sub, ax=ax)
-    for d in data["output_nan_dims"]:
-        ax.axvspan(d - 0.5, d + 0.5, color=NAN_COLOR, alpha=0.18, lw=0)
+    out = list(data["output_nan_dims"])
+    ax.set_ylim(4.3, -0.5)                       # a strip below the bytes for the output's NaN dims
+    ax.axhline(3.5, color="black", lw=0.8)
+    ax.scatter(out, [3.95] * len(out), marker="^", s=36, color="black")
     ax.set_yticks(range(4))
-    same = sub["nan_dims"] == list(data["output_nan_dims"])
-    ax.set_title(f"null microblock (page 0, tokens 0-3) V bytes (NaN ringed) vs {data['route']} NaN dims "
-                 f"(pale bands): {'identical' if same else 'DIFFERENT'}", fontsize=10)
+    same = sub["nan_dims"] == out
+    ax.set_title(f"null microblock (page 0, tokens 0-3) V bytes, NaN ringed, vs {data['route']} output NaN dims "
+                 f"(▲ below): {'identical' if same else 'DIFFERENT'}", fontsize=10)
     return ax
 
 
@@ -409,7 +412,7 @@ def plot_repro_table(table, ax=None):
     tab = ax.table(cellText=cells, colLabels=header, cellColours=colors, bbox=[0, 0, 1, 1], cellLoc="center")
     tab.auto_set_font_size(False)
     tab.set_fontsize(8.5)
-    widths = [0.26, 0.1] + [0.05] * len(cols) + [0.09, 0.06, 0.09, 0.05]
+    widths = [0.24, 0.1] + [0.05] * len(cols) + [0.11, 0.065, 0.09, 0.05]
     for (i, j), cell in tab.get_celld().items():
         cell.set_width(widths[j] / sum(widths))
     for j in range(len(header)):

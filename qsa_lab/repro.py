@@ -68,12 +68,21 @@ def report_rows() -> dict:
         return {r["key"]: r for r in csv.DictReader(f)}
 
 
-def run_case(rc: ReproCase, backend: str = "auto", geometry_overrides: dict | None = None) -> RunResult:
+def run_case(rc: ReproCase, backend: str = "auto", geometry_overrides: dict | None = None,
+             builds: dict | None = None) -> RunResult:
+    """Build, poison and run one case. builds: {Geometry: unpoisoned case} kept by the caller, so
+    cases of one geometry share one build (apply_poison poisons a copy)."""
     g = rc.geometry.replace(**(geometry_overrides or {}))
     kw = dict(rc.poison)
     if "dims" in kw:
         kw["dims"] = [d % g.head_dim for d in kw["dims"]]
-    case = apply_poison(build_case(g), **kw)
+    if builds is None:
+        base = build_case(g)
+    elif g in builds:
+        base = builds[g]
+    else:
+        base = builds[g] = build_case(g)
+    case = apply_poison(base, **kw)
     return run_routes(case, backend=backend)
 
 
@@ -116,9 +125,12 @@ def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: 
     cases = REPRO_CASES if cases is None else cases
     report = report_rows()
     rows, results = [], []
+    # one build per geometry for the cases, and a second, separate one for their repeats: a
+    # repeat rebuilds, poisons and runs again from nothing it shares with the first run
+    builds, rebuilds = {}, {}
     for rc in tqdm(cases, desc="repro", disable=not progress):
-        res = run_case(rc, backend, geometry_overrides)
-        again = run_case(rc, backend, geometry_overrides) if repeat else None
+        res = run_case(rc, backend, geometry_overrides, builds)
+        again = run_case(rc, backend, geometry_overrides, rebuilds) if repeat else None
         rows.append(summarize(rc, res, again, report.get(rc.report_key) if rc.report_key else None))
         results.append(res)
     return pd.DataFrame(rows), results

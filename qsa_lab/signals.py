@@ -10,14 +10,15 @@ with os._exit:
     SIGHUP           qsa-lab: hung up (SIGHUP)        exit 129
 
 Why not the KeyboardInterrupt Python raises by default: it is raised wherever the main thread
-happens to be, and there it can go wrong in three ways. During start-up imports it escapes as
-a traceback. Inside a `try/except Exception` or a `finally` of a library it can be swallowed
-or replaced. And when torch's C++ calls back into Python (the dispatcher running a Python
-kernel or hook, a pybind11 callback) the exception surfaces as a C++ exception in code that
-cannot unwind it: std::terminate, "terminate called after throwing an instance of
-'pybind11::error_already_set' ... KeyboardInterrupt", SIGABRT (exit -6). A handler that never
-raises has none of these. A signal that arrives while the main thread is inside one long
-C++ call is handled when that call returns (Python runs handlers between bytecodes).
+happens to be, and there it can go wrong in three ways. During start-up imports (torch takes
+seconds) it escapes as a traceback. Inside a library's `try/except` around an import or in a
+`finally` it can be swallowed: the run goes on and exits 0, or later fails on a half-imported
+module (numpy without `numpy.void`). And when it is raised while torch's C++ is calling back
+into Python, it has to cross C++ frames; where they cannot unwind it (a destructor, a noexcept
+function, an extern "C" entry point) the C++ runtime calls std::terminate: "terminate called
+after throwing an instance of ...", SIGABRT, exit -6. A handler that never raises has none of
+these. A signal that arrives while the main thread is inside one long C++ call is handled when
+that call returns (Python runs handlers between bytecodes).
 
 Outside the command line (notebooks, tests, a user's script) nothing is installed and Ctrl-C
 raises KeyboardInterrupt as usual; `installed()` restores the previous handlers on exit.

@@ -28,7 +28,7 @@ import torch
 
 from .case import KV_DTYPES, Case, Geometry, build_case
 from .plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
-from .poison import ATTENDED_SITES, DIM_SITES, PLANES, REPORT_DIMS, SITES, apply_poison
+from .poison import ATTENDED_SITES, DIM_SITES, PLANES, QUERY_SITE, REPORT_DIMS, SITES, apply_poison
 from .routes import BACKENDS, GROUPED, ROUTES, RunResult, backend_module, grouped_output, resolve_backend, \
     xqa_output
 from .routes.reference import reference_forward
@@ -407,6 +407,15 @@ BUSY_HTML = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
 
 # -- wiring: pure text for the HTML widgets, then the controls ------------------------------------------
 
+def export_view(fig, data: dict, out_dir=None, name: str | None = None) -> list:
+    """Write a playground figure (PNG, SVG, PDF) to out_dir (default figures_dir()), named and
+    tagged with what it shows (export_name, export_meta) -> the absolute paths."""
+    from .export import export_figure
+
+    out = Path(out_dir).expanduser().resolve() if out_dir else figures_dir()
+    return [Path(x).resolve() for x in export_figure(fig, name or export_name(data), export_meta(data), out_dir=out)]
+
+
 def status_html(data: dict, seconds: float) -> str:
     """The status line: the case on screen and nothing else (backend, case, poison, fixes)."""
     return (f"<span style='color:#2b8a3e'>backend <b>{data['backend']}</b> | {_esc(data['case'])}"
@@ -476,6 +485,47 @@ def _in_kernel() -> bool:
         return False
 
 
+class Coalescer:
+    """Runs `fn` once per request; requests made while it runs collapse into one more run, so the
+    last request is always served and none is dropped. background: run in a worker thread (in a
+    kernel, so that widget messages keep arriving), else in the caller."""
+
+    def __init__(self, fn, background: bool):
+        import threading
+
+        self.fn, self.background = fn, background
+        self._lock, self._pending, self._worker = threading.Lock(), False, None
+
+    def request(self):
+        import threading
+
+        if not self.background:
+            self.fn()
+            return
+        with self._lock:
+            self._pending = True
+            if self._worker is not None:
+                return                       # the running worker runs once more, with the latest values
+            self._worker = threading.Thread(target=self._work, daemon=True)
+        self._worker.start()
+
+    def _work(self):
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._worker = None
+                    return
+                self._pending = False
+            self.fn()
+
+    def wait(self, timeout: float = 600.0) -> bool:
+        """Wait for the worker (and any coalesced run) to finish -> whether it did."""
+        w = self._worker
+        if w is not None:
+            w.join(timeout)
+        return self._worker is None
+
+
 class Playground:
     """ipywidgets controls -> read_params -> playground_data -> render_playground -> Image widget.
 
@@ -499,13 +549,12 @@ class Playground:
 
         p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
         self.cache, self.out_dir = cache or _CACHE, out_dir
-        self.background = _in_kernel() if background is None else background
         self.params = self.last_data = self.figure = self.last_redraw_s = None
         self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
         self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
         # _syncing: the thread now setting controls itself (its changes are not a user's)
-        self._lock, self._pending, self._worker, self._syncing = threading.Lock(), False, None, None
-        self._redraw = threading.RLock()
+        self._syncing, self._redraw = None, threading.RLock()
+        self._redraws = Coalescer(self.redraw, _in_kernel() if background is None else background)
         self.controls, self.toggles = make_controls(p)
         self.export_button = W.Button(description="Export", icon="download", button_style="primary",
                                       tooltip="write PNG, SVG and PDF of the figure, with what it shows in their metadata")
@@ -559,33 +608,11 @@ class Playground:
         if self._syncing == threading.get_ident():
             return
         self.requests += 1
-        if not self.background:
-            self.redraw()
-            return
-        import threading
-
-        with self._lock:
-            self._pending = True
-            if self._worker is not None:
-                return                       # the running worker redraws once more, with the latest values
-            self._worker = threading.Thread(target=self._work, daemon=True)
-        self._worker.start()
-
-    def _work(self):
-        while True:
-            with self._lock:
-                if not self._pending:
-                    self._worker = None
-                    return
-                self._pending = False
-            self.redraw()
+        self._redraws.request()
 
     def wait(self, timeout: float = 600.0) -> bool:
         """Wait for a background redraw (and any coalesced one) to finish -> whether it did."""
-        w = self._worker
-        if w is not None:
-            w.join(timeout)
-        return self._worker is None
+        return self._redraws.wait(timeout)
 
     def _sync(self, p: Params):
         """Controls that follow the case drawn: nan_map's options, and the plane actually applied."""
@@ -596,8 +623,9 @@ class Playground:
             self.controls["nan_map"].options = list(p.routes)
             self.controls["nan_map"].value = p.nan_map
             plane = self.controls["plane"]
-            plane.value, plane.disabled = p.plane, p.site in ATTENDED_SITES
-            plane.tooltip = f"{p.site} writes its own plane ({p.plane})" if plane.disabled else "plane(s) poisoned"
+            plane.value, plane.disabled = p.plane, p.site in ATTENDED_SITES or p.site == QUERY_SITE
+            plane.tooltip = ("query writes q, not the cache" if p.site == QUERY_SITE else
+                             f"{p.site} writes its own plane ({p.plane})" if plane.disabled else "plane(s) poisoned")
         finally:
             self._syncing = None
 
@@ -672,19 +700,19 @@ class Playground:
     def export(self, name: str | None = None) -> list:
         """Write the figure on screen (PNG, SVG, PDF) to figures_dir() (or out_dir), its name and
         metadata saying what it shows. -> the absolute paths written."""
-        from .export import export_figure
+        self.wait()              # the figure of the last change, not one half redrawn by the worker
+        with self._redraw:
+            return self._export(name)
 
+    def _export(self, name):
         if self.figure is None or self.last_data is None:
             self.message.value = "<span style='color:#c00'>nothing to export yet</span>"
             return []
-        out_dir = Path(self.out_dir).expanduser().resolve() if self.out_dir else figures_dir()
         try:
-            paths = export_figure(self.figure, name or export_name(self.last_data), export_meta(self.last_data),
-                                  out_dir=out_dir)
+            self.last_export = export_view(self.figure, self.last_data, self.out_dir, name)
         except Exception as e:  # noqa: BLE001
             self.message.value = f"<span style='color:#c00;font-weight:bold'>&#9888; export: {_esc(e)}</span>"
             return []
-        self.last_export = [Path(x).resolve() for x in paths]
         self.message.value = ("<span style='color:#2b8a3e'>exported: "
                               + ", ".join(_esc(str(x)) for x in self.last_export) + "</span>")
         return self.last_export

@@ -46,7 +46,7 @@ from qsa_lab.cli import main  # noqa: E402
 from qsa_lab.poison import apply_poison  # noqa: E402
 from qsa_lab.routes import run_routes  # noqa: E402
 
-TIMEOUT_S = 15
+TIMEOUT_S = 30  # per probe, generous: the machine may be loaded (--timeout)
 EXTRA_ADDRESS_SPACE = 3 << 30
 TINY = ["--rows", "8", "--context", "64", "--topk", "8", "--head-dim", "16", "--backend", "emulate"]
 TINY_G = Geometry(rows=8, context=64, topk=8, head_dim=16)
@@ -569,9 +569,10 @@ def widget_probes() -> list[Probe]:
         P.append(api(f"Playground(Params({kw}))", lambda kw=kw: Playground(Params(**kw)) and None, needle))
     P.append(api("Playground('not params')", lambda: Playground("x") and None, "params"))
 
+    pg = Playground(Params(backend="emulate"))  # built once here; each forked probe redraws its own copy
+
     def set_bad(**values):
         def fn():
-            pg = Playground(Params(backend="emulate"))
             if not pg.set(**values):
                 raise ValueError(__import__("re").sub("<[^>]+>", "", pg.message.value))
             return {"differs": True}
@@ -623,10 +624,13 @@ def repro_probes(d: Path) -> list[Probe]:
 
 
 def main_(argv=None):
+    global TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every probe's outcome here")
     ap.add_argument("--show", default="", help="print probes of these classes (comma-separated)")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds per probe (default {TIMEOUT_S})")
     a = ap.parse_args(argv)
+    TIMEOUT_S = a.timeout
     d = Path(tempfile.mkdtemp(prefix="hostile_"))
     probes = cli_probes(d) + load_probes(d) + api_probes(d) + repro_probes(d)
     print(f"qsa_lab from {Path(qsa_lab.__file__).parent}; {len(probes)} probes", file=sys.stderr)

@@ -1,8 +1,18 @@
+import os
+
 import pytest
+import torch
 
 from qsa_lab.case import Geometry, build_case
 from qsa_lab.poison import REPORT_DIMS, apply_poison
 from qsa_lab.routes import run_routes
+
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # `make test` runs the tests in parallel processes (pytest-xdist): their torch threads share
+    # the cores instead of each taking them all (outputs do not depend on the thread count:
+    # tests/test_bit_identity.py runs under this too)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")

@@ -30,9 +30,14 @@ SMALL_META = json.loads(str(SMALL["small/specs"]))
 SPECS = SMALL_META["specs"]
 
 
+REPRO_BY_NAME = {rc.name: rc for rc in REPRO_CASES}
+REPORT_NAMES = [c["name"] for c in REPORT_META["cases"]]
+
+
 def test_baseline_covers_the_spread():
-    """The saved cases are what the test claims: every route, kv dtype and poison site."""
-    assert len(REPORT_META["cases"]) == len(REPRO_CASES) == 12
+    """The saved cases are what the test claims: every route, kv dtype and poison site; every
+    repro case of the baseline still exists (cases added since have no earlier outputs)."""
+    assert len(REPORT_NAMES) == 12 and set(REPORT_NAMES) <= set(REPRO_BY_NAME)
     assert all(set(c["routes"]) == set(ROUTES) for c in REPORT_META["cases"])
     assert {s["geometry"]["kv_dtype"] for s in SPECS} == {"e4m3", "e5m2", "fp16"}
     assert {s["poison"]["site"] for s in SPECS} >= {"none", "zeros", "targeted", "random", "fp16-state",
@@ -41,14 +46,15 @@ def test_baseline_covers_the_spread():
         assert len({s["geometry"][key] for s in SPECS}) >= 3, key
 
 
-@pytest.mark.parametrize("i", range(len(REPRO_CASES)), ids=[rc.name for rc in REPRO_CASES])
+@pytest.mark.parametrize("i", range(len(REPORT_NAMES)), ids=REPORT_NAMES)
 def test_report_case_bit_identical(i):
-    rc, want = REPRO_CASES[i], REPORT_META["cases"][i]
-    assert want["name"] == rc.name
+    want = REPORT_META["cases"][i]
+    rc = REPRO_BY_NAME[want["name"]]
     res = run_case(rc, "emulate")
     assert digest(res.case.kv_cache) == want["kv_cache"]
     assert digest(res.case.q) == want["q"]
-    assert json.loads(json.dumps(res.case.poison)) == want["poison"]
+    poison = json.loads(json.dumps(res.case.poison))  # the baseline's fields (later ones may be added)
+    assert {k: poison.get(k) for k in want["poison"]} == want["poison"]
     assert {k: digest(getattr(res.plan, k)) for k in want["plan"]} == want["plan"]
     for r in ROUTES:
         np.testing.assert_array_equal(nan_bits(res.outputs[r]), REPORT[f"report/{i}/{r}/nan"], err_msg=r)
@@ -94,5 +100,7 @@ def test_canary_bit_identical(kv_dtype):
     for k, r in got.items():
         assert digest(r.output) == want[k]["output"], k
         assert digest(r.leak) == want[k]["leak"], k
-        assert (r.verdict, r.nan, r.inf, r.finite_changed) == tuple(want[k][f] for f in
-                                                                    ("verdict", "nan", "inf", "finite_changed")), k
+        # n/a is a clean result in a region no input references (the baseline predates the name)
+        verdict = "clean" if r.verdict == "n/a" else r.verdict
+        assert (verdict, r.nan, r.inf, r.finite_changed) == tuple(want[k][f] for f in
+                                                                  ("verdict", "nan", "inf", "finite_changed")), k

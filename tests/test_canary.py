@@ -6,7 +6,7 @@ import torch
 from qsa_lab import fp8
 from qsa_lab.canary import (KernelSkipped, PagedCall, assert_no_leak, canary_case, compare, run_canary)
 from qsa_lab.poison import PAYLOADS, payload_bits, write_payload
-from qsa_lab.regions import REGIONS, attended_slots, region_slots, with_free_pages
+from qsa_lab.regions import attended_slots, region_slots, regions_of, with_free_pages
 
 CASE = canary_case()                       # 3 requests of 33, 32, 31 tokens on 16-token pages, 2 free pages
 ROWS = CASE.geometry.rows
@@ -15,40 +15,50 @@ ROWS = CASE.geometry.rows
 # -- user kernels of known behaviour (fn(PagedCall) -> [rows, q_heads, head_dim]) ---------------------
 
 def _scores(call, k):
-    return torch.einsum("rhd,rsd->rhs", call.q.float(), k) * call.sm_scale
+    """k [rows, S, q_heads, D] -> [rows, q_heads, S]."""
+    return torch.einsum("rhd,rshd->rhs", call.q.float(), k) * call.sm_scale
+
+
+def _kv(call, plane):
+    return call.pages(plane, heads="q").float()                                     # [rows, S, q_heads, D]
+
+
+def _pv(p, v):
+    return torch.einsum("rhs,rshd->rhd", p, v)
 
 
 def honest_kernel(call):
     """Reads whole pages but drops unattended slots before any arithmetic: clean by construction."""
     attend = call.attend().unsqueeze(1)
-    k = torch.where(call.attend().unsqueeze(-1), call.pages(0).float(), 0.0)
-    v = torch.where(call.attend().unsqueeze(-1), call.pages(1).float(), 0.0)
+    keep = call.attend().view(*call.attend().shape, 1, 1)
+    k = torch.where(keep, _kv(call, "k"), 0.0)
+    v = torch.where(keep, _kv(call, "v"), 0.0)
     p = torch.softmax(torch.where(attend, _scores(call, k), -torch.inf), dim=-1)
-    return torch.einsum("rhs,rsd->rhd", p, v).to(torch.float16)
+    return _pv(p, v).to(torch.float16)
 
 
 def masked_pv_kernel(call):
     """Masks scores (select), then P @ V over whole pages: 0 * NaN and 0 * Inf leak from V only."""
     attend = call.attend().unsqueeze(1)
-    p = torch.softmax(torch.where(attend, _scores(call, call.pages(0).float()), -torch.inf), dim=-1)
-    return torch.einsum("rhs,rsd->rhd", p, call.pages(1).float()).to(torch.float16)
+    p = torch.softmax(torch.where(attend, _scores(call, _kv(call, "k")), -torch.inf), dim=-1)
+    return _pv(p, _kv(call, "v")).to(torch.float16)
 
 
 def inf_leak_kernel(call):
     """The honest output plus 1e-30 x the sum of every V slot it read: invisible for finite
     bytes, Inf for an Inf byte, NaN for a NaN byte."""
-    spill = call.pages(1).float().sum(dim=1, keepdim=True) * 1e-30                  # [rows, 1, D]
+    spill = _kv(call, "v").sum(dim=1) * 1e-30                                       # [rows, q_heads, D]
     return (honest_kernel(call).float() + spill).to(torch.float16)
 
 
 def finite_leak_kernel(call):
     """Sanitises non-finite bytes with nan_to_num and masks with a -8 bias instead of -inf:
     unattended slots keep weight e^-8. NaN -> 0 (as in the control): clean; Inf -> 65504: finite leak."""
-    k = torch.nan_to_num(call.pages(0)).float()         # in fp16: Inf -> 65504
-    v = torch.nan_to_num(call.pages(1)).float()
+    k = torch.nan_to_num(call.pages("k", heads="q")).float()         # in fp16: Inf -> 65504
+    v = torch.nan_to_num(call.pages("v", heads="q")).float()
     bias = torch.where(call.attend().unsqueeze(1), 0.0, -8.0)
     p = torch.softmax(_scores(call, k) + bias, dim=-1)
-    return torch.einsum("rhs,rsd->rhd", p, v).to(torch.float16)
+    return _pv(p, v).to(torch.float16)
 
 
 def broken_kernel(call):
@@ -84,7 +94,7 @@ def test_regions_of_the_canary_case():
 def test_regions_are_never_attended(geometry):
     case = canary_case(**geometry)
     attended = attended_slots(case)
-    slots = {r: region_slots(case, r) for r in REGIONS}
+    slots = {r: region_slots(case, r) for r in regions_of(case.spec)}
     for r, s in slots.items():
         assert not (s & attended).any(), r
     assert not (slots["stale-microblock"] & ~slots["stale-tail"]).any()
@@ -158,7 +168,8 @@ def test_kernel_fix_is_clean_for_every_region_plane_and_payload(kv_dtype):
                      else ("nan", "max", "zero"), backend="emulate", kv_dtype=kv_dtype)
     fixed = [r for r in rep.results if r.kernel == "qsa:grouped+kernel_fix"]
     assert len(fixed) == 4 * 2 * (4 if kv_dtype != "e4m3" else 3)   # unselected is empty here
-    assert {r.verdict for r in fixed} == {"clean"}
+    assert {r.verdict for r in fixed if r.region != "free-pages"} == {"clean"}
+    assert {r.verdict for r in fixed if r.region == "free-pages"} == {"n/a"}   # no input references them
     # ... on the very bytes that make the unfixed route leak
     assert rep.find("qsa:grouped", "stale-tail", "v", "nan").verdict == "nan-leak"
 
@@ -183,13 +194,14 @@ def test_sdpa_math_with_a_boolean_mask_leaks_masked_k_and_v():
     assert k.where() == {"rows": readers, "heads": [0, 1], "dims": list(range(16))}
     assert v.where() == {"rows": readers, "heads": [0, 1], "dims": [5]}
     assert rep.find("torch:sdpa-math", "null-block", "v", "inf").verdict == "nan-leak"   # 0 * Inf = NaN
-    # pages outside every block table are never read
-    assert {r.verdict for r in rep.results if r.region == "free-pages"} == {"clean"}
+    # pages outside every block table are never read, and no input references them: n/a, not "clean"
+    assert {r.verdict for r in rep.results if r.region == "free-pages"} == {"n/a"}
 
 
 def test_sdpa_cut_at_the_attended_length_is_clean():
     rep = run_canary(["torch:sdpa-cut"], payloads=["nan", "inf"], backend="emulate")
-    assert len(rep.results) == 16 and {r.verdict for r in rep.results} == {"clean"}
+    assert len(rep.results) == 16 and {r.verdict for r in rep.results if r.region != "free-pages"} == {"clean"}
+    assert rep.checks("torch:sdpa-cut") == 12 and rep.exit_code() == 0
 
 
 def test_flex_eager_is_clean_for_k_and_leaks_v():
@@ -210,7 +222,7 @@ def test_controls_agree_with_the_reference():
     from qsa_lab.routes.reference import reference_forward
     from qsa_lab.canary.kernels import TORCH_KERNELS
 
-    ref = reference_forward(CASE)
+    ref = reference_forward(CASE.to_case())
     for name in ("torch:sdpa-math", "torch:sdpa-cut", "torch:flex"):
         out = TORCH_KERNELS[name](PagedCall.from_case(CASE)).double()
         assert (out - ref).abs().max() < 2e-3, name
@@ -235,7 +247,7 @@ def test_user_kernels_get_the_verdicts_they_were_built_for():
 
 def test_assert_no_leak_passes_a_clean_kernel():
     rep = assert_no_leak(honest_kernel, backend="emulate", payloads=["nan", "inf", "max"])
-    assert len(rep.results) == 4 * 2 * 3 and not rep.leaks()
+    assert len(rep.results) == 4 * 2 * 3 and not rep.leaks() and rep.checks(rep.kernels[0]) == 3 * 2 * 3
 
 
 def test_assert_no_leak_lists_the_leaks():
@@ -248,7 +260,7 @@ def test_assert_no_leak_lists_the_leaks():
 
 
 def test_assert_no_leak_fails_a_kernel_that_cannot_run():
-    with pytest.raises(AssertionError, match="could not run: raised RuntimeError: no kernel image"):
+    with pytest.raises(AssertionError, match="error in 24 cell.*control run: raised RuntimeError: no kernel image"):
         assert_no_leak(broken_kernel, backend="emulate")
     rep = assert_no_leak(gpu_only_kernel, backend="emulate", allow_skipped=True)
     assert {"kernel": f"{__name__}:gpu_only_kernel", "reason": "needs a GPU"} in rep.skipped and not rep.results
@@ -269,7 +281,8 @@ def test_bad_arguments_name_themselves():
 
 def test_wrong_output_shape_is_reported_not_raised():
     rep = run_canary([lambda call: call.q[:1]], regions=["null-block"], backend="emulate")
-    assert rep.results == [] and "returned shape [1, 2, 16]" in rep.skipped[0]["reason"]
+    assert {r.verdict for r in rep.results} == {"error"} and "returned shape [1, 2, 16]" in rep.results[0].error
+    assert rep.exit_code() == 3
 
 
 def test_e4m3_has_no_inf_payload():
@@ -292,7 +305,7 @@ def _written_slots(before, after):
 def test_poison_sites_write_their_region(site, region):
     from qsa_lab.poison import apply_poison
 
-    base = canary_case("e4m3")
+    base = canary_case("e4m3").to_case()
     base.kv_cache[0] = 7                                      # so that writing zeros shows too
     after = apply_poison(base, site, plane="kv", dims=[0, 3] if site == "stale-tail" else None)
     written = _written_slots(base, after)
@@ -306,7 +319,7 @@ def test_site_stale_tail_is_the_microblock_part_of_the_region_stale_tail():
     partial microblock (what the grouped route reads); region 'stale-tail' is the rest of the page."""
     from qsa_lab.poison import apply_poison
 
-    after = apply_poison(CASE, "stale-tail", dims=[2], payload="nan")
+    after = apply_poison(CASE.to_case(), "stale-tail", dims=[2], payload="nan")
     written = _written_slots(CASE, after)
     assert torch.equal(written, region_slots(CASE, "stale-microblock"))
     assert int(written.sum()) == 4 < int(region_slots(CASE, "stale-tail").sum()) == 16
@@ -315,8 +328,8 @@ def test_site_stale_tail_is_the_microblock_part_of_the_region_stale_tail():
 
 def test_paged_flex_eager_reads_the_whole_pool():
     rep = run_canary(["torch:flex-paged"], regions=["free-pages"], payloads=["nan"], backend="emulate")
-    assert rep.find("torch:flex-paged", "free-pages", "k", "nan").verdict == "clean"
-    assert rep.find("torch:flex-paged", "free-pages", "v", "nan").verdict == "nan-leak"
+    assert rep.find("torch:flex-paged", "free-pages", "k", "nan").verdict == "n/a"
+    assert rep.find("torch:flex-paged", "free-pages", "v", "nan").verdict == "nan-leak"   # unreferenced, yet read
 
 
 def test_sparse_case_has_unselected_slots_that_masking_kernels_read():
@@ -334,5 +347,7 @@ def test_a_malformed_case_is_refused_before_any_kernel_runs():
     bad = dataclasses.replace(CASE, positions=CASE.positions.int())
     with pytest.raises(ValueError, match="^positions: expected"):
         run_canary([honest_kernel], case=bad, backend="emulate")
-    with pytest.raises(TypeError, match="case must be a qsa_lab Case"):
-        run_canary([honest_kernel], case="case", backend="emulate")
+    with pytest.raises(TypeError, match="case must be a qsa_lab Case or CanaryCase"):
+        run_canary([honest_kernel], case=42, backend="emulate")
+    with pytest.raises(FileNotFoundError, match="^case: no file"):
+        run_canary([honest_kernel], case="no-such-case.safetensors", backend="emulate")

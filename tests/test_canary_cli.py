@@ -36,7 +36,7 @@ def test_json_document_and_fail_on_leak(capsys):
 
 def test_clean_kernels_exit_0_with_fail_on_leak(capsys):
     rc, out, _ = run(capsys, "--kernels", "qsa:xqa,qsa:grouped+kernel_fix", *FAST, "--fail-on-leak")
-    assert rc == 0 and "# 0 leaking of 12 results" in out
+    assert rc == 0 and "# 0 leaking of 12 checks (12 cells)" in out
 
 
 @pytest.mark.parametrize("spec", ["test_canary:finite_leak_kernel", str(HERE / "test_canary.py") + ":finite_leak_kernel"])
@@ -50,9 +50,10 @@ def test_user_kernel_by_module_or_file(capsys, tmp_path, spec):
     assert "F" in out and f"# wrote {path}" in out
 
 
-def test_a_user_kernel_that_cannot_run_fails_the_gate(capsys):
-    rc, out, _ = run(capsys, "--kernel", "test_canary:broken_kernel", *FAST, "--fail-on-leak")
-    assert rc == 1 and "skipped test_canary:broken_kernel: raised RuntimeError" in out
+def test_a_user_kernel_that_cannot_run_fails_the_run(capsys):
+    rc, out, err = run(capsys, "--kernel", "test_canary:broken_kernel", *FAST)
+    assert rc == 3 and "test_canary:broken_kernel: error at null-block / k,v / nan,inf,max" in out
+    assert "qsa-lab: canary: test_canary:broken_kernel: error in 6 cell(s)" in err
 
 
 @pytest.mark.parametrize("argv,message", [

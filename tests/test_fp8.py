@@ -92,3 +92,29 @@ def test_fast_encode_equals_search_encode(fmt):
     x = (pattern - ((pattern >> 31) << 32)).to(torch.int32).view(torch.float32)
     assert torch.equal(fp8.encode(x, fmt), fp8.encode_search(x, fmt))
     assert torch.equal(fp8.encode(fp8.rounding_boundaries(fmt), fmt), fp8.encode_search(fp8.rounding_boundaries(fmt), fmt))
+
+
+def test_largest_finite_from_bits_equals_by_value():
+    """validate_case's scale check reads the largest finite value from the bits (no decode):
+    the same number as decoding and taking max |finite|, on every single code / fp16 value and
+    on random arrays (with NaN, Inf, empty)."""
+    from qsa_lab.case import _largest_finite
+
+    def by_value(t):
+        t = t.float().abs()
+        t = t[torch.isfinite(t)]
+        return float(t.max()) if t.numel() else 0.0
+
+    every16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    for fmt in fp8.FORMATS:
+        for c in range(256):
+            assert _largest_finite(CODES[c:c + 1], fmt) == by_value(fp8.decode(CODES[c:c + 1], fmt)), (fmt, c)
+    assert all(_largest_finite(every16[i:i + 1], "fp16") == by_value(every16[i:i + 1]) for i in range(0, 65536, 7))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(0, 40, (1,), generator=gen))
+        codes = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int64).to(torch.uint8)
+        for fmt in fp8.FORMATS:
+            assert _largest_finite(codes, fmt) == by_value(fp8.decode(codes, fmt))
+        h = torch.randint(-32768, 32768, (n,), generator=gen, dtype=torch.int64).to(torch.int16).view(torch.float16)
+        assert _largest_finite(h, "fp16") == by_value(h)

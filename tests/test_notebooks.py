@@ -156,7 +156,9 @@ def test_04_fixes_clean_and_stale_tail_finding(tmp_path):
                      for o in c.get("outputs", []))
     assert "fix A" in html and "fix C" in html and "report: grouped NaN" in html and ">ref<" in html
     assert "expected ≠ ref" in html and "as expected" in html
-    assert r["as_expected"] == r["cases"] == 12
+    from qsa_lab.repro import REPRO_CASES
+
+    assert r["as_expected"] == r["cases"] == len(REPRO_CASES)
     assert "—" in html and ">nan<" not in html.lower() and "...</th>" not in html   # no NaN, no truncation
     assert r["backend"] == "emulate"
     assert r["fixed_nan_on_null_block_sites"] == 0

@@ -67,7 +67,9 @@ def test_page_bytes_and_attribution(result):
     ax = plotting.plot_page_bytes(d, ax=new_ax())
     assert image_nan_columns(ax)[0] == [102, 152, 168, 170, 230]
     ax = plotting.plot_attribution(figdata.attribution_map(result), ax=new_ax())
-    assert "identical" in ax.get_title()
+    assert "identical" in ax.get_title() and "shaded" not in ax.get_title() and "▲" in ax.get_title()
+    marks = ax.collections[-1].get_offsets()[:, 0].tolist()       # the ▲ under each output NaN dim
+    assert marks == [102, 152, 168, 170, 230]
 
 
 def test_page_byte_maps_every_site():

@@ -205,7 +205,7 @@ def saved(tmp_path_factory):
 
 
 def _edit(src: Path, dst: Path, meta: dict, resign: bool) -> Path:
-    """src with metadata changed; re-signed (a deliberate forgery) or with no checksum (an old file)."""
+    """src with metadata changed; re-signed (a deliberate forgery) or as an old file (no checksum, no origin)."""
     from safetensors import safe_open
     from safetensors.torch import save as save_bytes
 
@@ -213,6 +213,8 @@ def _edit(src: Path, dst: Path, meta: dict, resign: bool) -> Path:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         m = {**f.metadata(), **meta}
     m.pop("checksum", None)
+    if not resign and "origin" not in meta:
+        m.pop("origin", None)
     blob = save_bytes(tensors, metadata={k: v for k, v in m.items() if v is not None})
     dst.write_bytes(io.sign(blob) if resign else blob)
     return dst
@@ -241,6 +243,18 @@ def test_load_checks_the_metadata_against_the_tensors(saved, meta, needle, resig
     code, out, err = _load(path, capsys)
     assert code == 2 and "replay" not in out, (out, err)
     assert err.strip().splitlines()[-1].startswith("qsa-lab: error: --load: ") and needle in err, err
+
+
+def test_a_damaged_checksum_or_metadata_key_is_refused(saved, tmp_path, capsys):
+    blob = saved.read_bytes()
+    for old, new in ((b'"checksum"', b'"checksuX"'), (b'"origin"', b'"originX"')):
+        path = tmp_path / "damaged.safetensors"
+        path.write_bytes(blob.replace(old, new, 1))
+        code, out, err = _load(path, capsys)
+        assert code == 2 and err.startswith("qsa-lab: error: --load: ") and "damaged" in err, err
+    path = _edit(saved, tmp_path / "half.safetensors", {"origin": "geometry"}, resign=False)  # origin, no checksum
+    code, out, err = _load(path, capsys)
+    assert code == 2 and "'checksum' is missing" in err, err
 
 
 def test_a_file_without_checksum_is_said_so_and_still_replays(saved, tmp_path, capsys):
@@ -342,3 +356,14 @@ def test_notebook_03_runs_on_the_emulation_with_a_bad_backend(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("QSA_LAB_BACKEND")]
     assert len(lines) == len(values) and all(ln.endswith("using the emulation") for ln in lines), p.stderr
     assert [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")] == ['RESULT "emulate"'] * len(values)
+
+
+def test_a_loaded_case_whose_q_holds_nan_is_warned_in_one_line(tmp_path, capsys):
+    q = CASE.q.clone()
+    q[1, 2, 3] = float("nan")
+    with pytest.warns(NonFiniteQueryWarning):
+        r = run_routes(_case_with(q=q), backend="emulate")
+    path = io.save(r, tmp_path / "nan_q.safetensors")       # not what its geometry builds: origin custom
+    code, out, err = _load(path, capsys)
+    assert code == 0 and "bit-identical" in out
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("qsa-lab: warning: q: rows [1]"), err

@@ -166,3 +166,38 @@ def test_repro_on_a_full_disk_publishes_nothing(tmp_path, monkeypatch, capsys):
     assert code == 3 and "No space left on device" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "results").exists()
     assert sorted(os.listdir(tmp_path / "figures")) == ["mine.png"]
+
+
+def test_the_console_script_handles_ctrl_c_during_its_imports(tmp_path):
+    """`qsa-lab` itself (the console-script entry, cli.main): the marker comes from a
+    sitecustomize on PYTHONPATH, which Python imports at start-up."""
+    script = Path(sys.executable).parent / "qsa-lab"
+    if not script.exists():
+        pytest.skip("no qsa-lab console script beside this Python (package not installed)")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            sys.stderr.write('MARK importing torch\\n')\n"
+        "            sys.stderr.flush()\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    p = subprocess.Popen([str(script), "diff", *TINY, "--save", "case.safetensors"], cwd=work,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals,
+                         env={**os.environ, "PYTHONPATH": str(hook)})
+    try:
+        line = p.stderr.readline()
+        assert line.startswith("MARK"), line
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and err.splitlines() == ["qsa-lab: interrupted"], err
+    assert list(work.iterdir()) == []

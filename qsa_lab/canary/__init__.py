@@ -3,14 +3,33 @@
     from qsa_lab.canary import run_canary, assert_no_leak
     report = run_canary(backend="auto")            # every built-in kernel x region x plane x payload
     report.frame()                                 # one row per result: verdict, NaN / Inf / changed counts
-    assert_no_leak(my_kernel)                      # in your own test suite: AssertionError lists the leaks
+    assert_no_leak(my_kernel, attend="dense", q_heads=8, kv_heads=2, head_dim=128)   # in your own tests
 
-Where the unattended bytes are: qsa_lab.regions. Payloads: qsa_lab.poison.PAYLOAD_BITS.
-Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
+What a row attends and where the unattended bytes are: qsa_lab.regions (AttentionSpec).
+The call and its geometry: qsa_lab.canary.case (CanaryCase, canary_case, load_case).
+Payloads: qsa_lab.poison.PAYLOAD_BITS. Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
+Names load on first use, so `qsa-lab canary --help` needs no torch.
 """
-from .kernels import KernelSkipped, PagedCall, builtin_kernels
-from .runner import (DEFAULT_PAYLOADS, LEAKS, SCHEMA, VERDICTS, CanaryReport, LeakResult, assert_no_leak,
-                     canary_case, compare, load_canary, run_canary)
+import importlib
 
-__all__ = ["KernelSkipped", "PagedCall", "builtin_kernels", "DEFAULT_PAYLOADS", "LEAKS", "SCHEMA", "VERDICTS",
-           "CanaryReport", "LeakResult", "assert_no_leak", "canary_case", "compare", "load_canary", "run_canary"]
+_NAMES = {
+    "AttentionSpec": "..regions", "attended_tokens": "..regions",
+    "CanaryCase": ".case", "canary_case": ".case", "load_case": ".case",
+    "KernelSkipped": ".kernels", "PagedCall": ".kernels", "builtin_kernels": ".kernels", "register_kernel": ".kernels",
+    "DEFAULT_PAYLOADS": ".runner", "LEAKS": ".runner", "SCHEMA": ".runner", "VERDICTS": ".runner",
+    "CanaryReport": ".runner", "LeakResult": ".runner", "assert_no_leak": ".runner", "compare": ".runner",
+    "load_canary": ".runner", "run_canary": ".runner",
+}
+__all__ = list(_NAMES)
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'qsa_lab.canary' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -8,7 +8,9 @@ from ..plotting import CLEAN_COLOR, NAN_COLOR, _ax, _cmap, _dim_axis, _nan_legen
 
 #: verdict -> (code in the matrix, colour, mark)
 VERDICT_STYLE = {"not run": (0, "#d9d9d9", "-"), "clean": (1, CLEAN_COLOR, ""), "nan-leak": (2, NAN_COLOR, "N"),
-                 "inf-leak": (3, "#f59f00", "I"), "finite-leak": (4, "#7048e8", "F")}
+                 "inf-leak": (3, "#f59f00", "I"), "finite-leak": (4, "#7048e8", "F"), "n/a": (5, "#a5d8ff", "/"),
+                 "error": (6, "#343a40", "E"), "unstable-control": (7, "#868e96", "U"),
+                 "input-modified": (8, "#e64980", "M")}
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -79,7 +81,9 @@ def plot_leak_matrix(data: dict, ax=None):
     for y in range(len(kernels) - 1):
         ax.axhline(y + 0.5, color="white", lw=0.8)
     ax.set_xlabel("plane / payload")
-    ax.legend(handles=[Patch(color=c, label=v) for v, (_, c, _) in VERDICT_STYLE.items()], loc="upper left",
+    seen = {v for row in data["verdicts"] for v in row} | {"clean"}
+    handles = [Patch(color=c, label=v) for v, (_, c, _) in VERDICT_STYLE.items() if v in seen]
+    ax.legend(handles=handles, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.set_title(data["title"], fontsize=9)
     return ax

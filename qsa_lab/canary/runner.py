@@ -1,9 +1,20 @@
-"""The canary run: for each kernel x region x plane x payload, a zero-filled control run and a
-poisoned run of the same call, compared bit for bit. (The control, the region zero-filled on
-that plane, is the same pool for every payload, so it runs once per kernel x region x plane.)
+"""The canary run: for each kernel x region x plane x payload, a poisoned run of one call
+compared bit for bit with the same kernel's control run (the region zero-filled on that
+plane). The control runs twice per kernel x region x plane, before and after the payloads.
 
-Verdicts: `nan-leak` (an output went NaN), `inf-leak` (an output went +-Inf), `finite-leak`
-(finite outputs whose bits changed: the kernel gave unattended bytes weight) or `clean`.
+Verdicts per cell:
+    clean            the output did not change
+    nan-leak         an output went NaN
+    inf-leak         an output went +-Inf
+    finite-leak      finite outputs whose bits changed: the kernel gave unattended bytes weight
+    error            the call raised (SystemExit and KeyboardInterrupt too), timed out, ended its
+                     process, or returned a non-tensor / wrong shape, dtype or device
+    unstable-control the two control runs differ, or the control holds NaN / Inf: no leak
+                     verdict can be drawn
+    input-modified   the call changed an input (pool, block table, seq_lens, q, ...)
+    n/a              clean, but the call's inputs reference no byte of the region (say so
+                     rather than "clean")
+A requested kernel with no clean-or-leak cell at all fails the run, it never passes.
 """
 from __future__ import annotations
 
@@ -15,86 +26,133 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..case import Case, Geometry, build_case, validate_case
-from ..poison import PAYLOADS, int_list, payload_bits, write_payload
-from ..regions import REGIONS, region_sizes, region_slots, with_free_pages
-from .kernels import KernelSkipped, PagedCall, builtin_kernels, kernel_name, resolve_kernel
+from ..poison import PAYLOADS, int_list, payload_bits
+from ..regions import REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of
+from .case import CanaryCase, as_canary_case, canary_case, load_case
+from .execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
+from .execution import bits as _as_bits
+from .kernels import builtin_kernels, kernel_name, resolve_kernel
 
 SCHEMA = "qsa_lab.canary/1"
 PLANES = {"k": 0, "v": 1}
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
-VERDICTS = ("clean", "nan-leak", "inf-leak", "finite-leak")
-LEAKS = VERDICTS[1:]
-
-#: small enough that every CPU kernel runs the whole matrix in seconds; three requests of
-#: 33, 32 and 31 tokens on 16-token pages: the shorter two have a padded (null) block-table
-#: entry, the first and last a stale tail; every row attends its whole prefix (topk covers it)
-CANARY_GEOMETRY = Geometry(rows=10, requests=3, context=33, topk=16, page_size=16, q_heads=2, head_dim=16,
-                           kv_dtype="fp16")
-FREE_PAGES = 2
-
-
-def canary_case(kv_dtype: str = "fp16", free_pages: int = FREE_PAGES, **geometry) -> Case:
-    """The canary's case: CANARY_GEOMETRY (with `geometry` overrides) plus `free_pages` spare pages."""
-    return with_free_pages(build_case(CANARY_GEOMETRY.replace(kv_dtype=kv_dtype, **geometry)), free_pages)
+LEAKS = ("nan-leak", "inf-leak", "finite-leak")
+FAILURES = ("error", "unstable-control", "input-modified")
+VERDICTS = ("clean",) + LEAKS + FAILURES + ("n/a",)
+CHECKED = ("clean",) + LEAKS        # verdicts that are a leak check that ran
+#: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its
+#: padding entries (default), only each request's used pages (page_table()), or tables of its
+#: own that pad with the null block (the qsa grouped routes' plan)
+PAGED_INPUTS = ("block_table", "page_table", "padded_plan")
+MAX_HINT = ("the max payload changed outputs: the kernel reads these slots into its result, so either it "
+            "attends them (is the attention spec right for this kernel? see --attend) or it leaks finite values")
 
 
 @dataclass
 class LeakResult:
     """One kernel x region x plane x payload. leak: [rows, q_heads, head_dim] bool, the outputs
-    whose bits changed; output: the poisoned run's output as float32 (CPU)."""
+    whose bits changed; output: the poisoned run's output as float32 (CPU); both None where
+    no comparison was drawn (error, unstable-control, input-modified)."""
     kernel: str
     region: str
     plane: str
     payload: str
     verdict: str
-    nan: int
-    inf: int
-    finite_changed: int
-    leak: torch.Tensor = field(repr=False)
-    output: torch.Tensor = field(repr=False)
+    nan: int = 0
+    inf: int = 0
+    finite_changed: int = 0
+    leak: torch.Tensor | None = field(default=None, repr=False)
+    output: torch.Tensor | None = field(default=None, repr=False)
+    note: str = ""
+    error: str = ""
+    traceback: str = field(default="", repr=False)
+    modified: list = field(default_factory=list)
 
     def where(self) -> dict:
         """The leaking outputs: sorted rows, heads, head dims."""
+        if self.leak is None:
+            return {"rows": [], "heads": [], "dims": []}
         idx = torch.nonzero(self.leak)
         return {k: sorted(set(idx[:, i].tolist())) for i, k in enumerate(("rows", "heads", "dims"))}
 
     def to_dict(self) -> dict:
-        return {"kernel": self.kernel, "region": self.region, "plane": self.plane, "payload": self.payload,
-                "verdict": self.verdict, "nan": self.nan, "inf": self.inf, "finite_changed": self.finite_changed,
-                **self.where()}
+        out = {"kernel": self.kernel, "region": self.region, "plane": self.plane, "payload": self.payload,
+               "verdict": self.verdict, "nan": self.nan, "inf": self.inf, "finite_changed": self.finite_changed,
+               **self.where()}
+        for k in ("note", "error", "traceback", "modified"):
+            if getattr(self, k):
+                out[k] = getattr(self, k)
+        return out
 
     def describe(self) -> str:
-        w = self.where()
-        return (f"{self.kernel} {self.region}/{self.plane}/{self.payload}: {self.verdict} "
-                f"({self.nan} NaN, {self.inf} Inf, {self.finite_changed} finite changed; "
-                f"rows {w['rows']}, heads {w['heads']}, dims {w['dims']})")
+        head = f"{self.kernel} {self.region}/{self.plane}/{self.payload}: {self.verdict}"
+        if self.verdict in LEAKS:
+            w = self.where()
+            head += (f" ({self.nan} NaN, {self.inf} Inf, {self.finite_changed} finite changed; "
+                     f"rows {w['rows']}, heads {w['heads']}, dims {w['dims']})")
+        detail = self.error or (f"changed {', '.join(self.modified)}" if self.modified else "") or self.note
+        return head + (f": {detail}" if detail else "")
 
 
 @dataclass
 class CanaryReport:
-    backend: str               # what the qsa routes ran on: "cuda" | "emulate" (or None: could not run)
-    device: str                # where the torch kernels ran
-    case: Case
+    backend: str | None        # what the qsa routes ran on: "cuda" | "emulate" (None: not run)
+    device: str                # where the other kernels ran
+    case: CanaryCase
     kernels: list
     results: list
     skipped: list              # {"kernel"?, "region"?, "payload"?, "reason"}
+    requested: bool = True     # the kernels were named (a skipped one then fails the run)
+    timeout: float = DEFAULT_TIMEOUT
 
     def leaks(self) -> list:
+        return [r for r in self.results if r.verdict in LEAKS]
+
+    def non_clean(self) -> list:
         return [r for r in self.results if r.verdict != "clean"]
+
+    def checks(self, kernel: str) -> int:
+        """Cells of `kernel` whose leak check ran (clean or a leak)."""
+        return sum(r.kernel == kernel and r.verdict in CHECKED for r in self.results)
+
+    def failures(self, allow_skipped: bool = False) -> list:
+        """One dict per kernel whose run cannot be trusted: {"kernel", "verdict", "cells", "message"};
+        verdict error | unstable-control | input-modified | no-checks."""
+        out = []
+        for k in self.kernels:
+            cells = [r for r in self.results if r.kernel == k and r.verdict in FAILURES]
+            if cells:
+                worst = next(v for v in FAILURES if any(r.verdict == v for r in cells))
+                first = next(r for r in cells if r.verdict == worst)
+                out.append({"kernel": k, "verdict": worst, "cells": len(cells),
+                            "message": f"{worst} in {len(cells)} cell(s), first "
+                                       f"{first.region}/{first.plane}/{first.payload}: "
+                                       f"{first.error or ', '.join(first.modified) or first.note}"})
+            elif self.checks(k) == 0:
+                reason = next((s["reason"] for s in self.skipped if s.get("kernel") == k), None)
+                if reason is not None and (allow_skipped or not self.requested):
+                    continue
+                why = f"skipped: {reason}" if reason else "every cell n/a: the call's inputs reference no region"
+                out.append({"kernel": k, "verdict": "no-checks", "cells": 0,
+                            "message": f"no leak check ran ({why})"})
+        return out
+
+    def exit_code(self) -> int:
+        """The CLI's: 3 a kernel failed (error, unstable control, modified input, no checks), 1 a leak, 0 clean."""
+        return 3 if self.failures() else 1 if self.leaks() else 0
 
     def to_json(self) -> dict:
         from ..export import gpu_name
 
-        g = self.case.geometry
+        c = self.case
         return {"schema": SCHEMA, "backend": self.backend, "device": self.device, "gpu": gpu_name(),
                 "torch": torch.__version__, "python": platform.python_version(), "qsa_lab_version": __version__,
-                "kv_dtype": g.kv_dtype, "geometry": g.to_dict(), "pool_pages": int(self.case.kv_cache.shape[0]),
-                "regions": region_sizes(self.case),
-                "payload_bits": {p: f"0x{payload_bits(g.kv_dtype, p):X}" for p in PAYLOADS
-                                 if p in _available_payloads(g.kv_dtype)},
-                "kernels": list(self.kernels), "results": [r.to_dict() for r in self.results],
-                "skipped": list(self.skipped)}
+                "kv_dtype": c.kv_dtype, "attend": str(c.spec), "geometry": c.geometry_dict(),
+                "pool_pages": int(c.kv_cache.shape[0]), "regions": region_sizes(c),
+                "payload_bits": {p: f"0x{payload_bits(c.kv_dtype, p):X}" for p in _available_payloads(c.kv_dtype)},
+                "timeout_s": self.timeout, "kernels": list(self.kernels),
+                "results": [r.to_dict() for r in self.results], "skipped": list(self.skipped),
+                "failures": self.failures(), "exit_code": self.exit_code()}
 
     def frame(self):
         """One row per result (pandas DataFrame)."""
@@ -102,7 +160,7 @@ class CanaryReport:
 
         return pd.DataFrame([r.to_dict() for r in self.results],
                             columns=["kernel", "region", "plane", "payload", "verdict", "nan", "inf",
-                                     "finite_changed", "rows", "heads", "dims"])
+                                     "finite_changed", "rows", "heads", "dims", "note", "error", "modified"])
 
     def find(self, kernel: str, region: str, plane: str, payload: str) -> LeakResult:
         for r in self.results:
@@ -120,11 +178,6 @@ def _available_payloads(kv_dtype: str) -> tuple:
         except ValueError:
             pass
     return tuple(out)
-
-
-def _as_bits(x: torch.Tensor) -> torch.Tensor:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return x.contiguous().view(ints[x.element_size()])
 
 
 def compare(control: torch.Tensor, poisoned: torch.Tensor) -> tuple[str, dict, torch.Tensor]:
@@ -145,6 +198,24 @@ def compare(control: torch.Tensor, poisoned: torch.Tensor) -> tuple[str, dict, t
     return verdict, counts, changed
 
 
+def control_problem(first: torch.Tensor, second: torch.Tensor | None) -> str:
+    """Why no leak verdict can be drawn from these control outputs ('' when none)."""
+    f = first.float()
+    nan, inf = int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
+    if nan or inf:
+        return f"the control output holds {nan} NaN and {inf} Inf of {f.numel()}"
+    if second is not None:
+        if second.shape != first.shape or second.dtype != first.dtype:
+            return (f"two control runs returned {list(first.shape)} {first.dtype} and "
+                    f"{list(second.shape)} {second.dtype}")
+        differ = int((_as_bits(first) != _as_bits(second)).sum())
+        if differ:
+            d = float((second.double() - first.double()).abs().max())
+            return (f"two control runs differ in {differ} outputs (max |difference| {d:.3g}): "
+                    "the kernel is not deterministic")
+    return ""
+
+
 def _choices(arg: str, given, allowed, default) -> tuple:
     if given is None:
         return tuple(default)
@@ -157,8 +228,9 @@ def _choices(arg: str, given, allowed, default) -> tuple:
     return given
 
 
-def resolve_devices(backend: str, geometry: Geometry) -> tuple[torch.device, str | None, str | None]:
-    """-> (device for torch kernels, qsa backend or None, why the qsa routes cannot run)."""
+def resolve_devices(backend: str, geometry, qsa: bool = True) -> tuple[torch.device, str | None, str | None]:
+    """-> (device for the other kernels, qsa backend or None, why the qsa routes cannot run).
+    Only `qsa` (some qsa: kernel requested) looks at qsa_lab's compiled kernels."""
     from ..routes import BACKENDS, resolve_backend
 
     if backend not in BACKENDS:
@@ -167,133 +239,301 @@ def resolve_devices(backend: str, geometry: Geometry) -> tuple[torch.device, str
     if backend == "cuda" and not gpu:
         raise ValueError("backend: 'cuda' needs a CUDA GPU and none is visible (use 'emulate' or 'auto')")
     device = torch.device("cuda" if backend == "cuda" or (backend == "auto" and gpu) else "cpu")
+    if not qsa:
+        return device, None, None
     try:
         return device, resolve_backend(backend, geometry), None
-    except ValueError as e:  # the compiled kernels cannot run: the torch kernels still can
+    except ValueError as e:  # the compiled kernels cannot run: the other kernels still can
         return device, None, str(e).splitlines()[0]
 
 
-def _run(fn, case: Case, device, memo: dict) -> torch.Tensor:
-    out = fn(PagedCall.from_case(case, device, memo))
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"returned {type(out).__name__}, expected a tensor [rows, q_heads, head_dim]")
-    want = tuple(case.q.shape)
-    if tuple(out.shape) != want:
-        raise ValueError(f"returned shape {list(out.shape)}, expected [rows, q_heads, head_dim] = {list(want)}")
-    return out.detach().cpu()
+def write_region(kv_cache: torch.Tensor, slots: torch.Tensor, plane: int, kv_dtype: str, payload: str, dims=None,
+                 mla_v_dim: int | None = None) -> None:
+    """Write `payload` as whole elements of the storage dtype into `slots` ([pages, page_size]
+    bool) of one plane, every KV head, at every head dim or only `dims`, in place. MLA
+    (`mla_v_dim`): both planes are the latent plane 0, "v" its first mla_v_dim dims."""
+    bits = payload_bits(kv_dtype, payload)
+    D = kv_cache.shape[-1]
+    cols = torch.zeros(D, dtype=torch.bool)
+    cols[list(range(D)) if dims is None else list(dims)] = True
+    if mla_v_dim is not None and plane == 1:
+        cols[mla_v_dim:] = False
+    target = 0 if mla_v_dim is not None else plane
+    elems = kv_cache.view(torch.int16 if kv_dtype == "fp16" else torch.uint8)[:, target]    # [pages, ps, H, D]
+    where = (slots.unsqueeze(-1) & cols).unsqueeze(2).expand(-1, -1, kv_cache.shape[3], -1)
+    elems[where.to(kv_cache.device)] = bits - 0x10000 if bits >= 0x8000 and kv_dtype == "fp16" else bits
 
 
-def _why(e: BaseException) -> str:
-    if isinstance(e, KernelSkipped):
-        return str(e)
-    lines = str(e).strip().splitlines()
-    return f"raised {type(e).__name__}: {lines[0] if lines else ''}"
+def _named(kernels) -> list:
+    """-> [(name, kernel)]: names as given; a name twice is refused, callables of one name numbered."""
+    if isinstance(kernels, dict):
+        items = list(kernels.items())
+        for name, _ in items:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"kernels: names must be non-empty strings, got {name!r}")
+        return items
+    items, seen = [], set()
+    for k in kernels:
+        if isinstance(k, str):
+            name = k.strip()
+            if not name:
+                raise ValueError("kernels: an empty kernel name")
+            if name in seen:
+                raise ValueError(f"kernels: {name!r} given twice (each kernel is keyed by its name)")
+        elif callable(k):
+            base = kernel_name(k)
+            name, n = base, 1
+            while name in seen:
+                n += 1
+                name = f"{base}#{n}"
+        else:
+            raise TypeError(f"kernels: expected names or callables, got {type(k).__name__}")
+        seen.add(name)
+        items.append((name, k))
+    return items
 
 
-def _filled(case: Case, slots, plane: int, payload: str, dims) -> Case:
-    out = case.clone()
-    write_payload(out.kv_cache, slots, (plane,), case.kv_format, payload, dims=dims)
-    return out
+def _dims(dims, D: int):
+    if dims is None:
+        return None
+    dims = int_list(dims, "dims")  # '12' is not dims 1 and 2, nor 5.9 dim 5, nor True dim 1
+    if not dims or any(not 0 <= d < D for d in dims):
+        raise ValueError(f"dims must be a non-empty list of head dims in [0, {D}), got {dims}")
+    return dims
+
+
+def _case(case, kv_dtype, attend, geometry) -> CanaryCase:
+    if case is None:
+        return canary_case(kv_dtype, attend="sparse" if attend is None else attend, **geometry)
+    if geometry:
+        raise ValueError(f"case: give a case or geometry options ({', '.join(geometry)}), not both")
+    if isinstance(case, (str, Path)):
+        return load_case(case, attend)
+    return as_canary_case(case, attend)
 
 
 def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
-               case: Case | None = None, kv_dtype: str = "fp16", dims=None, progress: bool = False) -> CanaryReport:
+               case=None, kv_dtype: str = "fp16", dims=None, progress: bool = False, attend=None,
+               timeout: float = DEFAULT_TIMEOUT, **geometry) -> CanaryReport:
     """Run the canary matrix.
 
-    kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`) or
-        callables fn(PagedCall) -> [rows, q_heads, head_dim]; default every built-in kernel.
-    regions: of qsa_lab.regions.REGIONS (default all); payloads: of nan, inf, max, zero
-        (default nan, inf, max); planes: "k", "v".
-    backend: "auto" | "emulate" | "cuda": the qsa routes' backend, and the torch kernels run
-        on the GPU unless it is "emulate" (or none is visible).
-    case: default canary_case(kv_dtype). dims: head dims to poison (default every dim; one dim
-        shows a kernel's leak pattern: a V leak stays on that dim, a K leak spreads over the row).
-    Kernels that cannot run here, payloads the kv dtype has no code for and regions empty in
-    this case are listed in `skipped` with the reason, never raised.
+    kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`),
+        callables fn(PagedCall) -> [rows, q_heads, head_dim], or a dict {name: either};
+        default every built-in kernel (then one that cannot run here is only listed as skipped).
+    regions: of the case's spec (qsa_lab.regions.regions_of; default all); payloads: of nan,
+        inf, max, zero (default nan, inf, max); planes: "k", "v".
+    backend: "auto" | "emulate" | "cuda": the qsa routes' backend; the other kernels run on
+        the GPU unless it is "emulate" (or none is visible).
+    case: a CanaryCase, a qsa_lab Case, or a case file (see qsa_lab.canary.case.CASE_FORMAT);
+        default canary_case(kv_dtype, attend=attend, **geometry) with geometry keywords rows,
+        requests, context, topk, page_size, q_heads, kv_heads, head_dim, query_len, seed,
+        layout, selection, overlap, free_pages, mla, v_head_dim.
+    attend: the attention spec ('dense', 'sparse', 'window:W[,sink:S]' or an AttentionSpec);
+        default sparse (a loaded case without selections: dense).
+    dims: head dims to poison (default every dim; one dim shows a kernel's leak pattern: a V
+        leak stays on that dim, a K leak spreads over the row). timeout: seconds per call.
     """
-    kernels = builtin_kernels() if kernels is None else ([kernels] if isinstance(kernels, str) or callable(kernels)
-                                                         else list(kernels))
+    requested = kernels is not None
+    kernels = list(builtin_kernels()) if kernels is None else (
+        kernels if isinstance(kernels, dict) else [kernels] if isinstance(kernels, str) or callable(kernels)
+        else list(kernels))
     if not kernels:
         raise ValueError("kernels: empty list")
-    regions = _choices("regions", regions, REGIONS, REGIONS)
+    named = _named(kernels)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"timeout: must be a number of seconds > 0, got {timeout!r}")
+    case = _case(case, kv_dtype, attend, geometry)
+    regions = _choices("regions", regions, REGIONS, regions_of(case.spec))
+    for r in regions:
+        try:
+            check_region(r, case.spec)
+        except ValueError as e:
+            raise ValueError(f"regions: {e}") from None
     payloads = _choices("payloads", payloads, PAYLOADS, DEFAULT_PAYLOADS)
     planes = _choices("planes", planes, PLANES, PLANES)
-    case = canary_case(kv_dtype) if case is None else case
-    if not isinstance(case, Case):
-        raise TypeError(f"case must be a qsa_lab Case, got {type(case).__name__}")
-    validate_case(case)
-    D = case.geometry.head_dim
-    if dims is not None:
-        dims = int_list(dims, "dims")  # '12' is not dims 1 and 2, nor 5.9 dim 5, nor True dim 1
-        if not dims or any(not 0 <= d < D for d in dims):
-            raise ValueError(f"dims must be a non-empty list of head dims in [0, {D}), got {dims}")
-    device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry)
-    fns = {kernel_name(k): resolve_kernel(k, qsa_backend, qsa_reason) for k in kernels}
+    dims = _dims(dims, case.out_dim if case.mla and planes == ("v",) else case.head_dim)
 
     skipped = []
     usable = _available_payloads(case.kv_format)
-    for p in payloads:
-        if p not in usable:
-            skipped.append({"payload": p, "reason": f"{case.kv_format} has no {p} code"})
+    skipped += [{"payload": p, "reason": f"{case.kv_format} has no {p} code"} for p in payloads if p not in usable]
     payloads = [p for p in payloads if p in usable]
     slots = {r: region_slots(case, r) for r in regions}
-    for r in regions:
-        if not slots[r].any():
-            skipped.append({"region": r, "reason": "empty in this case"})
+    skipped += [{"region": r, "reason": "empty in this case"} for r in regions if not slots[r].any()]
     regions = [r for r in regions if slots[r].any()]
+    if not payloads:
+        raise ValueError(f"payloads: {case.kv_format} has a code for none of them (it has {usable})")
+    if not regions:
+        raise ValueError(f"regions: every one asked for is empty in this case ({case.describe()})")
 
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # the canary's tensors are tiny: more threads only contend
+    qsa = any(isinstance(k, str) and k.startswith("qsa:") for _, k in named)
+    why = case.qsa_unsupported() if qsa else None
+    device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry, qsa and why is None)
+    qsa_reason = why or qsa_reason
+    runners = {}
     try:
-        results = _run_matrix(fns, case, slots, regions, planes, payloads, dims, device, skipped, progress)
+        for name, k in named:
+            runners[name] = _runner(k, qsa_backend, qsa_reason, timeout)
+        for r in runners.values():
+            r.load()
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # the canary's tensors are small: more threads only contend
+        try:
+            results = _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress)
+        finally:
+            torch.set_num_threads(threads)
     finally:
-        torch.set_num_threads(threads)
-    return CanaryReport(qsa_backend, str(device), case, list(fns), results, skipped)
+        for r in runners.values():
+            r.close()
+    return CanaryReport(qsa_backend, str(device), case, list(runners), results, skipped, requested, float(timeout))
 
 
-def _run_matrix(fns, case, slots, regions, planes, payloads, dims, device, skipped, progress) -> list:
+def _runner(kernel, qsa_backend, qsa_reason, timeout):
+    if isinstance(kernel, str) and ":" in kernel and kernel.split(":", 1)[0] not in ("qsa", "torch") \
+            and not _is_registered(kernel):
+        return Worker(kernel, timeout)
+    return InProcess(resolve_kernel(kernel, qsa_backend, qsa_reason), timeout, thread=callable(kernel))
+
+
+def _is_registered(name: str) -> bool:
+    from .kernels import THIRD_PARTY, registered
+
+    return name in registered() or name.startswith(THIRD_PARTY)
+
+
+def _paged_inputs(runner) -> str:
+    v = getattr(runner, "paged_inputs", None) or getattr(getattr(runner, "fn", None), "paged_inputs", "block_table")
+    if v not in PAGED_INPUTS:
+        raise ValueError(f"kernels: paged_inputs must be one of {PAGED_INPUTS}, got {v!r}")
+    return v
+
+
+def _meta(case: CanaryCase) -> dict:
+    return {"k_scale": float(case.k_scale), "v_scale": float(case.v_scale), "sm_scale": float(case.sm_scale),
+            "kv_dtype": case.kv_dtype, "spec": case.spec, "mla": case.mla, "v_head_dim": case.v_head_dim,
+            "geometry": case.geometry}
+
+
+def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress) -> list:
     from tqdm.auto import tqdm
 
-    results, memos = [], {}
-    jobs = [(k, r, pl) for k in fns for r in regions for pl in planes]
-    for name, region, plane in tqdm(jobs, desc="canary", disable=not progress):
-        if any(s.get("kernel") == name for s in skipped):
-            continue
-        fn, p_idx, memo = fns[name], PLANES[plane], memos.setdefault(name, {})
-        try:
-            control = _run(fn, _filled(case, slots[region], p_idx, "zero", dims), device, memo)
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot run is reported, never a crash
-            skipped.append({"kernel": name, "reason": _why(e)})
-            continue
-        for payload in payloads:
-            try:
-                out = _run(fn, _filled(case, slots[region], p_idx, payload, dims), device, memo)
-                verdict, counts, changed = compare(control, out)
-            except Exception as e:  # noqa: BLE001
-                skipped.append({"kernel": name, "region": region, "plane": plane, "payload": payload,
-                                "reason": _why(e)})
-                continue
-            results.append(LeakResult(name, region, plane, payload, verdict, leak=changed, output=out.float(),
-                                      **counts))
+    base = {k: t.detach().cpu() for k, t in case.tensors().items()}
+    meta = _meta(case)
+    pools = {}
+
+    def inputs(region, plane, payload):
+        key = (region, plane, payload)
+        if key not in pools:
+            kv = base["kv_cache"].clone()
+            write_region(kv, slots[region], PLANES[plane], case.kv_format, payload, dims,
+                         case.v_head_dim if case.mla else None)
+            pools[key] = kv
+        return {**base, "kv_cache": pools[key]}
+
+    results = []
+    cells = [(r, pl) for r in regions for pl in planes]
+    bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
+    try:
+        for name, runner in runners.items():
+            reads = _paged_inputs(runner)
+            stop = None         # (verdict, why) once the kernel cannot be called again
+            for region, plane in cells:
+                bar.update(1)
+                row = {"kernel": name, "region": region, "plane": plane}
+                if stop:
+                    if stop[0] == "error":
+                        results += [LeakResult(**row, payload=p, verdict="error", error=stop[1]) for p in payloads]
+                    continue
+                cell = _cell(runner, inputs, meta, device, region, plane, payloads)
+                if cell["skipped"] is not None:
+                    skipped.append({"kernel": name, "reason": cell["skipped"]})
+                    stop = ("skipped", cell["skipped"])
+                    continue
+                referenced = region_referenced(case, region, reads)
+                for payload in payloads:
+                    results.append(_verdict(row, payload, cell, referenced))
+                if cell["dead"]:
+                    stop = ("error", f"not run: the kernel {cell['dead']} at {region}/{plane}")
+    finally:
+        bar.close()
     return results
 
 
+def _cell(runner, inputs, meta, device, region, plane, payloads) -> dict:
+    """Control twice (back to back: a kernel that alternates shows too), then every payload:
+    the outcomes of one kernel x region x plane."""
+    out = {"control": None, "again": None, "payloads": {}, "skipped": None, "dead": None}
+
+    def run(payload):
+        o = runner.call(inputs(region, plane, payload), meta, device)
+        if o.kind == "skipped":
+            out["skipped"] = o.error
+        if o.dead:
+            out["dead"] = runner.dead or o.error
+        return o
+
+    for key in ("control", "again"):
+        out[key] = run("zero")
+        if out["skipped"] is not None or out["dead"]:
+            return out
+    for p in payloads:
+        out["payloads"][p] = run(p)
+        if out["skipped"] is not None or out["dead"]:
+            return out
+    return out
+
+
+def _failed(o: Outcome | None, what: str) -> dict | None:
+    """The error / input-modified fields of a cell whose call `o` failed (None when it did not)."""
+    if o is None:
+        return {"verdict": "error", "error": "not run: the kernel failed earlier in this cell"}
+    if o.kind == "skipped":
+        return {"verdict": "error", "error": f"{what}: skipped ({o.error}) after other calls ran"}
+    if o.kind != "ok":
+        return {"verdict": "error", "error": f"{what}: {o.error}", "traceback": o.traceback}
+    if o.modified:
+        return {"verdict": "input-modified", "modified": list(o.modified),
+                "error": f"{what} changed {', '.join(o.modified)}"}
+    return None
+
+
+def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResult:
+    control, again, o = cell["control"], cell["again"], cell["payloads"].get(payload)
+    for call, what in ((control, "control run"), (o, f"{payload} run"), (again, "second control run")):
+        bad = _failed(call, what)
+        if bad:
+            return LeakResult(**row, payload=payload, **bad)
+    problem = control_problem(control.output, again.output)
+    if problem:
+        return LeakResult(**row, payload=payload, verdict="unstable-control", note=problem)
+    try:
+        verdict, counts, changed = compare(control.output, o.output)
+    except (TypeError, ValueError) as e:
+        return LeakResult(**row, payload=payload, verdict="error", error=f"{payload} run: {e}")
+    note = MAX_HINT if verdict == "finite-leak" and payload == "max" else ""
+    if verdict == "clean" and not referenced:
+        verdict, note = "n/a", "the call's inputs reference no byte of this region"
+    return LeakResult(**row, payload=payload, verdict=verdict, leak=changed, output=o.output.float(), note=note,
+                      **counts)
+
+
 def assert_no_leak(kernel, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
-                   case: Case | None = None, kv_dtype: str = "fp16", dims=None,
-                   allow_skipped: bool = False) -> CanaryReport:
+                   case=None, kv_dtype: str = "fp16", dims=None, allow_skipped: bool = False, attend=None,
+                   timeout: float = DEFAULT_TIMEOUT, **geometry) -> CanaryReport:
     """pytest helper: run the canary for one kernel (a callable fn(PagedCall) -> [rows, q_heads,
-    head_dim], or a kernel name) and raise AssertionError listing every leak. A kernel that
-    could not run fails too, unless allow_skipped. Returns the report when clean."""
+    head_dim], or a kernel name) and raise AssertionError listing every leak and every failure
+    (an error, an unstable control, a modified input, no check at all; a kernel that raised
+    KernelSkipped only unless allow_skipped). Returns the report when clean."""
     report = run_canary([kernel], regions=regions, payloads=payloads, planes=planes, backend=backend, case=case,
-                        kv_dtype=kv_dtype, dims=dims)
+                        kv_dtype=kv_dtype, dims=dims, attend=attend, timeout=timeout, **geometry)
     name = report.kernels[0]
-    lines = [r.describe() for r in report.leaks()]
-    if not allow_skipped:
-        lines += [f"{name} could not run: {s['reason']}" for s in report.skipped if s.get("kernel") == name]
+    failures = report.failures(allow_skipped=allow_skipped)
+    lines = [f"{name} {f['message']}" for f in failures] + [r.describe() for r in report.leaks()]
+    lines += [f"{name} could not run: {s['reason']}" for s in report.skipped
+              if s.get("kernel") == name and not allow_skipped]
     if lines:
-        raise AssertionError(f"{name}: {len(report.leaks())} leak(s) of unattended bytes into the output\n  "
-                             + "\n  ".join(lines))
+        raise AssertionError(f"{name}: {len(report.leaks())} leak(s) of unattended bytes into the output, "
+                             f"{len(failures)} failure(s)\n  " + "\n  ".join(lines))
     return report
 
 

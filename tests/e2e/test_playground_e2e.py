@@ -23,8 +23,9 @@ runs all cells from the Run menu, and then works the controls by hand:
   8. stale-tail is reachable from the controls: a geometry marked "partial
      tail", then site stale-tail, draws NaN on the grouped route;
   9. Export writes PNG, SVG and PDF into $QSA_LAB_FIGURES (the PNG carrying
-     the case, backend, dims and poison seed in its metadata) and names the
-     files in the message line;
+     the case, backend, dims, git commit and csrc hash in its metadata, and no
+     poison seed for a site that ignores it) and names the files in the message
+     line;
  10. attended-k: the plane control shows k (the plane applied) and is
      disabled, the route table shows the grouped route finite where the
      reference is NaN (no None anywhere), screenshot playground-attended-k.png;
@@ -460,9 +461,7 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         output_area(root).screenshot(path=str(results_dir / "playground-stale-tail.png"))
         seed_input = labelled(root, "widget-text", SEED_LABEL).locator("input")
         seed_input.fill("7")
-        seed_input.press("Enter")   # the poison seed the export must record
-        # the seed does not change a stale-tail poison, but the export records it: the click
-        # below runs after this redraw (the kernel handles widget messages in order)
+        seed_input.press("Enter")   # a poison seed stale-tail ignores: the export must not record it
         assert_no_widget_error(page)
         mark("stale-tail")
 
@@ -487,7 +486,9 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
 
         meta = read_png_meta(files[".png"])
         assert meta.get("backend") in ("emulate", "cuda") and "stale-tail" in meta.get("case", ""), meta
-        assert meta.get("dims") == NEW_DIMS and meta.get("poison_seed") == "7", meta
+        # stale-tail's bytes do not depend on the poison seed: neither the metadata nor the name claims one
+        assert meta.get("dims") == NEW_DIMS and meta.get("poison_seed") == "" and "_ps" not in files[".png"].name, meta
+        assert meta.get("git_commit") and meta.get("csrc_sha256"), meta
         assert meta.get("site") == "stale-tail" and TAIL_PRESET.search(meta.get("preset", "")), meta
         assert all(str(figures.resolve()) in shown for _ in (0,)), f"no absolute path in {shown!r}"
         assert_no_widget_error(page)

@@ -66,6 +66,12 @@ def test_routes_match_emulation(kv_dtype, site):
             assert_close_to(out, emu.outputs[route], ATOL, RTOL, f"{route} {kv_dtype} {site}")
     if site in ATTENDED_SITES:
         return  # poison in attended tokens: no route is clean (test_attended_poison_* below)
+    if site == "query":  # NaN q: XQA NaN everywhere, the grouped rows exactly 0 on the GPU as emulated
+        grouped_rows = cuda.plan.group_rows.flatten()
+        assert bool(torch.isnan(cuda.outputs["xqa"]).all())
+        for route in ("grouped", "grouped+kernel_fix", "grouped+masked_load"):
+            assert not torch.isnan(cuda.outputs[route][grouped_rows]).any(), route
+        return
     # fixes A and C are clean and right everywhere; fix B wherever the poison is null-block padding
     fixed = ["grouped+kernel_fix", "grouped+masked_load", "grouped+both_fixes", "xqa"]
     if site in NULL_BLOCK_SITES:

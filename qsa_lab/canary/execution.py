@@ -1,0 +1,277 @@
+"""How the canary calls a kernel so that no kernel can fool or stall the run.
+
+Each call gets fresh copies of every input; after the call each input is compared bit for
+bit with what was given (a kernel that edits its pool, block table, seq_lens, q or
+selections is caught). The output must be a floating-point tensor of the call's output
+shape on the call's device. Anything raised, SystemExit and KeyboardInterrupt included, is
+an outcome, never a crash.
+
+    InProcess   Python callables: each call runs in a thread joined with the timeout; a call
+                that has not returned by then is reported as timed out (the thread is
+                abandoned, its result ignored) and the kernel is not called again. Built-in
+                kernels (qsa:, torch:, registered adapters) run in the main thread, unbounded
+                (torch.compile and JIT builds expect it)
+    Worker      user kernels named `module:function` / `file.py:function`: one subprocess
+                per kernel (python -m qsa_lab.canary.worker), reused for all of its calls;
+                its stdout goes to stderr, so nothing a kernel prints reaches `--json -`;
+                a call past the timeout kills the worker
+
+A real Ctrl-C reaches the main thread (InProcess) or the parent (a Worker ignores SIGINT)
+and stops the run.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .kernels import KernelSkipped, PagedCall
+
+INPUTS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
+DEFAULT_TIMEOUT = 600.0
+LOAD_TIMEOUT_MIN = 120.0     # importing a module (torch, the kernel's own deps) on a loaded machine
+
+
+@dataclass
+class Outcome:
+    """One call. kind: ok | error | skipped | timeout | exited."""
+    kind: str
+    output: torch.Tensor | None = None
+    modified: list = field(default_factory=list)
+    error: str = ""
+    traceback: str = ""
+
+    @property
+    def dead(self) -> bool:
+        """The kernel cannot be called again (it hung or ended its process)."""
+        return self.kind in ("timeout", "exited")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as an integer tensor of the same element size."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(ints[t.element_size()]) if t.element_size() in ints else t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a.cpu()), bits(b.cpu()))
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ").rstrip() if not isinstance(e, SystemExit) \
+        else f"SystemExit: {e.code!r}"
+
+
+def call_kernel(fn, inputs: dict, meta: dict, device, memo: dict, interruptible: bool = False) -> Outcome:
+    """Run fn once on fresh copies of `inputs` (CPU tensors) on `device`; check its output and
+    that no input changed. Never raises, except KeyboardInterrupt when `interruptible` (the
+    main thread: that is a real Ctrl-C)."""
+    given = {k: inputs[k].to(device, copy=True) for k in INPUTS}
+    call = PagedCall(**given, **meta, memo=memo)
+    want = (call.rows, call.q_heads, call.out_dim)
+    try:
+        out = fn(call)
+    except KernelSkipped as e:
+        return Outcome("skipped", error=str(e))
+    except KeyboardInterrupt:
+        if interruptible:
+            raise
+        return Outcome("error", error="raised KeyboardInterrupt", traceback=traceback.format_exc())
+    except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from a kernel are its outcome
+        return Outcome("error", error=f"raised {first_line(e)}", traceback=traceback.format_exc())
+    modified = [k for k in INPUTS if not same_bits(given[k], inputs[k])]
+    if not isinstance(out, torch.Tensor):
+        return Outcome("error", modified=modified,
+                       error=f"returned {type(out).__name__}, expected a tensor [rows, q_heads, head_dim]")
+    if tuple(out.shape) != want:
+        return Outcome("error", modified=modified, error=f"returned shape {list(out.shape)}, expected "
+                       f"[rows, q_heads, head_dim] = {list(want)}")
+    if not out.is_floating_point():
+        return Outcome("error", modified=modified, error=f"returned dtype {out.dtype}, expected a float dtype")
+    if out.device != torch.device(device) and not (out.device.type == torch.device(device).type == "cuda"):
+        return Outcome("error", modified=modified, error=f"returned a tensor on {out.device}, expected {device}")
+    return Outcome("ok", output=out.detach().to("cpu", copy=True), modified=modified)
+
+
+class InProcess:
+    """A callable run in this process: in a thread joined with the timeout (`thread`), or in
+    the main thread (built-in kernels)."""
+
+    def __init__(self, fn, timeout: float, thread: bool = True):
+        self.fn, self.timeout, self.memo, self.dead, self.thread = fn, timeout, {}, None, thread
+        self.paged_inputs = getattr(fn, "paged_inputs", None)
+
+    def load(self) -> None:
+        pass
+
+    def call(self, inputs: dict, meta: dict, device) -> Outcome:
+        if not self.thread:
+            return call_kernel(self.fn, inputs, meta, device, self.memo, interruptible=True)
+        box = {}
+
+        def target():
+            box["outcome"] = call_kernel(self.fn, inputs, meta, device, self.memo)
+
+        t = threading.Thread(target=target, name="qsa-lab-canary-call", daemon=True)
+        t.start()
+        t.join(self.timeout)
+        if t.is_alive():
+            self.dead = f"timed out after {self.timeout:g} s"
+            return Outcome("timeout", error=f"timed out after {self.timeout:g} s (the call still runs in a "
+                                            "background thread; its result is ignored)")
+        return box.get("outcome") or Outcome("error", error="the call ended without an outcome")
+
+    def close(self) -> None:
+        pass
+
+
+# -- a worker process per user kernel -----------------------------------------------------------
+
+def send(stream, obj) -> None:
+    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(blob)) + blob)
+    stream.flush()
+
+
+def recv(stream):
+    """From a blocking binary stream (the worker side); None at EOF."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(stream.read(n))
+
+
+class Worker:
+    """`module:function` or `file.py:function` in its own process (see the module docstring)."""
+
+    def __init__(self, spec: str, timeout: float):
+        self.spec, self.timeout, self.proc, self.dead = spec, timeout, None, None
+        self.paged_inputs = None
+
+    def _start(self) -> None:
+        import qsa_lab
+
+        env = dict(os.environ)
+        root = str(Path(qsa_lab.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "qsa_lab.canary.worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+
+    def _read(self, deadline: float) -> tuple:
+        """-> ("msg", obj) | ("timeout", None) | ("eof", returncode)."""
+        fd = self.proc.stdout.fileno()
+        buf, need = b"", None
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return "timeout", None
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    return "eof", self.proc.wait()
+                buf += chunk
+                if need is None and len(buf) >= 8:
+                    (n,) = struct.unpack("<Q", buf[:8])
+                    need = 8 + n
+                if need is not None and len(buf) >= need:
+                    return "msg", pickle.loads(buf[8:need])
+
+    def _request(self, msg, timeout: float):
+        try:
+            send(self.proc.stdin, msg)
+        except (BrokenPipeError, OSError):
+            return "eof", self.proc.wait()
+        return self._read(time.monotonic() + timeout)
+
+    def load(self) -> None:
+        """Import the kernel in the worker; ValueError naming `kernels` when it cannot be loaded."""
+        self._start()
+        kind, reply = self._request(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)]),
+                                    max(self.timeout, LOAD_TIMEOUT_MIN))
+        if kind == "msg" and reply[0] == "ok":
+            self.paged_inputs = reply[1].get("paged_inputs")
+            return
+        self.close()
+        if kind == "timeout":
+            raise ValueError(f"kernels: {self.spec!r}: importing it did not finish within "
+                             f"{max(self.timeout, LOAD_TIMEOUT_MIN):g} s")
+        if kind == "eof":
+            raise ValueError(f"kernels: {self.spec!r}: importing it ended the process (exit code {reply})")
+        raise ValueError(reply[1])
+
+    def call(self, inputs: dict, meta: dict, device) -> Outcome:
+        if self.proc is None or self.proc.poll() is not None:
+            return Outcome("exited", error="the kernel's worker process is gone")
+        kind, reply = self._request(("call", inputs, meta, str(device)), self.timeout)
+        if kind == "msg":
+            return reply
+        if kind == "timeout":
+            self.dead = f"timed out after {self.timeout:g} s"
+            self.close()
+            return Outcome("timeout", error=f"timed out after {self.timeout:g} s (its worker process was killed)")
+        self.dead = f"ended its process (exit code {reply})"
+        return Outcome("exited", error=f"ended its process (exit code {reply}) instead of returning")
+
+    def close(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None:
+            return
+        if p.poll() is None:
+            try:
+                p.stdin.close()          # a worker waiting for a request exits at EOF
+                p.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                p.kill()
+                p.wait()
+        for s in (p.stdin, p.stdout):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def load_kernel(spec: str):
+    """'package.module:function' or 'path/to/file.py:function' -> the callable (the file's
+    folder goes first on sys.path, so it can import its neighbours). ValueError naming `kernels`."""
+    import importlib
+    import importlib.util
+
+    mod_name, _, fn_name = spec.rpartition(":")
+    if not mod_name or not fn_name:
+        raise ValueError(f"kernels: {spec!r} is not a known kernel nor module:function")
+    try:
+        if mod_name.endswith(".py"):
+            path = Path(mod_name).resolve()
+            if not path.is_file():
+                raise ValueError(f"kernels: {spec!r}: no file {mod_name}")
+            folder = str(path.parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            mspec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mspec)
+            sys.modules.setdefault(path.stem, module)
+            mspec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except ValueError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a module that fails (or exits) on import is bad input
+        raise ValueError(f"kernels: {spec!r}: cannot import {mod_name!r} ({first_line(e)})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"kernels: {spec!r}: {mod_name} has no callable {fn_name!r}")
+    return fn

@@ -1,0 +1,236 @@
+"""The canary in a kernel library's CI: one pytest test per region x plane x payload.
+
+    # conftest.py
+    pytest_plugins = ["qsa_lab.canary.pytest_plugin"]
+
+    # test_leaks.py
+    import pytest
+    from my_lib import paged_decode
+
+    def my_kernel(call):                    # a qsa_lab.canary.PagedCall -> [rows, q_heads, head_dim]
+        return paged_decode(call.q, call.kv_cache, call.block_table, call.seq_lens, call.sm_scale)
+
+    @pytest.mark.qsa_canary(my_kernel, attend="window:8", kv_heads=2, q_heads=8, head_dim=128)
+    def test_no_leak(qsa_canary_cell):
+        qsa_canary_cell.check()
+
+`pytest` then runs test_no_leak[out-of-window-v-nan], test_no_leak[stale-tail-k-inf], ... one
+per region of the spec x plane x payload. The canary runs once per marker (the first cell
+runs it; the others read its results). A leak fails its test with a message naming the
+kernel, region, plane, payload, the verdict and the NaN / Inf / changed counts; a cell the
+call's inputs never reach, or a kernel that cannot run here (KernelSkipped), is skipped with
+the reason; a kernel error fails every cell. `pytest --qsa-canary-report DIR` also writes a
+leak report (qsa_lab.canary.report) per leaking marker, and the failure message gives the
+replay command of its smallest leaking call.
+
+Marker arguments: the kernel (a callable or a built-in name such as "flashinfer:decode"), then
+the keywords of qsa_lab.canary.run_canary / canary_case: attend, kv_dtype, kv_heads, q_heads,
+head_dim, page_size, rows, requests, context, query_len, seed, regions, payloads, planes,
+backend, case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+CASE_KEYS = ("kv_heads", "q_heads", "head_dim", "page_size", "rows", "requests", "context", "query_len", "seed",
+             "topk", "free_pages", "mla", "v_head_dim")
+RUN_KEYS = ("attend", "kv_dtype", "regions", "payloads", "planes", "backend", "case", "dims")
+_runs: dict = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--qsa-canary-report", metavar="DIR", default=None,
+                     help="qsa_lab canary: write a leak report (with replayable calls) per leaking kernel under DIR")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "qsa_canary(kernel, **options): run the qsa_lab canary on kernel; "
+                                       "one test per region x plane x payload (needs the qsa_canary_cell fixture)")
+
+
+@dataclass(frozen=True)
+class Config:
+    kernel: object
+    options: tuple                       # sorted (key, value) pairs, values made hashable
+
+    @classmethod
+    def from_marker(cls, marker) -> "Config":
+        if len(marker.args) != 1:
+            raise pytest.UsageError("qsa_canary marker: give exactly one kernel (a callable or a kernel name)")
+        bad = [k for k in marker.kwargs if k not in CASE_KEYS + RUN_KEYS]
+        if bad:
+            raise pytest.UsageError(f"qsa_canary marker: unknown option(s) {bad}; "
+                                    f"choose from {CASE_KEYS + RUN_KEYS}")
+        return cls(marker.args[0], tuple(sorted((k, _hashable(v)) for k, v in marker.kwargs.items())))
+
+    @property
+    def kwargs(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.options}
+
+    @property
+    def name(self) -> str:
+        from .kernels import kernel_name
+
+        return kernel_name(self.kernel)
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(v)
+    try:
+        hash(v)
+    except TypeError:
+        return _Id(v)
+    return v
+
+
+class _Id:
+    """A case (or mask) in a marker: hashed by identity."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Id) and other.obj is self.obj
+
+
+def _unwrap(kwargs: dict) -> dict:
+    return {k: v.obj if isinstance(v, _Id) else v for k, v in kwargs.items()}
+
+
+def build_case(cfg: Config):
+    """The canary case a marker asks for (its `case`, or canary_case(...) of its options)."""
+    from .case import canary_case
+
+    kw = _unwrap(cfg.kwargs)
+    if kw.get("case") is not None:
+        return kw["case"]
+    return canary_case(kw.get("kv_dtype", "fp16"), attend=kw.get("attend", "dense"),
+                       **{k: kw[k] for k in CASE_KEYS if k in kw})
+
+
+def cells(cfg: Config) -> list:
+    """(region, plane, payload) of every test the marker makes."""
+    from ..poison import PAYLOADS
+    from ..regions import regions_of
+    from .runner import DEFAULT_PAYLOADS, _available_payloads
+
+    kw = _unwrap(cfg.kwargs)
+    case = build_case(cfg)
+    regions = kw.get("regions") or regions_of(case.spec)
+    planes = kw.get("planes") or ("k", "v")
+    payloads = [p for p in (kw.get("payloads") or DEFAULT_PAYLOADS) if p in PAYLOADS
+                and p in _available_payloads(case.kv_dtype)]
+    return [(r, pl, p) for r in ([regions] if isinstance(regions, str) else regions)
+            for pl in ([planes] if isinstance(planes, str) else planes) for p in payloads]
+
+
+def run(cfg: Config, report_dir=None):
+    """The marker's canary report, run once per session."""
+    if cfg not in _runs:
+        from .runner import run_canary
+
+        kw = _unwrap(cfg.kwargs)
+        case = build_case(cfg)
+        report = run_canary([cfg.kernel], case=case, regions=kw.get("regions"), payloads=kw.get("payloads"),
+                            planes=kw.get("planes") or ("k", "v"), backend=kw.get("backend", "auto"),
+                            dims=kw.get("dims"))
+        replays = {}
+        if report_dir and report.leaks():
+            from pathlib import Path
+
+            from .report import _slug, write_report
+
+            folder = Path(report_dir) / _slug(cfg.name)
+            write_report(report, folder, force=True, fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel)
+                         else None)
+            for f in sorted((folder / "calls").glob("*.safetensors")):
+                replays[f.name] = f"python -m qsa_lab.canary.replay {f}"
+        _runs[cfg] = (report, replays)
+    return _runs[cfg]
+
+
+class Cell:
+    """One region x plane x payload of a marker's canary run; check() asserts it is clean."""
+
+    def __init__(self, cfg: Config, region: str, plane: str, payload: str, report_dir=None):
+        self.cfg, self.region, self.plane, self.payload, self.report_dir = cfg, region, plane, payload, report_dir
+
+    def __repr__(self):
+        return f"{self.cfg.name} {self.region}/{self.plane}/{self.payload}"
+
+    def result(self):
+        report, _ = run(self.cfg, self.report_dir)
+        for r in report.results:
+            if (r.region, r.plane, r.payload) == (self.region, self.plane, self.payload):
+                return r
+        return None
+
+    def check(self) -> None:
+        report, replays = run(self.cfg, self.report_dir)
+        name = report.kernels[0]
+        r = self.result()
+        if r is None:
+            why = _reason(report, self.region, self.plane, self.payload)
+            if why is None:
+                pytest.fail(f"{name} {self.region}/{self.plane}/{self.payload}: no result and no reason", pytrace=False)
+            kind, text = why
+            if kind == "skip":
+                pytest.skip(f"{name} {self.region}/{self.plane}/{self.payload}: {text}")
+            pytest.fail(f"{name} {self.region}/{self.plane}/{self.payload}: {text}", pytrace=False)
+        if r.verdict == "clean":
+            return
+        leaks = {"nan-leak", "inf-leak", "finite-leak"}
+        if r.verdict not in leaks:  # n/a and the verdicts of a kernel that cannot be judged
+            text = f"{name} {self.region}/{self.plane}/{self.payload}: {r.verdict}"
+            if r.verdict == "n/a":
+                pytest.skip(text + " (the call's inputs reference no byte of this region)")
+            pytest.fail(text + _note(r), pytrace=False)
+        what = {"nan-leak": f"{r.nan} output(s) NaN", "inf-leak": f"{r.inf} output(s) +-Inf",
+                "finite-leak": f"{r.finite_changed} finite output(s) changed"}[r.verdict]
+        w = r.where()
+        msg = (f"{name} leaks {r.payload} from region {self.region} on the {self.plane.upper()} plane: {r.verdict}, "
+               f"{what} ({r.nan} NaN, {r.inf} Inf, {r.finite_changed} finite changed; rows {w['rows'][:12]}, "
+               f"heads {w['heads']}) [{report.case.describe()}]")
+        from .report import _slug
+
+        slug = _slug(f"{name}__{self.region}__{self.plane}__{self.payload}")
+        if slug + ".safetensors" in replays:
+            msg += f"\n  replay: {replays[slug + '.safetensors']}"
+        pytest.fail(msg, pytrace=False)
+
+
+def _note(r) -> str:
+    for k in ("note", "error", "reason"):
+        v = getattr(r, k, None)
+        if v:
+            return f": {str(v).strip().splitlines()[-1]}"
+    return ""
+
+
+def _reason(report, region, plane, payload):
+    """Why a cell has no result: ("skip", text) or ("fail", text); None if nothing says."""
+    for s in report.skipped:
+        if all(s.get(k) in (None, v) for k, v in (("region", region), ("plane", plane), ("payload", payload))):
+            reason = s.get("reason", "")
+            error = s.get("verdict") == "error" or str(reason).startswith("raised ")
+            return ("fail" if error else "skip", reason)
+    return None
+
+
+def pytest_generate_tests(metafunc):
+    if "qsa_canary_cell" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("qsa_canary")
+    if marker is None:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: the qsa_canary_cell fixture needs a "
+                                "@pytest.mark.qsa_canary(kernel, ...) marker")
+    cfg = Config.from_marker(marker)
+    report_dir = metafunc.config.getoption("--qsa-canary-report", None)
+    params = [Cell(cfg, *c, report_dir=report_dir) for c in cells(cfg)]
+    metafunc.parametrize("qsa_canary_cell", params, ids=[f"{c.region}-{c.plane}-{c.payload}" for c in params])

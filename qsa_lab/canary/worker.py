@@ -1,0 +1,58 @@
+"""One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary).
+
+Requests and replies are length-prefixed pickles on the worker's original stdin / stdout;
+the kernel itself sees stdout redirected to stderr and stdin to /dev/null, ignores Ctrl-C
+(the parent stops the run) and dies with its parent where the OS allows.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: SIGKILL this worker when the canary's process goes away
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> int:
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(2, 1)               # whatever the kernel prints goes to stderr
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+
+    from .execution import Outcome, call_kernel, load_kernel, recv, send
+
+    fn, memo = None, {}
+    while True:
+        msg = recv(proto_in)
+        if msg is None:
+            return 0
+        if msg[0] == "load":
+            _, spec, cwd, path = msg
+            os.chdir(cwd)
+            sys.path[:0] = [p for p in path if p not in sys.path]
+            try:
+                fn = load_kernel(spec)
+                reply = ("ok", {"paged_inputs": getattr(fn, "paged_inputs", None)})
+            except ValueError as e:
+                reply = ("error", str(e))
+            send(proto_out, reply)
+        elif msg[0] == "call":
+            _, inputs, meta, device = msg
+            out = call_kernel(fn, inputs, meta, device, memo) if fn is not None else \
+                Outcome("error", error="no kernel loaded")
+            sys.stdout.flush()
+            send(proto_out, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
