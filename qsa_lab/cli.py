@@ -528,7 +528,7 @@ def build_parser():
 
     sub.add_parser("doctor", parents=[common], help="what this machine can do").set_defaults(func=cmd_doctor)
     n = sub.add_parser("notebooks", parents=[common], help="copy the project's notebooks into a folder")
-    n.add_argument("dir", metavar="DIR", help="folder to copy them into (created if needed)")
+    n.add_argument("dir", metavar="DIR", help="folder to copy them into, created if needed (required: no default)")
     n.add_argument("--force", action="store_true", help="replace notebooks already there (default: refuse)")
     n.set_defaults(func=cmd_notebooks)
     lab = sub.add_parser("lab", parents=[common], help="JupyterLab on a copy of the notebooks")
