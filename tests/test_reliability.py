@@ -403,9 +403,12 @@ def test_exports_are_byte_identical(tmp_path):
     b = export_figure(fig(), "f", {"case": "tiny"}, out_dir=tmp_path / "b")
     for pa, pb in zip(a, b):
         assert pa.read_bytes() == pb.read_bytes(), pa.suffix
-    again = export_figure(fig(), "f", {"case": "tiny"}, out_dir=tmp_path / "a")   # never overwrites
-    assert [p.name for p in again] == ["f-1.png", "f-1.svg", "f-1.pdf"]
+    again = export_figure(fig(), "f", {"case": "tiny"}, out_dir=tmp_path / "a")   # the same bytes: reused
+    assert [p.name for p in again] == ["f.png", "f.svg", "f.pdf"]
     assert all(pa.read_bytes() == pb.read_bytes() for pa, pb in zip(a, again))
+    other = export_figure(fig(), "f", {"case": "other"}, out_dir=tmp_path / "a")  # different: never overwrites
+    assert [p.name for p in other] == ["f-1.png", "f-1.svg", "f-1.pdf"]
+    assert all(p.read_bytes() == q.read_bytes() for p, q in zip(a, b))              # the first export kept
     (tmp_path / "a" / "g.svg").symlink_to(tmp_path / "b" / "f.svg")          # a link counts as taken
     assert export_figure(fig(), "g", out_dir=tmp_path / "a")[1].name == "g-1.svg"
     with pytest.raises(ValueError, match="out_dir: .* not a folder"):

@@ -100,12 +100,12 @@ def add_parser(sub, parents=()):
     g.add_argument("--seed", type=_int, help="seed of q, K/V and the selections (default 0)")
     g.add_argument("--layout", choices=LAYOUTS, help="physical page order (default contiguous)")
     g.add_argument("--selection", choices=SELECTIONS, help="how rows select blocks (default indexer)")
-    g.add_argument("--overlap", type=_overlap, metavar="F", help="neighbour overlap of indexer selections")
+    g.add_argument("--overlap", type=_overlap, metavar="F", help="neighbour overlap of indexer selections (sparse spec; default 0.8)")
     g.add_argument("--free-pages", type=_int, metavar="N", help="spare pages no block table references (default 2)")
     g.add_argument("--case", metavar="FILE",
                    help="the call from a file instead: a `qsa-lab diff --save` file or your engine's own dump "
                         "(safetensors or .pt; README 'Canary any attention kernel' gives the format); takes no "
-                        "geometry option but --attend")
+                        "geometry option but --attend (default: none: the case is built from the geometry options)")
     o = c.add_argument_group("output")
     o.add_argument("--json", metavar="PATH|-", help="write the qsa_lab.canary/1 document (- for stdout; default: none)")
     o.add_argument("--report", metavar="DIR", help="write a leak report there: report.md / .html, the leak matrix, "

@@ -224,8 +224,9 @@ def qsa_kernel(route: str, backend: str) -> Callable:
             validate_case(case)
             return plan_groups(case.to("cuda" if backend == "cuda" else "cpu"))
         plan = call.cached("qsa.plan", planned)
-        return run_routes_planned(case, [route], backend, plan, reference=route == "reference",
-                                  memo=call.cached("qsa.tokens", dict)).outputs[route]
+        out = run_routes_planned(case, [route], backend, plan, reference=route == "reference",
+                                 memo=call.cached("qsa.tokens", dict)).outputs[route]
+        return out.to(call.device)   # routes return CPU tensors; a kernel answers on its call's device
     if route.startswith("grouped"):
         run.paged_inputs = "padded_plan"   # its plan pads every category with the null block
     return run
