@@ -134,15 +134,27 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
 
 
 def _render(fig, meta_of: dict, dpi: int) -> dict:
-    """format -> the file's bytes."""
+    """format -> the file's bytes.
+
+    The layout (constrained or tight) is solved once, for the PNG; the SVG and PDF draw the
+    figure at those positions. Solving it again per format cost more than half the time (each
+    solve draws the whole figure once more, and for a vector format first starts a file), and
+    gave each format slightly different margins (text extents rounded at each format's dpi)."""
     import matplotlib
 
     out = {}
-    with matplotlib.rc_context({"svg.hashsalt": SVG_HASHSALT}):
-        for f in FORMATS:
-            buf = io.BytesIO()
-            fig.savefig(buf, format=f, dpi=dpi if f == "png" else "figure", metadata=meta_of[f])
-            out[f] = buf.getvalue()
+    engine = fig.get_layout_engine()
+    # set_layout_engine(None) removes the engine only while rcParams ask for none by default
+    with matplotlib.rc_context({"svg.hashsalt": SVG_HASHSALT, "figure.autolayout": False,
+                                "figure.constrained_layout.use": False}):
+        try:
+            for f in FORMATS:
+                buf = io.BytesIO()
+                fig.savefig(buf, format=f, dpi=dpi if f == "png" else "figure", metadata=meta_of[f])
+                out[f] = buf.getvalue()
+                fig.set_layout_engine(None)   # laid out: the next formats keep these positions
+        finally:
+            fig.set_layout_engine(engine)     # the figure stays the caller's, laid out as before
     return out
 
 

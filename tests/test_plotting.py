@@ -146,6 +146,19 @@ def test_export_metadata_and_no_silent_overwrite(tmp_path):
         export_figure(fig, "../evil", meta, out_dir=tmp_path)
 
 
+def test_export_lays_out_once_and_gives_the_figure_back(tmp_path):
+    fig = Figure(figsize=(4, 3), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot([0, 1])
+    ax.set_ylabel("a long label that moves the axes")
+    engine = fig.get_layout_engine()
+    export_figure(fig, "laid", out_dir=tmp_path)
+    assert fig.get_layout_engine() is engine     # the caller's figure keeps its layout engine
+    fresh = Figure(figsize=(4, 3))
+    fresh.add_subplot().plot([0, 1])
+    assert ax.get_position().bounds != fresh.axes[0].get_position().bounds   # and was laid out
+
+
 def test_write_repro_figures(tmp_path):
     from qsa_lab.figures import write_repro_figures
     from qsa_lab.repro import REPRO_CASES, run_repro
