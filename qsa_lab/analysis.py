@@ -155,30 +155,33 @@ def attribute(result: RunResult, route: str = "grouped"):
     predict_nan covers those rows too."""
     import pandas as pd
 
+    cols = ["group", "m_tile", "dim", "microblock", "page", "token", "byte", "padding"]
     out = route_output(result, route)
     case, plan = result.case.to("cpu"), result.plan
     if not plan.groups:
-        return pd.DataFrame(columns=["group", "m_tile", "dim", "microblock", "page", "token", "byte", "padding"])
+        return pd.DataFrame(columns=cols)
     tok, active, bad, dead = _tile_fields(case, plan)
     hq = case.geometry.q_heads
     ps = case.geometry.page_size
     source = bad & dead.unsqueeze(-1)                                     # [G, nt, 32, D]
     raw = case.kv_cache[:, 1, :, 0, :]
     raw_bytes = raw.view(torch.uint8).view(raw.shape[0], ps, case.geometry.head_dim, -1)[..., 0]
-    records = []
-    for g, t, j, d in torch.nonzero(source).tolist():
-        e = t * TILE_ENTRIES + j // 4
-        for m in range(plan.m_tiles):
-            if not (int(active[g, t]) >> m) & 1:
-                continue
-            rows = out[plan.group_rows[g]].reshape(GROUP * hq, -1)[m * 16:(m + 1) * 16]
-            if not bool(torch.isnan(rows[:, d]).any()):
-                continue  # a fixed route read it and zeroed it: no NaN to attribute
-            tk = int(tok[g, t, j])
-            records.append({"group": g, "m_tile": m, "dim": d, "microblock": int(plan.microblocks[g, e]),
-                            "page": tk // ps, "token": tk % ps, "byte": int(raw_bytes[tk // ps, tk % ps, d]),
-                            "padding": int(plan.masks[g, e]) == 0})
-    df = pd.DataFrame(records, columns=["group", "m_tile", "dim", "microblock", "page", "token", "byte", "padding"])
+    # NaN per (group, M-tile, dim) of the route: a fixed route read the byte and zeroed it where none
+    score = torch.isnan(out[plan.group_rows].reshape(plan.groups, GROUP * hq, -1))   # row = query*hq + head
+    tile_nan = torch.stack([score[:, m * 16:(m + 1) * 16].any(1) for m in range(plan.m_tiles)], 1)  # [G, M, D]
+    g, t, j, d = torch.nonzero(source).unbind(1)
+    m_bits = torch.arange(plan.m_tiles)
+    hit = ((active[g, t].long().unsqueeze(1) >> m_bits) & 1).bool() & tile_nan[g, :, d]  # [n, M]
+    i, m = torch.nonzero(hit).unbind(1)          # in (source entry, M-tile) order
+    if not i.numel():
+        return pd.DataFrame([], columns=cols)
+    g, t, j, d = g[i], t[i], j[i], d[i]
+    e = t * TILE_ENTRIES + j // 4
+    tk = tok[g, t, j].long()
+    df = pd.DataFrame({"group": g.numpy(), "m_tile": m.numpy(), "dim": d.numpy(),
+                       "microblock": plan.microblocks[g, e].long().numpy(), "page": (tk // ps).numpy(),
+                       "token": (tk % ps).numpy(), "byte": raw_bytes[tk // ps, tk % ps, d].long().numpy(),
+                       "padding": (plan.masks[g, e] == 0).numpy()}, columns=cols)
     return df.drop_duplicates().reset_index(drop=True)
 
 
