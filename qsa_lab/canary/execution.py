@@ -25,7 +25,6 @@ import os
 import pickle
 import selectors
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .kernels import KernelSkipped, PagedCall
+from .overlap import _end, _spawn, recv, send  # noqa: F401 - recv / send: the worker's protocol
 
 INPUTS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
 DEFAULT_TIMEOUT = 600.0
@@ -138,21 +138,6 @@ class InProcess:
 
 # -- a worker process per user kernel -----------------------------------------------------------
 
-def send(stream, obj) -> None:
-    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<Q", len(blob)) + blob)
-    stream.flush()
-
-
-def recv(stream):
-    """From a blocking binary stream (the worker side); None at EOF."""
-    head = stream.read(8)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    return pickle.loads(stream.read(n))
-
-
 class Worker:
     """`module:function` or `file.py:function` in its own process (see the module docstring)."""
 
@@ -161,14 +146,7 @@ class Worker:
         self.paged_inputs = None
 
     def _start(self) -> None:
-        import qsa_lab
-
-        env = dict(os.environ)
-        root = str(Path(qsa_lab.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "qsa_lab.canary.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = _spawn()
 
     def _read(self, deadline: float) -> tuple:
         """-> ("msg", obj) | ("timeout", None) | ("eof", returncode)."""
@@ -228,20 +206,7 @@ class Worker:
 
     def close(self) -> None:
         p, self.proc = self.proc, None
-        if p is None:
-            return
-        if p.poll() is None:
-            try:
-                p.stdin.close()          # a worker waiting for a request exits at EOF
-                p.wait(timeout=2)
-            except (OSError, subprocess.TimeoutExpired):
-                p.kill()
-                p.wait()
-        for s in (p.stdin, p.stdout):
-            try:
-                s.close()
-            except OSError:
-                pass
+        _end(p)
 
 
 def load_kernel(spec: str):
