@@ -112,6 +112,9 @@ class InProcess:
         self.fn, self.timeout, self.memo, self.dead, self.thread = fn, timeout, {}, None, thread
         self.paged_inputs = getattr(fn, "paged_inputs", None)
 
+    def begin(self) -> None:
+        pass
+
     def load(self) -> None:
         pass
 
@@ -168,18 +171,30 @@ class Worker:
                 if need is not None and len(buf) >= need:
                     return "msg", pickle.loads(buf[8:need])
 
-    def _request(self, msg, timeout: float):
+    def _send(self, msg):
+        """None, or ("eof", returncode) when the worker is gone."""
         try:
             send(self.proc.stdin, msg)
         except (BrokenPipeError, OSError):
             return "eof", self.proc.wait()
-        return self._read(time.monotonic() + timeout)
+        return None
+
+    def _request(self, msg, timeout: float):
+        return self._send(msg) or self._read(time.monotonic() + timeout)
+
+    def begin(self) -> None:
+        """Start the worker and ask it to import the kernel; load() waits for the answer (the
+        workers of one run import at once)."""
+        if self.proc is None:
+            self._start()
+            self._loading = (self._send(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
+                             time.monotonic() + max(self.timeout, LOAD_TIMEOUT_MIN))
 
     def load(self) -> None:
         """Import the kernel in the worker; ValueError naming `kernels` when it cannot be loaded."""
-        self._start()
-        kind, reply = self._request(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)]),
-                                    max(self.timeout, LOAD_TIMEOUT_MIN))
+        self.begin()
+        failed, deadline = self._loading
+        kind, reply = failed or self._read(deadline)
         if kind == "msg" and reply[0] == "ok":
             self.paged_inputs = reply[1].get("paged_inputs")
             return

@@ -375,6 +375,8 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
         for name, k in named:
             runners[name] = _runner(k, qsa_backend, qsa_reason, timeout)
         for r in runners.values():
+            r.begin()       # every worker process imports its kernel at once
+        for r in runners.values():
             r.load()
         overlap = take_overlap(named, device)
         threads = torch.get_num_threads()
