@@ -78,3 +78,23 @@ def test_one_run_takes_it():
         assert overlap.take_overlap([("qsa:xqa", "qsa:xqa"), ("torch:flex", "torch:flex")], "cpu") is None
     finally:
         overlap._SPARE = None
+
+
+@pytest.mark.parametrize("load,started", [(0.4, True), (1.5, False)])
+def test_the_cli_starts_it_only_with_a_core_to_spare(monkeypatch, capsys, load, started):
+    from qsa_lab.cli import main
+
+    monkeypatch.setattr(overlap.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(overlap.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    seen = []
+    start = overlap.start_overlap
+    monkeypatch.setattr(overlap, "start_overlap", lambda: seen.append(start()) or seen[-1])
+    argv = ["canary", "--kernels", "qsa:xqa,torch:flex-paged", "--regions", "null-block", "--planes", "v",
+            "--payloads", "nan", "--backend", "emulate", "--json", "-"]
+    assert main(argv) == 1
+    doc = capsys.readouterr().out
+    assert [s.answered for s in seen] == ([True] if started else []) and overlap._SPARE is None
+    assert '"verdict": "nan-leak"' in doc and '"kernel": "torch:flex-paged"' in doc
+    if started:
+        monkeypatch.setattr(overlap.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        assert main(argv) == 1 and capsys.readouterr().out == doc and len(seen) == 1

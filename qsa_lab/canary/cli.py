@@ -195,12 +195,12 @@ def matrix(report) -> str:
 
 
 def _overlaps(kernels: list) -> bool:
-    """Does the run hold a kernel of overlap.OVERLAP beside another one (the default: every kernel)?"""
-    from .overlap import OVERLAP
+    """Does the run hold a kernel of overlap.OVERLAP beside another one (the default: every kernel),
+    and a core to spare for it?"""
+    from .overlap import OVERLAP, idle_core
 
-    if not kernels:
-        return True
-    return any(k in OVERLAP for k in kernels) and any(k not in OVERLAP for k in kernels)
+    mixed = not kernels or (any(k in OVERLAP for k in kernels) and any(k not in OVERLAP for k in kernels))
+    return mixed and idle_core()
 
 
 def run(args) -> int:

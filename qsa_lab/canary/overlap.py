@@ -59,8 +59,8 @@ def _end(p: subprocess.Popen | None, wait: float = 2) -> None:
 # -- the slow built-in kernels beside the others ---------------------------------------------------
 
 #: built-in kernels whose first call on the CPU is slow (FlexAttention imports torch._dynamo and
-#: traces its operator, ~3 s of a default run): `qsa-lab canary` runs them in a second process,
-#: started before it imports torch, while this one runs the other kernels
+#: traces its operator, ~3 s of a default run): `qsa-lab canary` runs them in a second process
+#: when a core is idle, started before it imports torch, while this one runs the other kernels
 OVERLAP = ("torch:flex", "torch:flex-paged")
 _SPARE = None     # the started process no run has taken yet
 
@@ -105,6 +105,20 @@ class Overlap:
     def close(self) -> None:
         p, self.proc = self.proc, None
         _end(p, wait=0.5 if self.used else 0)     # an unused one is still importing: kill it
+
+
+def idle_core() -> bool:
+    """Is a core free for the second process (load average of the last minute at most cores - 1)?
+    On a busy machine it would only add its own import of torch to the work."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    return cores >= 2 and load <= cores - 1
 
 
 def start_overlap() -> Overlap | None:
