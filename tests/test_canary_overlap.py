@@ -80,11 +80,11 @@ def test_one_run_takes_it():
         overlap._SPARE = None
 
 
-@pytest.mark.parametrize("load,started", [(0.4, True), (1.5, False)])
-def test_the_cli_starts_it_only_with_a_core_to_spare(monkeypatch, capsys, load, started):
+@pytest.mark.parametrize("others,started", [(0, True), (1, False)])
+def test_the_cli_starts_it_only_with_a_core_to_spare(monkeypatch, capsys, others, started):
     from qsa_lab.cli import main
 
-    monkeypatch.setattr(overlap.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(overlap, "_others_running", lambda: others)      # besides the CLI itself, on 2 cores
     monkeypatch.setattr(overlap.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     seen = []
     start = overlap.start_overlap
@@ -96,5 +96,9 @@ def test_the_cli_starts_it_only_with_a_core_to_spare(monkeypatch, capsys, load, 
     assert [s.answered for s in seen] == ([True] if started else []) and overlap._SPARE is None
     assert '"verdict": "nan-leak"' in doc and '"kernel": "torch:flex-paged"' in doc
     if started:
-        monkeypatch.setattr(overlap.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        monkeypatch.setattr(overlap, "_others_running", lambda: 3)
         assert main(argv) == 1 and capsys.readouterr().out == doc and len(seen) == 1
+
+
+def test_others_running_reads_this_machine():
+    assert overlap._others_running() >= 0

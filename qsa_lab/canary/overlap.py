@@ -107,18 +107,28 @@ class Overlap:
         _end(p, wait=0.5 if self.used else 0)     # an unused one is still importing: kill it
 
 
+def _others_running() -> float:
+    """Processes running or waiting for a core now, this one not counted (Linux: /proc/loadavg;
+    elsewhere the load average of the last minute)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("inf")
+
+
 def idle_core() -> bool:
-    """Is a core free for the second process (load average of the last minute at most cores - 1)?
-    On a busy machine it would only add its own import of torch to the work."""
+    """Is a core free for the second process, beside this one and whatever else runs now? On a
+    busy machine it would only add its own import of torch to the work."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return False
-    return cores >= 2 and load <= cores - 1
+    return _others_running() <= cores - 2
 
 
 def start_overlap() -> Overlap | None:
