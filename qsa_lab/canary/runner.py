@@ -440,12 +440,12 @@ class _Pools:
 
 def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress,
                 overlap=None) -> list:
-    """Every kernel's cells, in the order of `runners`. `overlap` (execution.Overlap): some of
+    """Every kernel's cells, in the order of `runners`. `overlap` (overlap.Overlap): some of
     the built-in kernels already run in that process; their results join in their place."""
     from tqdm.auto import tqdm
 
     cells = [(r, pl) for r in regions for pl in planes]
-    remote = overlap.submit(case, slots, regions, planes, payloads, dims) if overlap else {}
+    remote = overlap.submit(case, slots, regions, planes, payloads, dims) if overlap else []
     inputs, meta = _Pools(case, slots, dims), _meta(case)
     done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)

@@ -1,5 +1,5 @@
 """One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary);
-with --overlap, the slow built-in kernels of one run (execution.Overlap).
+with --overlap, the slow built-in kernels of one run (overlap.Overlap).
 
 Requests and replies are length-prefixed pickles on the worker's original stdin / stdout;
 the kernel itself sees stdout redirected to stderr and stdin to /dev/null, ignores Ctrl-C
