@@ -391,16 +391,15 @@ _FINITE_BELOW = {"fp16": 0x7C00, "e4m3": 0x7F, "e5m2": 0x7C}
 def _largest_finite(raw: torch.Tensor, kv_dtype: str) -> float:
     """max |value| over the finite elements of fp8 codes or fp16 values (0.0 if none), from their
     bits: one pass over the raw elements, nothing decoded."""
-    if raw.dtype == torch.float16:
-        mag = raw.view(torch.int16) & 0x7FFF
-    elif raw.dtype == torch.uint8:
-        mag = raw & 0x7F
-    else:  # any other float: by value
+    if raw.dtype not in (torch.float16, torch.uint8):  # any other float: by value
         t = raw.float().abs()
         t = t[torch.isfinite(t)]
         return float(t.max()) if t.numel() else 0.0
     fmt = "fp16" if raw.dtype == torch.float16 else kv_dtype
-    top = int(torch.where(mag < _FINITE_BELOW[fmt], mag, 0).max()) if mag.numel() else 0
+    bits, sign = (raw.view(torch.int16), 0x8000) if fmt == "fp16" else (raw, 0x80)
+    # (bits + off) mod sign: a finite magnitude m becomes m + off, a non-finite one wraps below off
+    off = sign - _FINITE_BELOW[fmt]
+    top = max(int(((bits + off) & (sign - 1)).max()) - off, 0) if bits.numel() else 0
     if fmt == "fp16":
         return float(torch.tensor(top, dtype=torch.int16).view(torch.float16))
     return float(fp8.decode(torch.tensor([top], dtype=torch.uint8), fmt)[0])

@@ -16,7 +16,7 @@ def reference_forward(case: Case) -> torch.Tensor:
 
 def reference_from_tokens(case: Case, K, V, valid) -> torch.Tensor:
     """reference_forward on every row's tokens as gather_tokens gives them (shared with XQA)."""
-    K, V = K.double() * case.k_scale, V.double() * case.v_scale
-    s = torch.einsum("nhd,ntd->nht", case.q.double(), K) * case.sm_scale
+    K, V = K.double().mul_(case.k_scale), V.double().mul_(case.v_scale)  # in place: no second copy
+    s = torch.einsum("nhd,ntd->nht", case.q.double(), K).mul_(case.sm_scale)
     s = torch.where(valid.unsqueeze(1), s, -torch.inf)
     return torch.einsum("nht,ntd->nhd", torch.softmax(s, dim=-1), V)
