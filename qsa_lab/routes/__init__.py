@@ -232,25 +232,27 @@ def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, refere
     memo = {} if memo is None else memo
     shared = {}
 
-    def all_tokens():  # XQA's partition padding included; the reference reads the first T slots
+    def all_tokens():  # -> (T, (K, V, valid)): XQA's partition padding included; the reference reads T slots
         if "tokens" not in shared:
             if "xqa_tokens" not in memo:
                 memo["xqa_tokens"] = xqa_tokens(case)
             token_index, token_count = memo["xqa_tokens"]
             T = token_index.shape[1]
-            K, V, valid = emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format,
-                                                width=emulate.xqa_width(T, case.kv_format))
-            shared["tokens"] = (K, V, valid), (K[:, :T], V[:, :T], valid[:, :T])
+            shared["tokens"] = T, emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format,
+                                                        width=emulate.xqa_width(T, case.kv_format))
         return shared["tokens"]
 
-    ref = reference_from_tokens(case, *all_tokens()[1]) if reference or "reference" in routes else None
+    ref = None
+    if reference or "reference" in routes:
+        T, tokens = all_tokens()
+        ref = reference_from_tokens(case, *tokens, tokens=T)
     grouped = [r for r in routes if r in GROUPED]
     outputs = {}
     for route in routes if bar is None else bar:
         if route == "reference":
             outputs[route] = ref.to(torch.float16)
         elif route == "xqa":
-            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens()[0], case.k_scale, case.v_scale,
+            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens()[1], case.k_scale, case.v_scale,
                                                      kv_format=case.kv_format, sm_scale=case.sm_scale)
         elif route not in outputs:  # the first grouped route: all of them at once
             outputs.update(_emulated_grouped(case, grouped, plan, fixed_plan, memo, remainder))

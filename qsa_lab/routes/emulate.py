@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..case import token_values
+from ..case import slot_values, token_values
 from ..plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
 
 VARIANTS = ("unfixed", "kernel_fix", "masked_load")
@@ -185,10 +185,7 @@ def gather_tokens(kv_cache, token_index, token_count, kv_format, width: int | No
     width = T if width is None else width
     valid = torch.arange(width, device=token_index.device) < token_count.long().unsqueeze(1)
     index = token_index if width == T else torch.nn.functional.pad(token_index, (0, width - T))
-    tok = torch.where(valid, index, 0)
-    dead = ~valid.unsqueeze(-1)
-    K = token_values(kv_cache, tok, 0, kv_format).masked_fill_(dead, 0.0)
-    V = token_values(kv_cache, tok, 1, kv_format).masked_fill_(dead, 0.0)
+    K, V = (slot_values(kv_cache, index, valid, plane, kv_format) for plane in (0, 1))
     return K, V, valid
 
 
