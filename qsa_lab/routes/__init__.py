@@ -261,6 +261,10 @@ def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, refere
 
 def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict) -> torch.Tensor:
     """[len(plan.xqa_rows), Hq, D]: the rows outside every group, through XQA as every grouped route runs them."""
+    if "rest_tokens" not in memo and "xqa_tokens" in memo:  # every row's lists, cut to these rows' width
+        index, count = memo["xqa_tokens"]
+        count = count[plan.xqa_rows]
+        memo["rest_tokens"] = index[plan.xqa_rows, :max(int(count.max()) if count.numel() else 0, 1)].contiguous(), count
     if "rest_tokens" not in memo:
         memo["rest_tokens"] = xqa_tokens(case, plan.xqa_rows)
     token_index, token_count = memo["rest_tokens"]
