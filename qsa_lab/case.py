@@ -103,9 +103,9 @@ def token_values(kv_cache: torch.Tensor, tokens: torch.Tensor, plane: int, kv_dt
 
     Inside `decoded_once(kv_cache, ...)` the values are read from one decode of the whole cache
     (the same float32 values, each token decoded once instead of at every read)."""
-    planes = _DECODED.get(id(kv_cache))
-    if planes is not None and planes[0] is kv_cache and planes[1] == kv_dtype:
-        flat = planes[2][plane]
+    planes = _decoded(kv_cache, kv_dtype)
+    if planes is not None:
+        flat = planes[plane]
         return flat.index_select(0, tokens.reshape(-1)).view(*tokens.shape, flat.shape[-1])
     pages, _, ps, _, d = kv_cache.shape
     if tokens.numel() > pages * ps:  # more reads than the plane has tokens: decode the plane, then gather
@@ -114,9 +114,27 @@ def token_values(kv_cache: torch.Tensor, tokens: torch.Tensor, plane: int, kv_dt
     return kv_values(kv_cache[tokens // ps, plane, tokens % ps, 0, :], kv_dtype)
 
 
-#: id(kv_cache) -> (kv_cache, kv_dtype, [K, V] decoded [pages * page_size, head_dim] float32), while a
-#: decoded_once block on that cache runs
+def slot_values(kv_cache: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, plane: int,
+                kv_dtype: str) -> torch.Tensor:
+    """token_values where `valid` (bool, the shape of `tokens`), 0.0 elsewhere; a slot not valid is
+    never read from the cache (inside decoded_once it reads the decode's extra zero row)."""
+    planes = _decoded(kv_cache, kv_dtype)
+    if planes is not None:
+        flat = planes[plane]
+        tok = torch.where(valid, tokens, flat.shape[0] - 1)
+        return flat.index_select(0, tok.reshape(-1)).view(*tokens.shape, flat.shape[-1])
+    tok = torch.where(valid, tokens, 0)
+    return token_values(kv_cache, tok, plane, kv_dtype).masked_fill_(~valid.unsqueeze(-1), 0.0)
+
+
+#: id(kv_cache) -> (kv_cache, kv_dtype, [K, V] decoded [pages * page_size + 1, head_dim] float32, the last
+#: row zero), while a decoded_once block on that cache runs
 _DECODED: dict = {}
+
+
+def _decoded(kv_cache: torch.Tensor, kv_dtype: str):
+    planes = _DECODED.get(id(kv_cache))
+    return planes[2] if planes is not None and planes[0] is kv_cache and planes[1] == kv_dtype else None
 
 
 @contextlib.contextmanager
@@ -127,7 +145,8 @@ def decoded_once(kv_cache: torch.Tensor, kv_dtype: str):
         yield
         return
     pages, _, ps, _, d = kv_cache.shape
-    planes = [kv_values(kv_cache[:, p, :, 0, :].reshape(pages * ps, d), kv_dtype) for p in (0, 1)]
+    zero = kv_cache.new_zeros((1, d))  # code 0 and fp16 0 are +0.0: the row slot_values reads for unused slots
+    planes = [kv_values(torch.cat([kv_cache[:, p, :, 0, :].reshape(pages * ps, d), zero]), kv_dtype) for p in (0, 1)]
     _DECODED[id(kv_cache)] = (kv_cache, kv_dtype, planes)
     try:
         yield
@@ -391,16 +410,15 @@ _FINITE_BELOW = {"fp16": 0x7C00, "e4m3": 0x7F, "e5m2": 0x7C}
 def _largest_finite(raw: torch.Tensor, kv_dtype: str) -> float:
     """max |value| over the finite elements of fp8 codes or fp16 values (0.0 if none), from their
     bits: one pass over the raw elements, nothing decoded."""
-    if raw.dtype == torch.float16:
-        mag = raw.view(torch.int16) & 0x7FFF
-    elif raw.dtype == torch.uint8:
-        mag = raw & 0x7F
-    else:  # any other float: by value
+    if raw.dtype not in (torch.float16, torch.uint8):  # any other float: by value
         t = raw.float().abs()
         t = t[torch.isfinite(t)]
         return float(t.max()) if t.numel() else 0.0
     fmt = "fp16" if raw.dtype == torch.float16 else kv_dtype
-    top = int(torch.where(mag < _FINITE_BELOW[fmt], mag, 0).max()) if mag.numel() else 0
+    bits, sign = (raw.view(torch.int16), 0x8000) if fmt == "fp16" else (raw, 0x80)
+    # (bits + off) mod sign: a finite magnitude m becomes m + off, a non-finite one wraps below off
+    off = sign - _FINITE_BELOW[fmt]
+    top = max(int(((bits + off) & (sign - 1)).max()) - off, 0) if bits.numel() else 0
     if fmt == "fp16":
         return float(torch.tensor(top, dtype=torch.int16).view(torch.float16))
     return float(fp8.decode(torch.tensor([top], dtype=torch.uint8), fmt)[0])

@@ -57,7 +57,7 @@ def decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise TypeError(f"codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
     lut = _TABLES[fmt].to(codes.device)
-    return lut[codes.long()]
+    return lut.index_select(0, codes.int().reshape(-1)).view(codes.shape)  # int32 indices: half the bytes of int64
 
 
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:

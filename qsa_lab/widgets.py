@@ -16,6 +16,7 @@ read the changed bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import io
 import platform
@@ -26,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from .case import KV_DTYPES, Case, Geometry, build_case
+from .case import KV_DTYPES, Case, Geometry, build_case, decoded_once
 from .plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from .poison import ATTENDED_SITES, DIM_SITES, PLANES, QUERY_SITE, REPORT_DIMS, SITES, apply_poison
-from .routes import BACKENDS, GROUPED, ROUTES, RunResult, backend_module, grouped_output, resolve_backend, \
-    xqa_output
+from .routes import BACKENDS, GROUPED, ROUTES, RunResult, backend_module, emulated_remainder, emulated_routes, \
+    grouped_output, resolve_backend, xqa_output
 from .routes.reference import reference_forward
 
 CAUSAL3_SEED = 63   # = qsa_lab.repro.CAUSAL3_SEED (not imported: repro pulls in the whole harness)
@@ -166,6 +167,7 @@ class _Base:
     plan: GroupedPlan
     fixed_plan: GroupedPlan
     reads: dict = field(default_factory=dict)   # route -> [pages * page_size] bool
+    memo: dict = field(default_factory=dict)    # token lists (bytes do not change them): emulated_routes' memo
 
 
 def route_reads(case: Case, plan: GroupedPlan, fixed_plan: GroupedPlan) -> dict:
@@ -217,6 +219,26 @@ def compute_route(case: Case, base: _Base, route: str, backend: str) -> torch.Te
     return out.cpu()
 
 
+def compute_routes(case: Case, base: _Base, routes, backend: str) -> dict:
+    """compute_route for several routes of one case: on the emulation in one shared pass
+    (qsa_lab.routes.emulated_routes: one decode of the cache, one gather for the reference and
+    XQA, one grouped-kernel pass for every grouped variant), each output bit for bit the same."""
+    if backend != "emulate":
+        return {r: compute_route(case, base, r, backend) for r in routes}
+    shown = [r for r in routes if r in ROUTES]
+    # every row's tokens (reference, XQA) outnumber the cache's: decode it once; the grouped panels
+    # alone read fewer tokens than it holds, and decode only those
+    every_row = any(r in ("reference", "xqa", REMAINDER) for r in routes)
+    with decoded_once(case.kv_cache, case.kv_format) if every_row else contextlib.nullcontext():
+        outs, ref = emulated_routes(case, shown, base.plan, base.fixed_plan, reference="reference" in routes,
+                                    remainder=False, memo=base.memo)
+        if REMAINDER in routes:
+            outs[REMAINDER] = emulated_remainder(case, base.plan, base.memo)
+    if ref is not None:
+        outs["reference"] = ref
+    return outs
+
+
 class RunCache:
     """Cases, plans and route outputs a redraw can reuse (least recently used first out).
 
@@ -256,33 +278,57 @@ class RunCache:
             return case, changed_tokens(base.case, case)
         return self._get(self.poisoned, (g, p.poison_key), make)
 
-    def output(self, p: Params, route: str, backend: str) -> torch.Tensor:
+    def _key(self, p: Params, route: str, backend: str) -> tuple:
+        """The output entry of `route`: the clean case's when the route reads no changed byte."""
         base = self.base(p.geometry)
         case, changed = self.poisoned_case(p)
         clean = not bool((changed & base.reads[route]).any()) and case.q is base.case.q  # site query writes q
-        key = (p.geometry, None if clean else p.poison_key, backend, route)
+        return (p.geometry, None if clean else p.poison_key, backend, route)
 
-        def make():
-            self.computed.append(key)
-            return compute_route(base.case if clean else case, base, route, backend)
-        return self._get(self.outputs, key, make, size=8 * self.size * len(ROUTES))
+    def output(self, p: Params, route: str, backend: str) -> torch.Tensor:
+        return self.outputs_of(p, [route], backend)[route]
+
+    def outputs_of(self, p: Params, routes, backend: str) -> dict:
+        """route -> output (see compute_route) for `routes` of the poisoned case; the ones not
+        cached are computed together, one compute_routes call for the clean case and one for the
+        poisoned one."""
+        keys = {r: self._key(p, r, backend) for r in routes}
+        found, missing = {}, {}  # missing: poison key or None -> routes to compute on that case
+        for r, key in keys.items():
+            if key in self.outputs:
+                self.outputs.move_to_end(key)
+                found[r] = self.outputs[key]
+            else:
+                missing.setdefault(key[1], []).append(r)
+        base = self.base(p.geometry)
+        for poison, todo in missing.items():
+            case = base.case if poison is None else self.poisoned_case(p)[0]
+            for r, out in compute_routes(case, base, todo, backend).items():
+                self.computed.append(keys[r])
+                found[r] = self.outputs[keys[r]] = out
+        while len(self.outputs) > 8 * self.size * len(ROUTES):
+            self.outputs.popitem(last=False)
+        return found
 
     def result(self, p: Params) -> RunResult:
         """The poisoned case through the shown routes, as a RunResult (outputs fp16, reference64)."""
         backend = resolve_backend(p.backend, p.geometry)
         base = self.base(p.geometry)
         case, _ = self.poisoned_case(p)
-        ref = self.output(p, "reference", backend)
-        outputs = {"reference": ref.to(torch.float16)}
         rest = base.plan.xqa_rows
+        grouped = [r for r in p.routes if r in GROUPED]
+        parts = ["reference"] + [r for r in p.routes if r != "reference"]
+        got = self.outputs_of(p, parts + ([REMAINDER] if grouped and rest.numel() else []), backend)
+        ref = got["reference"]
+        outputs = {"reference": ref.to(torch.float16)}
         for r in p.routes:
             if r in GROUPED:  # grouped rows from the route, remainder rows from the shared XQA entry
-                out = self.output(p, r, backend).clone()
+                out = got[r].clone()
                 if rest.numel():
-                    out[rest] = self.output(p, REMAINDER, backend)
+                    out[rest] = got[REMAINDER]
                 outputs[r] = out
             elif r != "reference":
-                outputs[r] = self.output(p, r, backend)
+                outputs[r] = got[r]
         return RunResult(case, backend, base.plan, outputs, ref)
 
     def clear(self):

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -304,6 +305,7 @@ def test_a_file_rewritten_under_a_running_load_is_refused_or_replayed_never_diff
                 for k in range(0, len(blob), 1 << 16):
                     f.write(blob[k:k + (1 << 16)])
                     f.flush()
+                    time.sleep(0.001)               # mid-rewrite nearly always, without taking a core
                 f.truncate()
             i += 1
 

@@ -25,7 +25,6 @@ import os
 import pickle
 import selectors
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .kernels import KernelSkipped, PagedCall
+from .overlap import _end, _spawn, recv, send  # noqa: F401 - recv / send: the worker's protocol
 
 INPUTS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
 DEFAULT_TIMEOUT = 600.0
@@ -112,6 +112,9 @@ class InProcess:
         self.fn, self.timeout, self.memo, self.dead, self.thread = fn, timeout, {}, None, thread
         self.paged_inputs = getattr(fn, "paged_inputs", None)
 
+    def begin(self) -> None:
+        pass
+
     def load(self) -> None:
         pass
 
@@ -138,21 +141,6 @@ class InProcess:
 
 # -- a worker process per user kernel -----------------------------------------------------------
 
-def send(stream, obj) -> None:
-    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<Q", len(blob)) + blob)
-    stream.flush()
-
-
-def recv(stream):
-    """From a blocking binary stream (the worker side); None at EOF."""
-    head = stream.read(8)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    return pickle.loads(stream.read(n))
-
-
 class Worker:
     """`module:function` or `file.py:function` in its own process (see the module docstring)."""
 
@@ -161,14 +149,7 @@ class Worker:
         self.paged_inputs = None
 
     def _start(self) -> None:
-        import qsa_lab
-
-        env = dict(os.environ)
-        root = str(Path(qsa_lab.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "qsa_lab.canary.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = _spawn()
 
     def _read(self, deadline: float) -> tuple:
         """-> ("msg", obj) | ("timeout", None) | ("eof", returncode)."""
@@ -190,18 +171,30 @@ class Worker:
                 if need is not None and len(buf) >= need:
                     return "msg", pickle.loads(buf[8:need])
 
-    def _request(self, msg, timeout: float):
+    def _send(self, msg):
+        """None, or ("eof", returncode) when the worker is gone."""
         try:
             send(self.proc.stdin, msg)
         except (BrokenPipeError, OSError):
             return "eof", self.proc.wait()
-        return self._read(time.monotonic() + timeout)
+        return None
+
+    def _request(self, msg, timeout: float):
+        return self._send(msg) or self._read(time.monotonic() + timeout)
+
+    def begin(self) -> None:
+        """Start the worker and ask it to import the kernel; load() waits for the answer (the
+        workers of one run import at once)."""
+        if self.proc is None:
+            self._start()
+            self._loading = (self._send(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
+                             time.monotonic() + max(self.timeout, LOAD_TIMEOUT_MIN))
 
     def load(self) -> None:
         """Import the kernel in the worker; ValueError naming `kernels` when it cannot be loaded."""
-        self._start()
-        kind, reply = self._request(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)]),
-                                    max(self.timeout, LOAD_TIMEOUT_MIN))
+        self.begin()
+        failed, deadline = self._loading
+        kind, reply = failed or self._read(deadline)
         if kind == "msg" and reply[0] == "ok":
             self.paged_inputs = reply[1].get("paged_inputs")
             return
@@ -228,20 +221,7 @@ class Worker:
 
     def close(self) -> None:
         p, self.proc = self.proc, None
-        if p is None:
-            return
-        if p.poll() is None:
-            try:
-                p.stdin.close()          # a worker waiting for a request exits at EOF
-                p.wait(timeout=2)
-            except (OSError, subprocess.TimeoutExpired):
-                p.kill()
-                p.wait()
-        for s in (p.stdin, p.stdout):
-            try:
-                s.close()
-            except OSError:
-                pass
+        _end(p)
 
 
 def load_kernel(spec: str):

@@ -30,6 +30,7 @@ from ..poison import PAYLOADS, int_list, payload_bits
 from ..regions import REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of
 from .case import CanaryCase, as_canary_case, canary_case, load_case
 from .execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
+from .overlap import take_overlap
 from .execution import bits as _as_bits
 from .kernels import builtin_kernels, kernel_name, resolve_kernel
 
@@ -369,21 +370,25 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     why = case.qsa_unsupported() if qsa else None
     device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry, qsa and why is None)
     qsa_reason = why or qsa_reason
-    runners = {}
+    runners, overlap = {}, None
     try:
         for name, k in named:
             runners[name] = _runner(k, qsa_backend, qsa_reason, timeout)
         for r in runners.values():
+            r.begin()       # every worker process imports its kernel at once
+        for r in runners.values():
             r.load()
+        overlap = take_overlap(named, device)
         threads = torch.get_num_threads()
         if device.type == "cpu":
             torch.set_num_threads(1)  # the canary's tensors are small: more threads only contend
         try:
-            results = _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress)
+            results = _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress,
+                                  overlap)
         finally:
             torch.set_num_threads(threads)
     finally:
-        for r in runners.values():
+        for r in [*runners.values(), *([overlap] if overlap else [])]:
             r.close()
     return CanaryReport(qsa_backend, str(device), case, list(runners), results, skipped, requested, float(timeout))
 
@@ -414,49 +419,93 @@ def _meta(case: CanaryCase) -> dict:
             "geometry": case.geometry}
 
 
-def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress) -> list:
+class _Pools:
+    """The poisoned pools of one run, each built once: {**base, "kv_cache": that pool} per
+    (region, plane, payload); every call still gets fresh copies (execution.call_kernel)."""
+
+    def __init__(self, case, slots, dims):
+        self.case, self.slots, self.dims = case, slots, dims
+        self.base = {k: t.detach().cpu() for k, t in case.tensors().items()}
+        self.pools = {}
+
+    def __call__(self, region, plane, payload) -> dict:
+        key = (region, plane, payload)
+        if key not in self.pools:
+            c, kv = self.case, self.base["kv_cache"].clone()
+            write_region(kv, self.slots[region], PLANES[plane], c.kv_format, payload, self.dims,
+                         c.v_head_dim if c.mla else None)
+            self.pools[key] = kv
+        return {**self.base, "kv_cache": self.pools[key]}
+
+
+def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress,
+                overlap=None) -> list:
+    """Every kernel's cells, in the order of `runners`. `overlap` (overlap.Overlap): some of
+    the built-in kernels already run in that process; their results join in their place."""
     from tqdm.auto import tqdm
 
-    base = {k: t.detach().cpu() for k, t in case.tensors().items()}
-    meta = _meta(case)
-    pools = {}
-
-    def inputs(region, plane, payload):
-        key = (region, plane, payload)
-        if key not in pools:
-            kv = base["kv_cache"].clone()
-            write_region(kv, slots[region], PLANES[plane], case.kv_format, payload, dims,
-                         case.v_head_dim if case.mla else None)
-            pools[key] = kv
-        return {**base, "kv_cache": pools[key]}
-
-    results = []
     cells = [(r, pl) for r in regions for pl in planes]
+    remote = overlap.submit(case, slots, regions, planes, payloads, dims) if overlap else []
+    inputs, meta = _Pools(case, slots, dims), _meta(case)
+    done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
     try:
         for name, runner in runners.items():
-            reads = _paged_inputs(runner)
-            stop = None         # (verdict, why) once the kernel cannot be called again
-            for region, plane in cells:
-                bar.update(1)
-                row = {"kernel": name, "region": region, "plane": plane}
-                if stop:
-                    if stop[0] == "error":
-                        results += [LeakResult(**row, payload=p, verdict="error", error=stop[1]) for p in payloads]
-                    continue
-                cell = _cell(runner, inputs, meta, device, region, plane, payloads)
-                if cell["skipped"] is not None:
-                    skipped.append({"kernel": name, "reason": cell["skipped"]})
-                    stop = ("skipped", cell["skipped"])
-                    continue
-                referenced = region_referenced(case, region, reads)
-                for payload in payloads:
-                    results.append(_verdict(row, payload, cell, referenced))
-                if cell["dead"]:
-                    stop = ("error", f"not run: the kernel {cell['dead']} at {region}/{plane}")
+            if name not in remote:
+                bar.set_postfix_str(name)
+                done[name] = _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar)
+        if remote:
+            bar.set_postfix_str(f"{', '.join(remote)} (in a second process)")
+            got = overlap.collect(bar)
+            for name in remote:   # the second process failed: run them here, as always
+                done[name] = got[name] if got else _run_kernel(name, runners[name], case, inputs, meta, device,
+                                                               cells, payloads, bar)
     finally:
         bar.close()
+    results = []
+    for name in runners:
+        results += done[name][0]
+        skipped += done[name][1]
     return results
+
+
+def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) -> tuple[list, list]:
+    """One kernel's cells -> (results, skipped entries)."""
+    reads = _paged_inputs(runner)
+    results, skipped = [], []
+    stop = None         # (verdict, why) once the kernel cannot be called again
+    for region, plane in cells:
+        bar.update(1)
+        row = {"kernel": name, "region": region, "plane": plane}
+        if stop:
+            if stop[0] == "error":
+                results += [LeakResult(**row, payload=p, verdict="error", error=stop[1]) for p in payloads]
+            continue
+        cell = _cell(runner, inputs, meta, device, region, plane, payloads)
+        if cell["skipped"] is not None:
+            skipped.append({"kernel": name, "reason": cell["skipped"]})
+            stop = ("skipped", cell["skipped"])
+            continue
+        referenced = region_referenced(case, region, reads)
+        for payload in payloads:
+            results.append(_verdict(row, payload, cell, referenced))
+        if cell["dead"]:
+            stop = ("error", f"not run: the kernel {cell['dead']} at {region}/{plane}")
+    return results, skipped
+
+
+def run_overlap(names, case, slots, regions, planes, payloads, dims, progress) -> dict:
+    """In the second process (execution.Overlap): built-in kernels `names` on the CPU, as run_canary
+    runs them -> {name: (results, skipped entries)}; progress(n) after each cell."""
+    from .kernels import TORCH_KERNELS
+
+    class Bar:
+        update = staticmethod(progress)
+
+    inputs, meta, cells = _Pools(case, slots, dims), _meta(case), [(r, pl) for r in regions for pl in planes]
+    torch.set_num_threads(1)
+    return {n: _run_kernel(n, InProcess(TORCH_KERNELS[n], DEFAULT_TIMEOUT, thread=False), case, inputs, meta,
+                           torch.device("cpu"), cells, payloads, Bar) for n in names}
 
 
 def _cell(runner, inputs, meta, device, region, plane, payloads) -> dict:

@@ -1,4 +1,5 @@
-"""One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary).
+"""One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary);
+with --overlap, the slow built-in kernels of one run (overlap.Overlap).
 
 Requests and replies are length-prefixed pickles on the worker's original stdin / stdout;
 the kernel itself sees stdout redirected to stderr and stdin to /dev/null, ignores Ctrl-C
@@ -31,6 +32,8 @@ def main() -> int:
 
     from .execution import Outcome, call_kernel, load_kernel, recv, send
 
+    if sys.argv[1:] == ["--overlap"]:
+        return _overlap(proto_in, proto_out)
     fn, memo = None, {}
     while True:
         msg = recv(proto_in)
@@ -54,5 +57,32 @@ def main() -> int:
             send(proto_out, out)
 
 
+def _overlap(proto_in, proto_out) -> int:
+    """Built-in kernels (overlap.OVERLAP) for one canary run: import what they need while the
+    canary's own process starts, then run the matrix it sends and reply with every result."""
+    import traceback
+
+    from torch.nn.attention import flex_attention  # noqa: F401 - the slow imports, done ahead
+    import torch._dynamo  # noqa: F401
+
+    from .overlap import recv, send
+    from .runner import run_overlap
+
+    msg = recv(proto_in)
+    if msg is None or msg[0] != "matrix":
+        return 0
+    try:
+        done = run_overlap(*msg[1:], progress=lambda n: send(proto_out, ("progress", n)))
+        send(proto_out, ("done", done))
+    except Exception:  # noqa: BLE001 - the canary then runs these kernels itself
+        send(proto_out, ("error", traceback.format_exc()))
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the canary is done with it: skip the interpreter's teardown (~1 s with torch loaded, and the
+    # canary waits for it); a kernel's atexit handlers do not run
+    os._exit(code)

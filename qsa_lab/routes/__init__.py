@@ -199,8 +199,8 @@ def run_routes_planned(case: Case, routes, backend: str, plan: GroupedPlan, *, p
     bar = tqdm(routes, desc="routes", disable=not progress, file=sys.stderr)
     if backend == "emulate":
         with decoded_once(case.kv_cache, case.kv_format):  # every route reads this one decode
-            result.outputs, result.reference64 = _emulated(case, routes, plan, fixed_plan, reference, bar,
-                                                           {} if memo is None else memo)
+            result.outputs, result.reference64 = emulated_routes(case, routes, plan, fixed_plan, reference=reference,
+                                                                 memo=memo, bar=bar)
         return result
     if reference or "reference" in routes:
         with decoded_once(case.kv_cache, case.kv_format):
@@ -218,39 +218,61 @@ def run_routes_planned(case: Case, routes, backend: str, plan: GroupedPlan, *, p
     return result
 
 
-def _emulated(case: Case, routes, plan: GroupedPlan, fixed_plan, reference: bool, bar, memo: dict):
+def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, reference: bool = True,
+                    remainder: bool = True, memo: dict | None = None, bar=None):
     """The emulation's routes -> (outputs, reference64), sharing what routes have in common, each
     output bit for bit what its route gives alone: one gather of every row's tokens (reference
     and XQA), one XQA run of the grouped routes' remainder rows, and one pass of the grouped
-    kernel for all its variants (grouped_forward_many: they share S, the softmax and the sums)."""
+    kernel for all its variants (grouped_forward_many: they share S, the softmax and the sums).
+
+    For a caller that checked its inputs (see run_routes_planned; memo likewise), best inside
+    decoded_once(case.kv_cache, ...). reference: compute reference64 even when the route
+    'reference' is not asked for (else None). remainder=False: the grouped routes' XQA rows are
+    left unset (emulated_remainder gives them). bar: iterated instead of `routes` (a progress bar)."""
+    memo = {} if memo is None else memo
     shared = {}
 
-    def all_tokens():  # XQA's partition padding included; the reference reads the first T slots
+    def all_tokens():  # -> (T, (K, V, valid)): XQA's partition padding included; the reference reads T slots
         if "tokens" not in shared:
             if "xqa_tokens" not in memo:
                 memo["xqa_tokens"] = xqa_tokens(case)
             token_index, token_count = memo["xqa_tokens"]
             T = token_index.shape[1]
-            K, V, valid = emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format,
-                                                width=emulate.xqa_width(T, case.kv_format))
-            shared["tokens"] = (K, V, valid), (K[:, :T], V[:, :T], valid[:, :T])
+            shared["tokens"] = T, emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format,
+                                                        width=emulate.xqa_width(T, case.kv_format))
         return shared["tokens"]
 
-    ref = reference_from_tokens(case, *all_tokens()[1]) if reference or "reference" in routes else None
+    ref = None
+    if reference or "reference" in routes:
+        T, tokens = all_tokens()
+        ref = reference_from_tokens(case, *tokens, tokens=T)
     grouped = [r for r in routes if r in GROUPED]
     outputs = {}
-    for route in bar:
+    for route in routes if bar is None else bar:
         if route == "reference":
             outputs[route] = ref.to(torch.float16)
         elif route == "xqa":
-            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens()[0], case.k_scale, case.v_scale,
+            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens()[1], case.k_scale, case.v_scale,
                                                      kv_format=case.kv_format, sm_scale=case.sm_scale)
         elif route not in outputs:  # the first grouped route: all of them at once
-            outputs.update(_emulated_grouped(case, grouped, plan, fixed_plan, memo))
+            outputs.update(_emulated_grouped(case, grouped, plan, fixed_plan, memo, remainder))
     return {r: outputs[r] for r in routes}, ref
 
 
-def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan, memo: dict) -> dict:
+def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict) -> torch.Tensor:
+    """[len(plan.xqa_rows), Hq, D]: the rows outside every group, through XQA as every grouped route runs them."""
+    if "rest_tokens" not in memo and "xqa_tokens" in memo:  # every row's lists, cut to these rows' width
+        index, count = memo["xqa_tokens"]
+        count = count[plan.xqa_rows]
+        memo["rest_tokens"] = index[plan.xqa_rows, :max(int(count.max()) if count.numel() else 0, 1)].contiguous(), count
+    if "rest_tokens" not in memo:
+        memo["rest_tokens"] = xqa_tokens(case, plan.xqa_rows)
+    token_index, token_count = memo["rest_tokens"]
+    return emulate.xqa_forward(case.q[plan.xqa_rows], case.kv_cache, case.k_scale, case.v_scale, token_index,
+                               token_count, kv_format=case.kv_format, sm_scale=case.sm_scale)
+
+
+def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan, memo: dict, remainder: bool) -> dict:
     outs = {r: torch.empty_like(case.q) for r in routes}
     if plan.groups:
         panels = [((fixed_plan if GROUPED[r][1] else plan).microblocks, GROUPED[r][0]) for r in routes]
@@ -260,12 +282,8 @@ def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan, memo: d
         rows = plan.group_rows.flatten()
         for r, (g, _) in zip(routes, many):
             outs[r][rows] = g.reshape(-1, *case.q.shape[1:])
-    if plan.xqa_rows.numel():
-        if "rest_tokens" not in memo:
-            memo["rest_tokens"] = xqa_tokens(case, plan.xqa_rows)
-        token_index, token_count = memo["rest_tokens"]
-        rest = emulate.xqa_forward(case.q[plan.xqa_rows], case.kv_cache, case.k_scale, case.v_scale, token_index,
-                                   token_count, kv_format=case.kv_format, sm_scale=case.sm_scale)
+    if remainder and plan.xqa_rows.numel():
+        rest = emulated_remainder(case, plan, memo)
         for r in routes:
             outs[r][plan.xqa_rows] = rest
     return outs

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..case import token_values
+from ..case import slot_values, token_values
 from ..plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
 
 VARIANTS = ("unfixed", "kernel_fix", "masked_load")
@@ -61,7 +61,8 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     What the variants share is computed once: they differ only in the panel rows that no query
     of the group attends (padding entries repointed by fix B; rows zeroed by fix A / never
     loaded by fix C), and those rows' scores are select-masked, so S, the maxima, P and the sums
-    are the same for every variant; only V and with it P @ V differ. -> [(out, lse)] per panel."""
+    are the same for every variant; only V and with it P @ V differ, and panels whose P @ V is the
+    same (_equal_panels) share one. -> [(out, lse)] per panel."""
     G, cap = masks.shape
     _, hq, D = q.shape
     nt = cap // TILE_ENTRIES
@@ -103,20 +104,40 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
         row_sum = row_sum * exp_diff[:, t] + tile_sum[:, t]
     scale = torch.where(row_sum > 0, torch.tensor(v_scale, dtype=f32) / row_sum, 0.0)
     lse = torch.where(row_sum > 0, run_max[:, -1] + torch.log(row_sum), MASKED_SCORE).view(G, GROUP, hq)
-    outs, inactive = [], ~active.unsqueeze(-1)
-    for tok, (_, variant) in zip(toks, panels):
-        V = token_values(kv_cache, tok, 1, kv_format)
-        if variant != "unfixed":
+    inactive, e = ~active.unsqueeze(-1), exp_diff.unsqueeze(-1)
+    owner = _equal_panels(panels)
+    done = {}
+    for i in dict.fromkeys(owner):  # each distinct panel once
+        zeroed = panels[i][1] != "unfixed"
+        V = token_values(kv_cache, toks[0 if zeroed else i], 1, kv_format)  # zeroed rows: the token read is moot
+        if zeroed:
             V.masked_fill_(dead, 0.0)
         # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
         pv = torch.matmul(p16, V)                                              # [G, nt, R, D]
+        del V
         pv.masked_fill_(inactive, 0.0)                                         # inactive M-tiles: no P@V
         O = torch.zeros(G, R, D, dtype=f32, device=dev)
-        for t in range(nt):  # the kernel's accumulation order
-            O = O * exp_diff[:, t].unsqueeze(-1) + pv[:, t]
+        for t in range(nt):  # the kernel's accumulation order: O = O * exp_diff + P@V
+            O.mul_(e[:, t]).add_(pv[:, t])
         # 6. output: 0 for a row that attended nothing
-        outs.append(((O * scale.unsqueeze(-1)).to(torch.float16).view(G, GROUP, hq, D), lse))
-    return outs
+        done[i] = O.mul_(scale.unsqueeze(-1)).to(torch.float16).view(G, GROUP, hq, D)
+    return [(done[i], lse) for i in owner]
+
+
+def _equal_panels(panels) -> list:
+    """For each (microblocks, variant), the index of the first panel with the same P @ V: every
+    zeroing variant (kernel_fix, masked_load) reads the same values, as the rows where the plans
+    differ are unattended and so zeroed; unfixed panels read the same bytes when their
+    microblocks are equal."""
+    def same(a, b):
+        if a[1] != "unfixed" or b[1] != "unfixed":
+            return a[1] != "unfixed" and b[1] != "unfixed"
+        return a[0] is b[0] or torch.equal(a[0], b[0])
+
+    owner = []
+    for i, panel in enumerate(panels):
+        owner.append(next(j for j in range(i + 1) if j == i or (owner[j] == j and same(panels[j], panel))))
+    return owner
 
 
 def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len, *,
@@ -164,10 +185,7 @@ def gather_tokens(kv_cache, token_index, token_count, kv_format, width: int | No
     width = T if width is None else width
     valid = torch.arange(width, device=token_index.device) < token_count.long().unsqueeze(1)
     index = token_index if width == T else torch.nn.functional.pad(token_index, (0, width - T))
-    tok = torch.where(valid, index, 0)
-    dead = ~valid.unsqueeze(-1)
-    K = token_values(kv_cache, tok, 0, kv_format).masked_fill_(dead, 0.0)
-    V = token_values(kv_cache, tok, 1, kv_format).masked_fill_(dead, 0.0)
+    K, V = (slot_values(kv_cache, index, valid, plane, kv_format) for plane in (0, 1))
     return K, V, valid
 
 
