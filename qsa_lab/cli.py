@@ -283,7 +283,7 @@ def cmd_diff(args) -> int:
         if bad:
             raise UsageError(f"--dims: head dims must lie in [0, {geometry.head_dim}), got {bad}")
     est = resources.estimate(geometry)
-    long_run = backend == "emulate" and est.seconds > 10
+    long_run = backend == "emulate" and est.seconds > resources.LONG_RUN_S
     if saved is None:
         from tqdm import tqdm  # stderr: never into --json -
 

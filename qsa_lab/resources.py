@@ -25,9 +25,12 @@ TOKEN_BYTES_PER_ELEM = 40       # gathered K and V per row: int64 codes, float32
 GROUPED_CHUNK_BYTES = 1 << 30   # the grouped emulation's chunk bound (routes.emulate._CHUNK_ELEMS x temporaries)
 BASE_BYTES = 256 << 20       # lazy imports, allocator arenas and thread pools of a first run
 # seconds per (row x attended token x head_dim x q_head) and per cached token x head_dim on
-# the CPU emulation, measured on a busy 2-core machine; only used to announce long runs
-SECONDS_PER_UNIT = 2.5e-7
-SECONDS_PER_CACHE_ELEM = 4e-7
+# the CPU emulation: about 3x what a quiet 2-core machine took after the speed-ups (the report's
+# decode case 0.7 s, causal3 1.3 s, 76 rows 2.0 s, ctx 32768 2.3 s), a margin for a busy one;
+# only used to announce long runs
+SECONDS_PER_UNIT = 2.5e-8
+SECONDS_PER_CACHE_ELEM = 1.2e-7
+LONG_RUN_S = 2.0                # a run estimated longer shows its progress (on a terminal)
 DEFAULT_FRACTION = 0.5          # default budget: this share of the memory available now
 
 

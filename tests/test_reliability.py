@@ -7,7 +7,7 @@ import os
 import stat
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 import torch
@@ -153,9 +153,8 @@ CORRUPTIONS = {
 def test_load_of_anything_but_a_saved_case_is_exit_2_naming_the_problem(kind, saved, tmp_path, capsys):
     make, needle = CORRUPTIONS[kind]
     path = make(saved, tmp_path / "x.safetensors")
-    t0 = time.perf_counter()
     code, out, err = run_cli(["diff", "--load", str(path), "--backend", "emulate"], capsys)
-    assert code == 2 and time.perf_counter() - t0 < 5
+    assert code == 2
     one_error_line(err, "--load: ")
     assert needle in err, err
 
@@ -163,9 +162,15 @@ def test_load_of_anything_but_a_saved_case_is_exit_2_naming_the_problem(kind, sa
 def test_load_of_a_fifo_does_not_hang(tmp_path, capsys):
     fifo = tmp_path / "case.safetensors"
     os.mkfifo(fifo)
-    t0 = time.perf_counter()
-    code, _, err = run_cli(["diff", "--load", str(fifo)], capsys)
-    assert code == 2 and time.perf_counter() - t0 < 2 and "special file" in err
+    box = {}
+    # a reader that opened the FIFO would block for ever (no writer): a generous join tells
+    # a hang from a slow machine
+    t = threading.Thread(target=lambda: box.update(r=run_cli(["diff", "--load", str(fifo)], capsys)), daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "--load of a FIFO blocked"
+    code, _, err = box["r"]
+    assert code == 2 and "special file" in err
 
 
 def test_a_saved_case_replays(saved, capsys):
@@ -272,11 +277,10 @@ def test_repro_output_folders_are_checked_first(tmp_path, capsys):
     (["--head-dim", str(1 << 30)], "--head-dim: must be in"), (["--rows", str(10 ** 18)], "--rows: must be in"),
     (["--context", "1048576", "--max-memory", "100M"], "--requests x --context x --head-dim"),
 ])
-def test_memory_bombs_are_refused_in_under_a_second(argv, needle, monkeypatch, capsys):
+def test_memory_bombs_are_refused_before_any_allocation(argv, needle, monkeypatch, capsys):
     monkeypatch.setattr("qsa_lab.case.build_case", lambda *a, **k: pytest.fail("allocated"))
-    t0 = time.perf_counter()
     code, _, err = run_cli(["diff", *argv], capsys)
-    assert time.perf_counter() - t0 < 1.0 and code == 2
+    assert code == 2
     one_error_line(err, needle)
     if "estimated" in err:
         assert "budget" in err and "--max-memory" in err
