@@ -136,10 +136,16 @@ def test_user_and_torch_kernels_never_touch_qsa_labs_extension(monkeypatch):
     assert rep.backend is None and rep.checks("torch:sdpa-math") == 2
 
 
+def _default_sigint():
+    # a runner started in the background (nohup, `cmd &` without job control) passes SIGINT on
+    # ignored; a terminal's Ctrl-C reaches a process that has it at its default
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(*argv):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=HERE)
+                            env=env, cwd=HERE, preexec_fn=_default_sigint)
 
 
 def _interrupt_when_hanging(p):
