@@ -239,6 +239,12 @@ def compute_routes(case: Case, base: _Base, routes, backend: str) -> dict:
     return outs
 
 
+def _trim(store: OrderedDict, size: int) -> None:
+    """Drop the least recently used entries of `store` beyond `size`."""
+    while len(store) > size:
+        store.popitem(last=False)
+
+
 class RunCache:
     """Cases, plans and route outputs a redraw can reuse (least recently used first out).
 
@@ -257,8 +263,7 @@ class RunCache:
             store.move_to_end(key)
             return store[key]
         store[key] = value = make()
-        while len(store) > (size or self.size):
-            store.popitem(last=False)
+        _trim(store, size or self.size)
         return value
 
     def base(self, g: Geometry) -> _Base:
@@ -306,8 +311,7 @@ class RunCache:
             for r, out in compute_routes(case, base, todo, backend).items():
                 self.computed.append(keys[r])
                 found[r] = self.outputs[keys[r]] = out
-        while len(self.outputs) > 8 * self.size * len(ROUTES):
-            self.outputs.popitem(last=False)
+        _trim(self.outputs, 8 * self.size * len(ROUTES))
         return found
 
     def result(self, p: Params) -> RunResult:
