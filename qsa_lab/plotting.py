@@ -89,6 +89,7 @@ def set_nan_dims(ax, nan_dims):
     top.set_xticks([x for x, _ in groups], [t for _, t in groups], minor=True)
     top.set_xlabel(f"NaN dims ({len(nan_dims)})" if nan_dims else "", color=NAN_COLOR, fontsize=8)
     top.set_visible(bool(nan_dims))
+    ax.qsa_dims = tuple(nan_dims)   # what the top axis shows (a redraw compares it)
 
 
 def _nan_legend(ax, label="NaN"):
@@ -275,7 +276,7 @@ def plot_nan_map(data: dict, ax=None, minor: bool = True):
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=9)
     ax.set_ylabel("group g, M-tile m\n(16 score rows each)", fontsize=9)
     _dim_axis(ax, vals.shape[1], minor=minor, fontsize=8)
-    cax = ax.inset_axes([1.02, 0.42, 0.025, 0.58])
+    cax = ax.qsa_cax = ax.inset_axes([1.02, 0.42, 0.025, 0.58])
     ax.figure.colorbar(ax.qsa_image, cax=cax)
     cax.set_ylabel("|output| (grey, to its 99th pct)", fontsize=8)
     cax.tick_params(labelsize=8)

@@ -377,6 +377,7 @@ def render_playground(data: dict, fig=None):
         fig = Figure(figsize=FIGSIZE, dpi=DPI)
     else:
         fig.clear()
+        fig.qsa_drawn = None   # what figure_png drew last is gone with the axes
     # fixed margins, not constrained layout (layout solving was a third of the redraw time); the
     # right quarter holds the NaN map's colour bar and legend and each route's counts
     top, bottom = fig.subplots(2, 1, height_ratios=[2.5, 1.3],
@@ -389,19 +390,149 @@ def render_playground(data: dict, fig=None):
 
 
 def figure_png(fig) -> bytes:
-    """The figure as PNG bytes at its own dpi; fast zlib level: on screen the size matters less
-    than the time."""
-    import numpy as np
+    """The figure as PNG bytes at its own dpi: its pixels exactly as canvas.draw() makes them
+    (a redraw of a figure drawn before repaints only what changed, see `_draw_changes`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from PIL import Image
 
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    buf = io.BytesIO()
-    Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3]).save(buf, format="png", compress_level=1)
-    return buf.getvalue()
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    return png_bytes(_draw_changes(fig, canvas)[..., :3])
 
 
+def png_bytes(rgb) -> bytes:
+    """[h, w, 3] uint8 -> PNG (no row filter, fast zlib level: on screen the time matters more than
+    the size, and plots compress well unfiltered)."""
+    import struct
+    import zlib
+
+    import numpy as np
+
+    h, w, _ = rgb.shape
+    rows = np.empty((h, 1 + 3 * w), np.uint8)
+    rows[:, 0] = 0                              # filter type 0 (none) on every row
+    rows[:, 1:] = rgb.reshape(h, 3 * w)
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows.tobytes(), 1)) + chunk(b"IEND", b""))
+
+
+# -- a redraw repaints only what changed -------------------------------------------------------------
+# A same-layout redraw (render_playground's update path) changes only the "parts" below; the
+# rest (tick labels, axis labels, legend) is static. The canvas is drawn with every static or
+# unchanged artist hidden whose footprint stays clear of the changed parts' footprints (old and
+# new), and only those footprints are copied from it onto the previous image: every pixel
+# outside them is touched by unchanged artists alone, every pixel inside by artists drawn. A
+# fully transparent image draws nothing and is always left out. Anything that breaks the rule
+# (footprints that meet after the draw, a new canvas size) falls back to a full draw.
+PAD_PX = 3  # antialiasing and glyph overhang reach a pixel or two past an extent
+
+
+def _image_state(im) -> tuple:
+    import numpy as np
+
+    a = im.get_array()
+    return (a.shape, a.dtype.str, np.asarray(a).tobytes(), np.ma.getmaskarray(a).tobytes(),
+            im.get_clim() if a.ndim == 2 else None, im.get_visible())
+
+
+def _text_state(t) -> tuple:
+    return t.get_text(), str(t.get_color()), t.get_visible()
+
+
+def _parts(fig) -> dict:
+    """name -> (artists, state, always drawn?) for everything a same-layout redraw can change."""
+    top, bottom = fig.axes[:2]
+    parts = {"map": ([top.qsa_image], _image_state(top.qsa_image)),
+             "map dropped": ([top.qsa_dropped], _image_state(top.qsa_dropped)),
+             "nan dims": ([top.qsa_top[0]], (top.qsa_top[0].get_visible(), top.qsa_dims)),
+             "colour bar": ([top.qsa_cax], top.qsa_image.get_clim()),
+             "map title": ([top.title], None),    # None: moves with the NaN dims above it, always redrawn
+             "routes": ([bottom.qsa_image], _image_state(bottom.qsa_image)),
+             "routes dropped": ([bottom.qsa_dropped], _image_state(bottom.qsa_dropped)),
+             "routes title": ([bottom.title], _text_state(bottom.title))}
+    for i, t in enumerate(bottom.qsa_texts):
+        parts[f"route {i}"] = ([t], _text_state(t))
+    return parts
+
+
+def _static(fig) -> list:
+    """The artists a same-layout redraw never changes and that are worth not drawing."""
+    top, bottom = fig.axes[:2]
+    out = [top.get_legend()]
+    for ax in (top, bottom):
+        for axis in (ax.xaxis, ax.yaxis):
+            out += [t.label1 for t in axis.get_major_ticks()] + [axis.label]
+    return [a for a in out if a is not None and a.get_visible()]
+
+
+def _box(artists, renderer):
+    """Pixel rectangle (x0, y0, x1, y1), padded, around what the visible `artists` draw, or None."""
+    boxes = [b for b in (a.get_tightbbox(renderer) for a in artists if a.get_visible()) if b is not None]
+    if not boxes:
+        return None
+    return (min(b.x0 for b in boxes) - PAD_PX, min(b.y0 for b in boxes) - PAD_PX,
+            max(b.x1 for b in boxes) + PAD_PX, max(b.y1 for b in boxes) + PAD_PX)
+
+
+def _meets(a, b) -> bool:
+    return a is not None and b is not None and a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _transparent(artist) -> bool:
+    """An RGBA image with alpha 0 everywhere: drawing it leaves every pixel as it is."""
+    a = artist.get_array()
+    return a.ndim == 3 and a.shape[-1] == 4 and not a[..., 3].any()
+
+
+def _draw_changes(fig, canvas):
+    """Draw `fig` on `canvas` -> its RGBA pixels, exactly canvas.draw()'s, repainting only the
+    changed parts when the figure was drawn here before with the same layout (see above)."""
+    import numpy as np
+
+    parts, size = _parts(fig), (canvas.get_width_height(), fig.dpi)
+    last = getattr(fig, "qsa_drawn", None)
+    if last is None or (last["size"], last["layout"], last["axes"]) != (size, fig.qsa_layout, fig.axes[:2]):
+        canvas.draw()
+        return _remember(fig, canvas, parts, size, np.asarray(canvas.buffer_rgba()).copy())
+    changed = [n for n, (_, state) in parts.items() if state is None or state != last["parts"][n][1]]
+    old = [last["boxes"][n] for n in changed]
+    # left out: unchanged parts and static artists clear of every changed part's old footprint
+    out = [(artists, last["boxes"][n]) for n, (artists, _) in parts.items() if n not in changed]
+    out = [(artists, box) for artists, box in out + [([a], b) for a, b in zip(last["static"], last["static boxes"])]
+           if not any(_meets(box, o) for o in old)]
+    blank = [a for artists, _ in parts.values() for a in artists if hasattr(a, "get_array") and _transparent(a)]
+    hidden = [a for a in dict.fromkeys([a for artists, _ in out for a in artists] + blank) if a.get_visible()]
+    try:
+        for a in hidden:
+            a.set_visible(False)
+        canvas.draw()
+        new = [_box(parts[n][0], canvas.get_renderer()) for n in changed]
+    finally:
+        for a in hidden:
+            a.set_visible(True)
+    if any(_meets(box, b) for _, box in out for b in new):
+        canvas.draw()    # a part grew into something left out: draw it all
+        return _remember(fig, canvas, parts, size, np.asarray(canvas.buffer_rgba()).copy())
+    image, fresh = last["image"], np.asarray(canvas.buffer_rgba())
+    height, width = image.shape[:2]
+    for box in [b for b in old + new if b is not None]:
+        x0, x1 = max(int(box[0]), 0), min(int(np.ceil(box[2])), width)
+        r0, r1 = max(height - int(np.ceil(box[3])), 0), min(height - int(box[1]), height)
+        image[r0:r1, x0:x1] = fresh[r0:r1, x0:x1]
+    last.update(parts=parts, boxes=dict(last["boxes"], **dict(zip(changed, new))), repainted=changed)
+    return image
+
+
+def _remember(fig, canvas, parts, size, image):
+    """After a full draw: what the next redraw compares with -> image."""
+    renderer, static = canvas.get_renderer(), _static(fig)
+    fig.qsa_drawn = {"size": size, "layout": fig.qsa_layout, "axes": fig.axes[:2], "image": image, "parts": parts,
+                     "boxes": {n: _box(artists, renderer) for n, (artists, _) in parts.items()},
+                     "static": static, "static boxes": [_box([a], renderer) for a in static],
+                     "repainted": None}   # None: drawn whole; else the parts the last redraw repainted
+    return image
 def figures_dir() -> Path:
     """Where figures go (the one folder; see qsa_lab.export.figures_dir)."""
     from .export import figures_dir as where
