@@ -197,6 +197,8 @@ def route_reads(case: Case, plan: GroupedPlan, fixed_plan: GroupedPlan) -> dict:
 def changed_tokens(clean: Case, poisoned: Case) -> torch.Tensor:
     """[pages * page_size] bool: tokens where any byte of K or V differs."""
     a, b = clean.kv_cache.view(torch.uint8), poisoned.kv_cache.view(torch.uint8)
+    if a.shape[-1] % 8 == 0 and a.is_contiguous() and b.is_contiguous():
+        a, b = a.view(torch.int64), b.view(torch.int64)   # a word differs iff one of its 8 bytes does
     return (a != b).any(dim=-1).any(dim=-1).any(dim=1).flatten()
 
 

@@ -278,6 +278,22 @@ def test_poison_change_reruns_only_routes_that_read_the_changed_bytes():
     assert len(cache.computed) == len(first) + 1     # a fix toggled off and on again: nothing to run
 
 
+@pytest.mark.parametrize("kv_dtype", ["e4m3", "fp16"])
+def test_changed_tokens_are_those_with_a_changed_byte(kv_dtype):
+    """Compared 8 bytes at a time, but every single changed byte counts: one byte flipped in
+    each of a few tokens (either plane, any byte of an element) flags exactly those tokens."""
+    base = CACHE.base(W.Params(kv_dtype=kv_dtype).geometry)
+    case = base.case.clone()
+    raw = case.kv_cache.view(torch.uint8)          # [pages, 2, page_size, 1, bytes]
+    flips = [(0, 0, 0, 0), (3, 1, 5, raw.shape[-1] - 1), (7, 0, 31, 9)]
+    for page, plane, token, byte in flips:
+        raw[page, plane, token, 0, byte] ^= 1
+    expected = torch.zeros(raw.shape[0] * raw.shape[2], dtype=torch.bool)
+    expected[[page * raw.shape[2] + token for page, _, token, _ in flips]] = True
+    assert torch.equal(W.changed_tokens(base.case, case), expected)
+    assert not W.changed_tokens(base.case, base.case.clone()).any()
+
+
 @pytest.fixture
 def tiny_preset(monkeypatch):
     presets = dict(W.PRESETS)
