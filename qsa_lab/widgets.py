@@ -352,12 +352,27 @@ def playground_data(p: Params, cache: RunCache | None = None) -> dict:
 
     check_params(p)
     p = replace(p, plane=p.applied_plane)   # what the figure shows is what was applied
-    res = (cache or _CACHE).result(p)
-    # the case is named once, in the NaN map's title: every line of text costs redraw time
-    routes = dict(figdata.route_nans(res, p.routes), title="the case above")
+    with one_cpu_thread():
+        res = (cache or _CACHE).result(p)
+        # the case is named once, in the NaN map's title: every line of text costs redraw time
+        routes = dict(figdata.route_nans(res, p.routes), title="the case above")
+        nan_map = figdata.nan_map(res, p.nan_map)
     return {"params": p, "backend": res.backend, "case": res.case.describe(), "poison": dict(res.case.poison),
-            "geometry": p.geometry.to_dict(), "nan_map": figdata.nan_map(res, p.nan_map), "routes": routes,
-            "table": routes["table"]}
+            "geometry": p.geometry.to_dict(), "nan_map": nan_map, "routes": routes, "table": routes["table"]}
+
+
+@contextlib.contextmanager
+def one_cpu_thread():
+    """Torch on one CPU thread inside (the previous count restored after). The playground's
+    tensors are small: a second thread saves little, and on a busy machine every op waits for it
+    (a redraw took over twice as long on a loaded 2-core machine). Outputs are bit for bit the
+    same: no route splits a reduction by thread (tests/test_widgets.py compares with run_routes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def render_playground(data: dict, fig=None):

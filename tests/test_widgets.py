@@ -314,6 +314,23 @@ def test_cached_outputs_equal_run_routes_bit_for_bit(tiny_preset, site):
                 assert torch.equal(o.view(torch.int16), res.outputs[r].view(torch.int16)), (plane, kv, r)
 
 
+def test_one_cpu_thread_changes_no_output_bit():
+    """playground_data computes on one thread: at the 3-request report geometry (context 8192)
+    every route's output is bit for bit what run_routes gives on the default threads, and the
+    thread count is restored after."""
+    threads = torch.get_num_threads()
+    preset = next(p for p in W.PRESETS if p.startswith("3-req scatter causal, 24 rows, ctx 8192"))
+    with W.one_cpu_thread():
+        assert torch.get_num_threads() == 1
+        res = W.RunCache().result(W.Params(preset=preset, dims=(1, 2)))
+    assert torch.get_num_threads() == threads
+    ref = run_routes(res.case, backend="emulate")
+    assert torch.equal(ref.reference64.view(torch.int64), res.reference64.view(torch.int64))
+    assert set(ref.outputs) == set(res.outputs)
+    for r, o in ref.outputs.items():
+        assert torch.equal(o.view(torch.int16), res.outputs[r].view(torch.int16)), r
+
+
 def test_export_name_and_metadata_say_what_is_shown(pg, tmp_path):
     pg.set(dims="7,168,170", masked_load=False)
     paths = pg.export()
