@@ -459,7 +459,8 @@ def _text_state(t) -> tuple:
 
 
 def _parts(fig) -> dict:
-    """name -> (artists, state, always drawn?) for everything a same-layout redraw can change."""
+    """name -> (artists, state) for everything a same-layout redraw can change: equal states
+    draw the same pixels in the same place (state None: never taken as unchanged)."""
     top, bottom = fig.axes[:2]
     parts = {"map": ([top.qsa_image], _image_state(top.qsa_image)),
              "map dropped": ([top.qsa_dropped], _image_state(top.qsa_dropped)),
@@ -509,9 +510,11 @@ def _draw_changes(fig, canvas):
     import numpy as np
 
     parts, size = _parts(fig), (canvas.get_width_height(), fig.dpi)
+    blank = [a for artists, _ in parts.values() for a in artists if hasattr(a, "get_array") and _transparent(a)]
     last = getattr(fig, "qsa_drawn", None)
     if last is None or (last["size"], last["layout"], last["axes"]) != (size, fig.qsa_layout, fig.axes[:2]):
-        canvas.draw()
+        with _hidden(blank):
+            canvas.draw()
         return _remember(fig, canvas, parts, size, np.asarray(canvas.buffer_rgba()).copy())
     changed = [n for n, (_, state) in parts.items() if state is None or state != last["parts"][n][1]]
     old = [last["boxes"][n] for n in changed]
@@ -519,18 +522,12 @@ def _draw_changes(fig, canvas):
     out = [(artists, last["boxes"][n]) for n, (artists, _) in parts.items() if n not in changed]
     out = [(artists, box) for artists, box in out + [([a], b) for a, b in zip(last["static"], last["static boxes"])]
            if not any(_meets(box, o) for o in old)]
-    blank = [a for artists, _ in parts.values() for a in artists if hasattr(a, "get_array") and _transparent(a)]
-    hidden = [a for a in dict.fromkeys([a for artists, _ in out for a in artists] + blank) if a.get_visible()]
-    try:
-        for a in hidden:
-            a.set_visible(False)
+    with _hidden([a for artists, _ in out for a in artists] + blank):
         canvas.draw()
         new = [_box(parts[n][0], canvas.get_renderer()) for n in changed]
-    finally:
-        for a in hidden:
-            a.set_visible(True)
     if any(_meets(box, b) for _, box in out for b in new):
-        canvas.draw()    # a part grew into something left out: draw it all
+        with _hidden(blank):    # a part grew into something left out: draw it all
+            canvas.draw()
         return _remember(fig, canvas, parts, size, np.asarray(canvas.buffer_rgba()).copy())
     image, fresh = last["image"], np.asarray(canvas.buffer_rgba())
     height, width = image.shape[:2]
@@ -542,6 +539,19 @@ def _draw_changes(fig, canvas):
     return image
 
 
+@contextlib.contextmanager
+def _hidden(artists):
+    """The visible ones of `artists` hidden inside."""
+    hidden = [a for a in dict.fromkeys(artists) if a.get_visible()]
+    try:
+        for a in hidden:
+            a.set_visible(False)
+        yield
+    finally:
+        for a in hidden:
+            a.set_visible(True)
+
+
 def _remember(fig, canvas, parts, size, image):
     """After a full draw: what the next redraw compares with -> image."""
     renderer, static = canvas.get_renderer(), _static(fig)
@@ -550,6 +560,8 @@ def _remember(fig, canvas, parts, size, image):
                      "static": static, "static boxes": [_box([a], renderer) for a in static],
                      "repainted": None}   # None: drawn whole; else the parts the last redraw repainted
     return image
+
+
 def figures_dir() -> Path:
     """Where figures go (the one folder; see qsa_lab.export.figures_dir)."""
     from .export import figures_dir as where

@@ -100,6 +100,7 @@ def test_redrawn_image_equals_a_full_draw(pg):
     """A redraw repaints only the parts that changed, and the PNG on screen has exactly the
     pixels of a full draw of a new figure of the same data, after every kind of change (a
     new NaN map, colour bar, NaN dims, route counts; an amber overlay coming and going)."""
+    assert np.array_equal(shown(pg), pixels(W.render_playground(pg.last_data))[..., :3])   # the first draw
     repainted = []
     for change in ({"dims": "3,200"}, {"site": "random"}, {"seed": "4"}, {"nan_map": "grouped+pad_fix"},
                    {"site": "attended-k"}, {"site": "targeted"}, {"kernel_fix": False}, {"dims": "5"}):
