@@ -12,7 +12,9 @@ Why a redraw is fast: `RunCache` keeps, per geometry, the clean case, its plans 
 set of KV tokens each route can read; a new poison re-runs only the routes that read a
 byte the poison changed (usually the unfixed grouped route alone) and takes every other
 route's output from the clean case, which is bit-identical because those routes never
-read the changed bytes.
+read the changed bytes; the compute runs on one torch thread (one_cpu_thread). The new image
+repaints only the parts of the figure that changed (the NaN map, its dims, the counts that
+moved), pixel for pixel what a full draw gives (`_draw_changes`).
 """
 from __future__ import annotations
 
