@@ -411,9 +411,13 @@ def render_playground(data: dict, fig=None):
 def figure_png(fig) -> bytes:
     """The figure as PNG bytes at its own dpi: its pixels exactly as canvas.draw() makes them
     (a redraw of a figure drawn before repaints only what changed, see `_draw_changes`)."""
+    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    if getattr(fig, "qsa_layout", None) is None:   # not drawn by render_playground: nothing to compare with
+        canvas.draw()
+        return png_bytes(np.asarray(canvas.buffer_rgba())[..., :3])
     return png_bytes(_draw_changes(fig, canvas)[..., :3])
 
 

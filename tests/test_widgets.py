@@ -89,11 +89,23 @@ def test_widget_figure_equals_static_figure(pg):
     assert np.array_equal(pixels(pg.figure), pixels(again))
 
 
-def shown(pg):
+def decoded(png: bytes):
     from PIL import Image
     import io
 
-    return np.asarray(Image.open(io.BytesIO(pg.image.value)).convert("RGB"))
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def shown(pg):
+    return decoded(pg.image.value)
+
+
+def test_figure_png_of_any_figure_is_its_pixels():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3, 2), dpi=60)
+    fig.add_subplot().plot([0, 1, 2], [2, 0, 1], color="#ff0055")
+    assert np.array_equal(decoded(W.figure_png(fig)), pixels(fig)[..., :3])
 
 
 def test_redrawn_image_equals_a_full_draw(pg):
