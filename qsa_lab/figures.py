@@ -1,7 +1,7 @@
 """The figures of notebooks 01-05, written without Jupyter (`qsa-lab repro`, `make demo`).
 
 Each figure is built by the same figdata + plotting calls the notebooks make, then
-written by export.export_figure (PNG, SVG, PDF with metadata). The fix-cost figure (05) is
+rendered and written as export.export_figure does (PNG, SVG, PDF with metadata). The fix-cost figure (05) is
 drawn from the committed H200 timings (data/bench_h200.json, data/upstream_fix_cost_h200.json)
 and says so in its title and metadata, whatever machine draws it.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import figdata, fp8, plotting
-from .export import export_figure, figures_dir
+from .export import figures_dir, render_figure, save_rendered
 from .routes import RunResult
 
 
@@ -51,68 +51,105 @@ def fix_cost_figure(bench_path=figdata.BENCH_JSON, upstream_path=figdata.UPSTREA
                  "timings_from": source, "timings_gpu": doc.get("gpu", "")}
 
 
-def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = False) -> list[Path]:
-    """results: the list[RunResult] of repro.run_repro; table: its DataFrame (recomputed from
-    the results' route tables when absent); out_dir: default export.figures_dir().
-    -> paths written (3 per figure).
+#: the figures that need no repro results: `qsa-lab repro` draws them in a second process
+#: (qsa_lab.figworker) while this one runs the cases, when a core is idle
+INDEPENDENT = ("01_e4m3_code_table", "01_fp16_byte_nan_rates", "01_page0_byte_maps", "03_playground_default",
+               "05_fix_cost")
 
-    A figure identical to the one on disk keeps its files; a different one is numbered unless
-    overwrite (`make demo` passes --force to refresh its own figures).
-    """
+
+def figure_specs(results, table=None, backend: str = "none"):
+    """Every figure of write_repro_figures in the order it writes them: (name, draw), draw() ->
+    (Figure, meta). A figure whose data is absent is left out: with no results, exactly INDEPENDENT."""
     from matplotlib.figure import Figure
 
-    out_dir = Path(out_dir) if out_dir is not None else figures_dir()
-    results = list(results)
-    backend = results[0].backend if results else "none"
-    paths: list[Path] = []
-
-    def save(fig, name, case=""):
-        paths.extend(export_figure(fig, name, {"case": case, "backend": backend}, out_dir=out_dir,
-                                   overwrite=overwrite))
+    def of(fn, data, figsize, case=""):
+        return lambda: (_figure(fn, data() if callable(data) else data, figsize), {"case": case, "backend": backend})
 
     # 01: E4M3 and the null block
-    save(_figure(plotting.plot_code_table, fp8.code_table("e4m3"), (9, 8.5)), "01_e4m3_code_table", "e4m3 codes")
-    save(_figure(plotting.plot_byte_nan_rates, figdata.fp16_state_rates(), (7.5, 4)), "01_fp16_byte_nan_rates",
-         "fp16 state N(0, 0.5), 2^20 values")
-    maps = figdata.page_byte_maps()
-    fig = Figure(figsize=(15, 2.5 * -(-len(maps) // 2)), layout="constrained")
-    for d, ax in zip(maps, fig.subplots(-(-len(maps) // 2), 2).flat):
-        plotting.plot_page_bytes(d, ax=ax)
-    save(fig, "01_page0_byte_maps", "the page and plane each poison site writes")
+    yield "01_e4m3_code_table", of(plotting.plot_code_table, lambda: fp8.code_table("e4m3"), (9, 8.5), "e4m3 codes")
+    yield "01_fp16_byte_nan_rates", of(plotting.plot_byte_nan_rates, figdata.fp16_state_rates, (7.5, 4),
+                                       "fp16 state N(0, 0.5), 2^20 values")
+
+    def byte_maps():
+        maps = figdata.page_byte_maps()
+        fig = Figure(figsize=(15, 2.5 * -(-len(maps) // 2)), layout="constrained")
+        for d, ax in zip(maps, fig.subplots(-(-len(maps) // 2), 2).flat):
+            plotting.plot_page_bytes(d, ax=ax)
+        return fig, {"case": "the page and plane each poison site writes", "backend": backend}
+
+    yield "01_page0_byte_maps", byte_maps
 
     # 02: the report's decode-like case
     r = _pick(results, 19, "targeted")
     if r is not None:
         case = r.case.describe()
-        save(_figure(plotting.plot_plan, figdata.plan_table(r.plan, r.case), (9, 4)), "02_plan", case)
+        yield "02_plan", of(plotting.plot_plan, figdata.plan_table(r.plan, r.case), (9, 4), case)
         nm = figdata.nan_map(r, "grouped")
-        save(_figure(plotting.plot_nan_map, nm, (11, 0.045 * nm["values"].shape[0] + 1.6)), "02_nan_maps", case)
-        save(_figure(plotting.plot_attribution, figdata.attribution_map(r), (10, 2.8)), "02_attribution", case)
+        yield "02_nan_maps", of(plotting.plot_nan_map, nm, (11, 0.045 * nm["values"].shape[0] + 1.6), case)
+        yield "02_attribution", of(plotting.plot_attribution, figdata.attribution_map(r), (10, 2.8), case)
         rn = figdata.route_nans(r)
-        save(_figure(plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8)), "02_routes", case)
+        yield "02_routes", of(plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8), case)
 
     # 03: the playground's default view, drawn statically
-    from .widgets import Params, playground_data, render_playground
+    def playground():
+        from .widgets import Params, playground_data, render_playground
 
-    pd_ = playground_data(Params(backend=backend if backend in ("emulate", "cuda") else "emulate"))
-    save(render_playground(pd_), "03_playground_default", pd_["case"])
+        pd_ = playground_data(Params(backend=backend if backend in ("emulate", "cuda") else "emulate"))
+        return render_playground(pd_), {"case": pd_["case"], "backend": backend}
+
+    yield "03_playground_default", playground
 
     # 04: the differential table and the stale-tail finding
     if table is None and results:
         table = _table_from_results(results)
     if table is not None and len(table):
-        save(_figure(plotting.plot_repro_table, table, (14, 0.32 * len(table) + 1.4)), "04_repro_table",
-             f"{len(table)} repro cases")
+        yield "04_repro_table", of(plotting.plot_repro_table, table, (14, 0.32 * len(table) + 1.4),
+                                   f"{len(table)} repro cases")
     st = next((x for x in results if x.case.poison["site"] == "stale-tail"), None)
     if st is not None:
         rn = figdata.route_nans(st)
-        save(_figure(plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8)),
-             "04_stale_tail_routes", st.case.describe())
+        yield "04_stale_tail_routes", of(plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8),
+                                         st.case.describe())
 
     # 05: what the fix costs, from the committed H200 timings
     if figdata.BENCH_JSON.exists():
-        fig, meta = fix_cost_figure()
-        paths.extend(export_figure(fig, "05_fix_cost", meta, out_dir=out_dir, overwrite=overwrite))
+        yield "05_fix_cost", fix_cost_figure
+
+
+def render_specs(specs) -> dict:
+    """{name: export.Rendered} of (name, draw) pairs, drawn and rendered here, in their order."""
+    out = {}
+    for name, draw in specs:
+        fig, meta = draw()
+        out[name] = render_figure(fig, name, meta)
+    return out
+
+
+def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = False) -> list[Path]:
+    """results: the list[RunResult] of repro.run_repro; table: its DataFrame (recomputed from
+    the results' route tables when absent); out_dir: default export.figures_dir().
+    -> paths written (3 per figure).
+
+    Every figure is rendered before the first file is written; those of INDEPENDENT come from
+    the second process `qsa-lab repro` started (qsa_lab.figworker) when it answered with
+    figures of this backend, this code and this machine, else they are rendered here too.
+    A figure identical to the one on disk keeps its files; a different one is numbered unless
+    overwrite (`make demo` passes --force to refresh its own figures).
+    """
+    from . import figworker
+
+    out_dir = Path(out_dir) if out_dir is not None else figures_dir()
+    results = list(results)
+    backend = results[0].backend if results else "none"
+    specs = list(figure_specs(results, table, backend))
+    drawer = figworker.take(backend)
+    rendered = render_specs((n, d) for n, d in specs if drawer is None or n not in INDEPENDENT)
+    if drawer is not None:
+        rendered.update(drawer.collect())
+        rendered.update(render_specs((n, d) for n, d in specs if n not in rendered))   # what it did not draw
+    paths: list[Path] = []
+    for name, _ in specs:
+        paths.extend(save_rendered(rendered[name], out_dir, overwrite))
     return paths
 
 

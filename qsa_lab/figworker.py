@@ -1,0 +1,135 @@
+"""`qsa-lab repro`'s second process: `python -m qsa_lab.figworker` renders the figures that need
+no repro results (figures.INDEPENDENT: 01, 03, 05) while the command runs the cases.
+
+The command starts it before it imports torch, when a core is idle (procs.idle_core), so both
+imports run at once too; once the backend is known it sends ("draw", backend). The process
+renders each figure to bytes with the same code the command would run (figures.figure_specs,
+export.render_figure) and sends them back ("figure", Rendered) ... ("done",). It writes no
+file: the command writes every figure itself, in its own order, as without it. It ignores
+Ctrl-C (the command decides), prints nothing, and dies with the command (procs.die_with_parent).
+If it fails in any way, or answers for another backend, code or machine, the command renders
+those figures itself.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+from . import procs
+
+_SPARE = None     # the started process no write_repro_figures has taken yet
+
+
+class Drawer:
+    def __init__(self):
+        self.proc = procs.spawn("qsa_lab.figworker", stderr=subprocess.DEVNULL)
+        self.backend = None
+
+    def request(self, backend: str) -> None:
+        try:
+            procs.send(self.proc.stdin, ("draw", backend))
+            self.backend = backend
+        except (OSError, ValueError, pickle.PicklingError):
+            self.close()
+
+    def collect(self) -> dict:
+        """{name: export.Rendered} of the figures it rendered ({} if it failed); then it is ended."""
+        from .export import META_KEYS, full_meta
+
+        here = {k: v for k, v in full_meta(None).items() if k not in ("case", "backend")}
+        got = {}
+        while self.proc is not None:
+            try:
+                msg = procs.recv(self.proc.stdout)
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
+                msg = None
+            if msg is None or msg[0] != "figure":
+                if msg is None or msg[0] != "done":
+                    got = {}      # failed part-way: render them all here
+                break
+            r = msg[1]
+            if not set(META_KEYS) <= set(r.meta) or any(r.meta[k] != v for k, v in here.items()):
+                got = {}          # another commit, GPU or version than this process: not these bytes
+                break
+            got[r.name] = r
+        self.close()
+        return got
+
+    def close(self) -> None:
+        p, self.proc = self.proc, None
+        procs.end(p, wait=0)
+
+
+def start() -> Drawer | None:
+    """Start the second process now (a plain-Python caller, before torch is imported)."""
+    global _SPARE
+    close()
+    try:
+        _SPARE = Drawer()
+    except OSError:
+        _SPARE = None
+    return _SPARE
+
+
+def request(backend: str) -> None:
+    """Tell the started process the backend; it renders for the emulation only (a GPU run
+    would start CUDA a second time)."""
+    if _SPARE is not None:
+        if backend == "emulate":
+            _SPARE.request(backend)
+        else:
+            close()
+
+
+def take(backend: str) -> Drawer | None:
+    """The started process, asked for `backend`'s figures, for write_repro_figures (else None;
+    a started one is ended: one call takes it or none)."""
+    global _SPARE
+    spare, _SPARE = _SPARE, None
+    if spare is None or spare.proc is None:
+        return None
+    if spare.backend != backend:
+        spare.close()
+        return None
+    return spare
+
+
+def close() -> None:
+    global _SPARE
+    spare, _SPARE = _SPARE, None
+    if spare is not None:
+        spare.close()
+
+
+def main() -> int:
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)            # nothing it prints reaches the command's output
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    procs.die_with_parent()
+    import traceback
+
+    from . import figures       # matplotlib, torch: imported while the command imports its own
+
+    msg = procs.recv(proto_in)
+    if msg is None or msg[0] != "draw":
+        return 0
+    try:
+        specs = list(figures.figure_specs([], None, msg[1]))
+        for name, draw in specs:
+            procs.send(proto_out, ("figure", figures.render_specs([(name, draw)])[name]))
+        procs.send(proto_out, ("done",))
+    except BrokenPipeError:
+        return 0
+    except Exception:  # noqa: BLE001 - the command then renders these figures itself
+        procs.send(proto_out, ("error", traceback.format_exc()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
