@@ -37,7 +37,7 @@ class Drawer:
 
     def collect(self) -> dict:
         """{name: export.Rendered} of the figures it rendered ({} if it failed); then it is ended."""
-        from .export import META_KEYS, full_meta
+        from .export import META_KEYS, Rendered, full_meta
 
         here = {k: v for k, v in full_meta(None).items() if k not in ("case", "backend")}
         got = {}
@@ -46,13 +46,13 @@ class Drawer:
                 msg = procs.recv(self.proc.stdout)
             except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
                 msg = None
-            if msg is None or msg[0] != "figure":
-                if msg is None or msg[0] != "done":
-                    got = {}      # failed part-way: render them all here
+            if msg == ("done",):
                 break
-            r = msg[1]
-            if not set(META_KEYS) <= set(r.meta) or any(r.meta[k] != v for k, v in here.items()):
-                got = {}          # another commit, GPU or version than this process: not these bytes
+            r = msg[1] if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "figure" else None
+            # failed part-way, or drawn by another commit, GPU or version than this process: render them here
+            if not isinstance(r, Rendered) or not set(META_KEYS) <= set(r.meta) or \
+                    any(r.meta[k] != v for k, v in here.items()):
+                got = {}
                 break
             got[r.name] = r
         self.close()
