@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml setup.py scripts/choose_torch.py
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) scripts/choose_torch.py
 	$(PY) -m pip install -q -e ".[lab,test]"
+	@# bytecode for the package's modules now: an editable install has none, and where
+	@# PYTHONDONTWRITEBYTECODE is set every qsa-lab process would compile them again (~0.1 s)
+	$(PY) -m compileall -q qsa_lab
 	@touch $@
 	@echo "set-up done: $(RUN_HINT)"
 

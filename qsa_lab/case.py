@@ -222,7 +222,19 @@ def indexer_correlation(overlap: float, candidates: int, topk: int) -> float:
     if candidates <= topk or overlap >= 1.0:
         return 1.0                                  # every candidate is selected / identical queries
     n = min(candidates, CALIBRATION_BLOCKS)
-    return _calibrated_rho(float(overlap), n, max(1, round(topk * n / candidates)))
+    key = (float(overlap), n, max(1, round(topk * n / candidates)))
+    return CALIBRATED[key] if key in CALIBRATED else _calibrated_rho(*key)
+
+
+#: what _calibrated_rho returns for the presets' (overlap, sample blocks, selected), written down
+#: so that a preset's case skips the calibration (~0.3 s of CPU, a third of building the case);
+#: tests/test_calibration.py recomputes every entry and requires the same float
+CALIBRATED = {
+    (0.8, 509, 128): 0.9367017425935864,     # ctx 2048 presets
+    (0.8, 510, 128): 0.940593681452179,
+    (0.8, 2045, 512): 0.9388859849691219,    # ctx 8192: the report's cases
+    (0.8, 2046, 512): 0.9346212985496811,
+}
 
 
 @functools.lru_cache(maxsize=64)

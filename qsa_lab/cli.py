@@ -613,9 +613,24 @@ def main(argv=None) -> int:
 
     if argv is None:
         signals.install()
-        return _main(argv)
+        _leave(_main(argv))
     with signals.installed():
         return _main(argv)
+
+
+def _leave(code: int):
+    """End the program with `code` once its command is done: the atexit handlers run and stdout
+    and stderr are flushed, then os._exit skips the interpreter's teardown, which frees every
+    module and tensor one by one (0.5-1 s after a run with torch loaded) in a process that is
+    ending anyway. Every file a command writes is closed (and published) before it returns."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):   # a closed pipe (`| head`) is not an error here either
+            stream.flush()
+    os._exit(code)
 
 
 def _main(argv=None) -> int:
