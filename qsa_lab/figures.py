@@ -7,6 +7,8 @@ and says so in its title and metadata, whatever machine draws it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import figdata, fp8, plotting
@@ -51,24 +53,44 @@ def fix_cost_figure(bench_path=figdata.BENCH_JSON, upstream_path=figdata.UPSTREA
                  "timings_from": source, "timings_gpu": doc.get("gpu", "")}
 
 
-#: the figures that need no repro results: `qsa-lab repro` draws them in a second process
+#: the figures that need no repro results: `qsa-lab repro` renders them in a second process
 #: (qsa_lab.figworker) while this one runs the cases, when a core is idle
 INDEPENDENT = ("01_e4m3_code_table", "01_fp16_byte_nan_rates", "01_page0_byte_maps", "03_playground_default",
                "05_fix_cost")
+#: figures of the results that process renders too, once done with INDEPENDENT, while this one
+#: renders the others (02): about half of the results' rendering each
+HANDED = ("04_repro_table", "04_stale_tail_routes")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One figure to draw: fn(data, ax=) on a constrained Figure of `figsize`, with `meta`; or,
+    with figsize None, fn() -> (Figure, meta). Those of HANDED pickle (plotting function, data)."""
+    name: str
+    fn: Callable
+    data: object = None
+    figsize: tuple | None = None
+    meta: dict | None = None
+
+    def draw(self):
+        if self.figsize is None:
+            return self.fn()
+        return _figure(self.fn, self.data() if callable(self.data) else self.data, self.figsize), self.meta
 
 
 def figure_specs(results, table=None, backend: str = "none"):
-    """Every figure of write_repro_figures in the order it writes them: (name, draw), draw() ->
-    (Figure, meta). A figure whose data is absent is left out: with no results, exactly INDEPENDENT."""
+    """Every figure of write_repro_figures as a Spec, in the order it writes them. A figure whose
+    data is absent is left out: with no results, exactly INDEPENDENT."""
     from matplotlib.figure import Figure
 
-    def of(fn, data, figsize, case=""):
-        return lambda: (_figure(fn, data() if callable(data) else data, figsize), {"case": case, "backend": backend})
+    def spec(name, fn, data, figsize, case=""):
+        return Spec(name, fn, data, figsize, {"case": case, "backend": backend})
 
     # 01: E4M3 and the null block
-    yield "01_e4m3_code_table", of(plotting.plot_code_table, lambda: fp8.code_table("e4m3"), (9, 8.5), "e4m3 codes")
-    yield "01_fp16_byte_nan_rates", of(plotting.plot_byte_nan_rates, figdata.fp16_state_rates, (7.5, 4),
-                                       "fp16 state N(0, 0.5), 2^20 values")
+    yield spec("01_e4m3_code_table", plotting.plot_code_table, lambda: fp8.code_table("e4m3"), (9, 8.5),
+               "e4m3 codes")
+    yield spec("01_fp16_byte_nan_rates", plotting.plot_byte_nan_rates, figdata.fp16_state_rates, (7.5, 4),
+               "fp16 state N(0, 0.5), 2^20 values")
 
     def byte_maps():
         maps = figdata.page_byte_maps()
@@ -77,18 +99,18 @@ def figure_specs(results, table=None, backend: str = "none"):
             plotting.plot_page_bytes(d, ax=ax)
         return fig, {"case": "the page and plane each poison site writes", "backend": backend}
 
-    yield "01_page0_byte_maps", byte_maps
+    yield Spec("01_page0_byte_maps", byte_maps)
 
     # 02: the report's decode-like case
     r = _pick(results, 19, "targeted")
     if r is not None:
         case = r.case.describe()
-        yield "02_plan", of(plotting.plot_plan, figdata.plan_table(r.plan, r.case), (9, 4), case)
+        yield spec("02_plan", plotting.plot_plan, figdata.plan_table(r.plan, r.case), (9, 4), case)
         nm = figdata.nan_map(r, "grouped")
-        yield "02_nan_maps", of(plotting.plot_nan_map, nm, (11, 0.045 * nm["values"].shape[0] + 1.6), case)
-        yield "02_attribution", of(plotting.plot_attribution, figdata.attribution_map(r), (10, 2.8), case)
+        yield spec("02_nan_maps", plotting.plot_nan_map, nm, (11, 0.045 * nm["values"].shape[0] + 1.6), case)
+        yield spec("02_attribution", plotting.plot_attribution, figdata.attribution_map(r), (10, 2.8), case)
         rn = figdata.route_nans(r)
-        yield "02_routes", of(plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8), case)
+        yield spec("02_routes", plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8), case)
 
     # 03: the playground's default view, drawn statically
     def playground():
@@ -97,32 +119,29 @@ def figure_specs(results, table=None, backend: str = "none"):
         pd_ = playground_data(Params(backend=backend if backend in ("emulate", "cuda") else "emulate"))
         return render_playground(pd_), {"case": pd_["case"], "backend": backend}
 
-    yield "03_playground_default", playground
+    yield Spec("03_playground_default", playground)
 
     # 04: the differential table and the stale-tail finding
     if table is None and results:
         table = _table_from_results(results)
     if table is not None and len(table):
-        yield "04_repro_table", of(plotting.plot_repro_table, table, (14, 0.32 * len(table) + 1.4),
-                                   f"{len(table)} repro cases")
+        yield spec("04_repro_table", plotting.plot_repro_table, table, (14, 0.32 * len(table) + 1.4),
+                   f"{len(table)} repro cases")
     st = next((x for x in results if x.case.poison["site"] == "stale-tail"), None)
     if st is not None:
         rn = figdata.route_nans(st)
-        yield "04_stale_tail_routes", of(plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8),
-                                         st.case.describe())
+        yield spec("04_stale_tail_routes", plotting.plot_route_comparison, rn, (11, 0.42 * len(rn["routes"]) + 1.8),
+                   st.case.describe())
 
     # 05: what the fix costs, from the committed H200 timings
     if figdata.BENCH_JSON.exists():
-        yield "05_fix_cost", fix_cost_figure
+        yield Spec("05_fix_cost", fix_cost_figure)
 
 
-def render_specs(specs) -> dict:
-    """{name: export.Rendered} of (name, draw) pairs, drawn and rendered here, in their order."""
-    out = {}
-    for name, draw in specs:
-        fig, meta = draw()
-        out[name] = render_figure(fig, name, meta)
-    return out
+def render_spec(spec: Spec):
+    """-> export.Rendered: the bytes export_figure would write for this figure."""
+    fig, meta = spec.draw()
+    return render_figure(fig, spec.name, meta)
 
 
 def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = False) -> list[Path]:
@@ -130,11 +149,11 @@ def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = Fal
     the results' route tables when absent); out_dir: default export.figures_dir().
     -> paths written (3 per figure).
 
-    Every figure is rendered before the first file is written; those of INDEPENDENT come from
-    the second process `qsa-lab repro` started (qsa_lab.figworker) when it answered with
-    figures of this backend, this code and this machine, else they are rendered here too.
-    A figure identical to the one on disk keeps its files; a different one is numbered unless
-    overwrite (`make demo` passes --force to refresh its own figures).
+    Every figure is rendered before the first file is written. With the second process
+    `qsa-lab repro` started (qsa_lab.figworker), it renders INDEPENDENT and HANDED and this one
+    the others; what it did not answer with (figures of this backend, code and machine) is
+    rendered here too. A figure identical to the one on disk keeps its files; a different one
+    is numbered unless overwrite (`make demo` passes --force to refresh its own figures).
     """
     from . import figworker
 
@@ -143,13 +162,16 @@ def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = Fal
     backend = results[0].backend if results else "none"
     specs = list(figure_specs(results, table, backend))
     drawer = figworker.take(backend)
-    rendered = render_specs((n, d) for n, d in specs if drawer is None or n not in INDEPENDENT)
+    if drawer is not None:
+        drawer.hand([s for s in specs if s.name in HANDED])
+    theirs = INDEPENDENT + HANDED if drawer is not None else ()
+    rendered = {s.name: render_spec(s) for s in specs if s.name not in theirs}
     if drawer is not None:
         rendered.update(drawer.collect())
-        rendered.update(render_specs((n, d) for n, d in specs if n not in rendered))   # what it did not draw
+        rendered.update({s.name: render_spec(s) for s in specs if s.name not in rendered})  # what it did not render
     paths: list[Path] = []
-    for name, _ in specs:
-        paths.extend(save_rendered(rendered[name], out_dir, overwrite))
+    for s in specs:
+        paths.extend(save_rendered(rendered[s.name], out_dir, overwrite))
     return paths
 
 

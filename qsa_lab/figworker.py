@@ -4,8 +4,10 @@ no repro results (figures.INDEPENDENT: 01, 03, 05) while the command runs the ca
 The command starts it before it imports torch, when a core is idle (procs.idle_core), so both
 imports run at once too; once the backend is known it sends ("draw", backend). The process
 renders each figure to bytes with the same code the command would run (figures.figure_specs,
-export.render_figure) and sends them back ("figure", Rendered) ... ("done",). It writes no
-file: the command writes every figure itself, in its own order, as without it. It ignores
+export.render_figure) and sends them back ("figure", Rendered) ... ("done",); then, with
+("specs", [figures.Spec]), some figures of the results (figures.HANDED) while the command
+renders the others. It writes no file: the command writes every figure itself, in its own
+order, as without it. It ignores
 Ctrl-C (the command decides), prints nothing, and dies with the command (procs.die_with_parent).
 If it fails in any way, or answers for another backend, code or machine, the command renders
 those figures itself.
@@ -26,28 +28,39 @@ _SPARE = None     # the started process no write_repro_figures has taken yet
 class Drawer:
     def __init__(self):
         self.proc = procs.spawn("qsa_lab.figworker", stderr=subprocess.DEVNULL)
-        self.backend = None
+        self.backend, self.pending = None, 0
 
-    def request(self, backend: str) -> None:
+    def _send(self, msg) -> None:
         try:
-            procs.send(self.proc.stdin, ("draw", backend))
-            self.backend = backend
-        except (OSError, ValueError, pickle.PicklingError):
+            procs.send(self.proc.stdin, msg)
+            self.pending += 1       # each request is answered by its figures, then ("done",)
+        except (OSError, ValueError, AttributeError, pickle.PicklingError):
             self.close()
 
+    def request(self, backend: str) -> None:
+        """Render figures.INDEPENDENT for `backend`."""
+        self._send(("draw", backend))
+        self.backend = backend
+
+    def hand(self, specs: list) -> None:
+        """Render these figures.Spec too, after those."""
+        if specs and self.proc is not None:
+            self._send(("specs", specs))
+
     def collect(self) -> dict:
-        """{name: export.Rendered} of the figures it rendered ({} if it failed); then it is ended."""
+        """{name: export.Rendered} of every figure asked for ({} if it failed); then it is ended."""
         from .export import META_KEYS, Rendered, full_meta
 
         here = {k: v for k, v in full_meta(None).items() if k not in ("case", "backend")}
         got = {}
-        while self.proc is not None:
+        while self.proc is not None and self.pending:
             try:
                 msg = procs.recv(self.proc.stdout)
             except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
                 msg = None
             if msg == ("done",):
-                break
+                self.pending -= 1
+                continue
             r = msg[1] if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "figure" else None
             # failed part-way, or drawn by another commit, GPU or version than this process: render them here
             if not isinstance(r, Rendered) or not set(META_KEYS) <= set(r.meta) or \
@@ -116,19 +129,19 @@ def main() -> int:
 
     from . import figures       # matplotlib, torch: imported while the command imports its own
 
-    msg = procs.recv(proto_in)
-    if msg is None or msg[0] != "draw":
-        return 0
-    try:
-        specs = list(figures.figure_specs([], None, msg[1]))
-        for name, draw in specs:
-            procs.send(proto_out, ("figure", figures.render_specs([(name, draw)])[name]))
-        procs.send(proto_out, ("done",))
-    except BrokenPipeError:
-        return 0
-    except Exception:  # noqa: BLE001 - the command then renders these figures itself
-        procs.send(proto_out, ("error", traceback.format_exc()))
-    return 0
+    while True:
+        msg = procs.recv(proto_in)
+        if msg is None:         # the command is done with it: no teardown of torch and matplotlib
+            os._exit(0)
+        try:
+            specs = figures.figure_specs([], None, msg[1]) if msg[0] == "draw" else msg[1]
+            for spec in specs:
+                procs.send(proto_out, ("figure", figures.render_spec(spec)))
+            procs.send(proto_out, ("done",))
+        except BrokenPipeError:
+            os._exit(0)
+        except Exception:  # noqa: BLE001 - the command then renders these figures itself
+            procs.send(proto_out, ("error", traceback.format_exc()))
 
 
 if __name__ == "__main__":

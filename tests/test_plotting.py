@@ -182,7 +182,7 @@ def test_write_repro_figures(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
     # figures 01, 03 and 05 from the second process `qsa-lab repro` starts: the same files, byte for byte
     from qsa_lab import figworker
-    from qsa_lab.figures import INDEPENDENT
+    from qsa_lab.figures import HANDED, INDEPENDENT
 
     answered = []
     collect = figworker.Drawer.collect
@@ -194,7 +194,7 @@ def test_write_repro_figures(tmp_path):
     finally:
         figworker.Drawer.collect = collect
         figworker.close()
-    assert [sorted(a) for a in answered] == [sorted(INDEPENDENT)]        # it answered, and its figures were used
+    assert [sorted(a) for a in answered] == [sorted(INDEPENDENT + HANDED)]   # it answered; its figures were used
     assert [p.name for p in two] == [p.name for p in paths]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(paths, two))
 
@@ -338,6 +338,7 @@ def _fake_drawer(tmp_path, messages):
     d = figworker.Drawer.__new__(figworker.Drawer)
     d.proc = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(tmp_path / "answer")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
+    d.backend, d.pending = None, 0
     d.request("emulate")
     return d
 
@@ -356,6 +357,11 @@ def test_the_second_process_answer_is_used_only_whole_and_from_this_code(tmp_pat
                    [("figure", "not a figure"), ("done",)]):
         d = _fake_drawer(tmp_path, answer)
         assert d.collect() == {} and d.proc is None, answer
+    from qsa_lab.figures import Spec
+
+    d = _fake_drawer(tmp_path, [("figure", a), ("done",)])
+    d.hand([Spec("b", plotting.plot_plan)])                       # two requests, one answered
+    assert d.collect() == {} and d.proc is None
 
 
 def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, monkeypatch):
@@ -367,9 +373,9 @@ def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, m
         fig.add_subplot().plot([0, len(name)])
         return fig, {"case": name, "backend": "none"}
 
-    names = ["01_e4m3_code_table", "02_plan", "05_fix_cost"]
-    monkeypatch.setattr(figures, "figure_specs", lambda results, table, backend: [(n, lambda n=n: tiny(n))
-                                                                                  for n in names])
+    names = ["01_e4m3_code_table", "02_plan", "04_repro_table", "05_fix_cost"]
+    monkeypatch.setattr(figures, "figure_specs", lambda results, table, backend: [
+        figures.Spec(n, lambda n=n: tiny(n)) for n in names])
     figworker._SPARE = _fake_drawer(tmp_path, [("error", "Traceback ...")])
     figworker._SPARE.backend = "none"
     paths = figures.write_repro_figures([], tmp_path / "figs")
