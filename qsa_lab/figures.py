@@ -151,8 +151,7 @@ def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = Fal
 
     Every figure is rendered before the first file is written. With the second process
     `qsa-lab repro` started (qsa_lab.figworker), it renders INDEPENDENT and HANDED and this one
-    the others; what it did not answer with (figures of this backend, code and machine) is
-    rendered here too. A figure identical to the one on disk keeps its files; a different one
+    the others, then those it has not rendered yet, from the last one back (figworker.Drawer.collect). A figure identical to the one on disk keeps its files; a different one
     is numbered unless overwrite (`make demo` passes --force to refresh its own figures).
     """
     from . import figworker
@@ -162,13 +161,14 @@ def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = Fal
     backend = results[0].backend if results else "none"
     specs = list(figure_specs(results, table, backend))
     drawer = figworker.take(backend)
+    theirs = [s for s in specs if s.name in INDEPENDENT] if drawer is not None else []
     if drawer is not None:
-        drawer.hand([s for s in specs if s.name in HANDED])
-    theirs = INDEPENDENT + HANDED if drawer is not None else ()
-    rendered = {s.name: render_spec(s) for s in specs if s.name not in theirs}
+        handed = [s for s in specs if s.name in HANDED]
+        drawer.hand(handed)
+        theirs += handed
+    rendered = {s.name: render_spec(s) for s in specs if s.name not in {t.name for t in theirs}}
     if drawer is not None:
-        rendered.update(drawer.collect())
-        rendered.update({s.name: render_spec(s) for s in specs if s.name not in rendered})  # what it did not render
+        rendered.update(drawer.collect(theirs, render_spec))
     paths: list[Path] = []
     for s in specs:
         paths.extend(save_rendered(rendered[s.name], out_dir, overwrite))

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
+import threading
 
 from . import procs
 
@@ -26,14 +28,28 @@ _SPARE = None     # the started process no write_repro_figures has taken yet
 
 
 class Drawer:
-    def __init__(self):
-        self.proc = procs.spawn("qsa_lab.figworker", stderr=subprocess.DEVNULL)
-        self.backend, self.pending = None, 0
+    """The started process (proc: python -m qsa_lab.figworker unless given)."""
+
+    def __init__(self, proc: subprocess.Popen | None = None):
+        self.proc = proc or procs.spawn("qsa_lab.figworker", stderr=subprocess.DEVNULL)
+        self.backend = None
+        self.inbox = queue.Queue()    # its messages, read by a thread as they come; None: it ended
+        self.reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+        self.reader.start()
+
+    def _read(self, stream) -> None:
+        while True:
+            try:
+                msg = procs.recv(stream)
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
+                msg = None
+            self.inbox.put(msg)
+            if msg is None:
+                return
 
     def _send(self, msg) -> None:
         try:
             procs.send(self.proc.stdin, msg)
-            self.pending += 1       # each request is answered by its figures, then ("done",)
         except (OSError, ValueError, AttributeError, pickle.PicklingError):
             self.close()
 
@@ -47,29 +63,38 @@ class Drawer:
         if specs and self.proc is not None:
             self._send(("specs", specs))
 
-    def collect(self) -> dict:
-        """{name: export.Rendered} of every figure asked for ({} if it failed); then it is ended."""
+    def collect(self, specs: list, render) -> dict:
+        """{name: export.Rendered} of `specs`, the figures asked of it, in its order: its answers
+        as they come, while this process renders, from the last one back, those it has not
+        answered yet (render(spec)). If it fails in any way, or answers for another commit, GPU
+        or version than this process, none of its answers is used: every figure is rendered
+        here. Then it is ended."""
         from .export import META_KEYS, Rendered, full_meta
 
         here = {k: v for k, v in full_meta(None).items() if k not in ("case", "backend")}
-        got = {}
-        while self.proc is not None and self.pending:
-            try:
-                msg = procs.recv(self.proc.stdout)
-            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
-                msg = None
-            if msg == ("done",):
-                self.pending -= 1
-                continue
-            r = msg[1] if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "figure" else None
-            # failed part-way, or drawn by another commit, GPU or version than this process: render them here
-            if not isinstance(r, Rendered) or not set(META_KEYS) <= set(r.meta) or \
-                    any(r.meta[k] != v for k, v in here.items()):
-                got = {}
-                break
-            got[r.name] = r
+        theirs, mine, ok = {}, {}, self.proc is not None
+        left = list(specs)
+        while left:
+            while ok and left:
+                try:
+                    msg = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if msg == ("done",):
+                    continue
+                r = msg[1] if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "figure" else None
+                ok = isinstance(r, Rendered) and set(META_KEYS) <= set(r.meta) and \
+                    all(r.meta[k] == v for k, v in here.items())
+                if ok:
+                    theirs[r.name] = r
+                    left = [s for s in left if s.name != r.name]
+            if not ok:
+                theirs, left = {}, [s for s in specs if s.name not in mine]
+            if left:
+                s = left.pop()
+                mine[s.name] = render(s)
         self.close()
-        return got
+        return {**theirs, **mine}
 
     def close(self) -> None:
         p, self.proc = self.proc, None

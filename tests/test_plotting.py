@@ -180,21 +180,32 @@ def test_write_repro_figures(tmp_path):
     # one folder, and a second run leaves no numbered copies
     assert write_repro_figures(results, tmp_path, table=table) == paths
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
-    # figures 01, 03 and 05 from the second process `qsa-lab repro` starts: the same files, byte for byte
-    from qsa_lab import figworker
-    from qsa_lab.figures import HANDED, INDEPENDENT
+    # the second process `qsa-lab repro` starts renders 01, 03, 05 and 04: the one-process bytes
+    from qsa_lab import figures, figworker
 
-    answered = []
-    collect = figworker.Drawer.collect
-    figworker.Drawer.collect = lambda self: answered.append(collect(self)) or answered[-1]
+    drawer = figworker.start()
+    figworker.request("emulate")
+    drawer.hand([s for s in figures.figure_specs(results, table, "emulate") if s.name in figures.HANDED])
+    answers, want = [], set(figures.INDEPENDENT + figures.HANDED)
     try:
-        figworker.start()
-        figworker.request("emulate")
+        while want - {m[1].name for m in answers}:
+            m = drawer.inbox.get(timeout=600)
+            assert m is not None and m[0] in ("figure", "done"), m
+            answers += [m] if m[0] == "figure" else []
+    finally:
+        figworker.close()
+    one = {p.name: p.read_bytes() for p in paths}
+    assert all(blob == one[f"{m[1].name}.{f}"] for m in answers for f, blob in m[1].blobs.items())
+    # and write_repro_figures writes its answers, rendering only the others here
+    figworker._SPARE = _fake_drawer(tmp_path, answers, stay=True)   # gives those answers back
+    here = []
+    render = figures.render_spec
+    figures.render_spec = lambda spec: here.append(spec.name) or render(spec)
+    try:
         two = write_repro_figures(results, tmp_path / "two", table=table)
     finally:
-        figworker.Drawer.collect = collect
-        figworker.close()
-    assert [sorted(a) for a in answered] == [sorted(INDEPENDENT + HANDED)]   # it answered; its figures were used
+        figures.render_spec = render
+    assert sorted(here) == sorted(stems - want) and figworker._SPARE is None
     assert [p.name for p in two] == [p.name for p in paths]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(paths, two))
 
@@ -322,46 +333,64 @@ def test_plan_draws_no_bar_for_zero_on_log_scale():
     assert sum(t.get_text() == "0" for t in ax.texts) == 3  # but are still labelled
 
 
-FAKE_WORKER = "import sys; sys.stdin.buffer.read(8); sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())"
+FAKE_WORKER = ("import sys; sys.stdin.buffer.read(8); sys.stdout.buffer.write(open(sys.argv[1], 'rb').read()); "
+               "sys.stdout.flush(); sys.argv[2:] and sys.stdin.buffer.read()")
 
 
-def _fake_drawer(tmp_path, messages):
-    """A figworker.Drawer whose process answers the request with `messages` and exits."""
+def _fake_drawer(tmp_path, messages, stay=False):
+    """A figworker.Drawer whose process answers the request with `messages`, then exits (or,
+    with stay, waits for the end of its input); returned once its answer has been read."""
     import subprocess
     import sys
+    import time
 
     from qsa_lab import figworker, procs
 
     with open(tmp_path / "answer", "wb") as f:
         for m in messages:
             procs.send(f, m)
-    d = figworker.Drawer.__new__(figworker.Drawer)
-    d.proc = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(tmp_path / "answer")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE)
-    d.backend, d.pending = None, 0
+    d = figworker.Drawer(subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(tmp_path / "answer")]
+                                          + ["stay"] * stay, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
     d.request("emulate")
+    if not stay:
+        d.reader.join(60)
+    deadline = time.monotonic() + 60
+    while d.inbox.qsize() < len(messages) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return d
 
 
-def test_the_second_process_answer_is_used_only_whole_and_from_this_code(tmp_path):
+def test_the_second_process_answers_are_used_only_from_this_code_and_whole(tmp_path):
     from qsa_lab.export import Rendered, full_meta
+    from qsa_lab.figures import Spec
 
     meta = full_meta({"case": "c", "backend": "emulate"})
     a, b = (Rendered(n, meta, {"png": n.encode(), "svg": b"", "pdf": b""}) for n in ("a", "b"))
     other = Rendered("b", {**meta, "git_commit": "0" * 40}, b.blobs)
-    assert _fake_drawer(tmp_path, [("figure", a), ("figure", b), ("done",)]).collect() == {"a": a, "b": b}
+    specs = [Spec("a", plotting.plot_plan), Spec("b", plotting.plot_plan)]
+    rendered = []
+
+    def here(spec):
+        rendered.append(spec.name)
+        return ("here", spec.name)
+
+    d = _fake_drawer(tmp_path, [("figure", a), ("figure", b), ("done",)])
+    assert d.collect(specs, here) == {"a": a, "b": b} and rendered == [] and d.proc is None
     for answer in ([],                                            # ended before answering
                    [("figure", a)],                                # ended part-way
                    [("figure", a), ("error", "Traceback ...")],    # failed part-way
                    [("figure", a), ("figure", other), ("done",)],  # drawn by another commit
                    [("figure", "not a figure"), ("done",)]):
+        rendered.clear()
         d = _fake_drawer(tmp_path, answer)
-        assert d.collect() == {} and d.proc is None, answer
-    from qsa_lab.figures import Spec
-
-    d = _fake_drawer(tmp_path, [("figure", a), ("done",)])
-    d.hand([Spec("b", plotting.plot_plan)])                       # two requests, one answered
-    assert d.collect() == {} and d.proc is None
+        assert d.collect(specs, here) == {"a": ("here", "a"), "b": ("here", "b")}, answer    # every one here
+        assert sorted(rendered) == ["a", "b"] and d.proc is None
+    # a slow process: this one renders, from the last one back, what it has not answered yet
+    rendered.clear()
+    d = _fake_drawer(tmp_path, [("figure", a)], stay=True)
+    assert d.collect(specs + [Spec("c", plotting.plot_plan)], here) == {"a": a, "b": ("here", "b"),
+                                                                        "c": ("here", "c")}
+    assert rendered == ["c", "b"] and d.proc is None
 
 
 def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, monkeypatch):
