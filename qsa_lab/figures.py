@@ -1,9 +1,10 @@
 """The figures of notebooks 01-05, written without Jupyter (`qsa-lab repro`, `make demo`).
 
-Each figure is built by the same figdata + plotting calls the notebooks make, then
-rendered and written as export.export_figure does (PNG, SVG, PDF with metadata). The fix-cost figure (05) is
-drawn from the committed H200 timings (data/bench_h200.json, data/upstream_fix_cost_h200.json)
-and says so in its title and metadata, whatever machine draws it.
+Each figure is built by the same figdata + plotting calls the notebooks make, then rendered
+and written as export.export_figure does (PNG, SVG, PDF with metadata). The fix-cost figure
+(05) is drawn from the committed H200 timings (data/bench_h200.json,
+data/upstream_fix_cost_h200.json) and says so in its title and metadata, whatever machine
+draws it.
 """
 from __future__ import annotations
 
@@ -151,8 +152,10 @@ def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = Fal
 
     Every figure is rendered before the first file is written. With the second process
     `qsa-lab repro` started (qsa_lab.figworker), it renders INDEPENDENT and HANDED and this one
-    the others, then those it has not rendered yet, from the last one back (figworker.Drawer.collect). A figure identical to the one on disk keeps its files; a different one
-    is numbered unless overwrite (`make demo` passes --force to refresh its own figures).
+    the others, then those it has not rendered yet, from the last one back
+    (figworker.Drawer.collect). A figure identical to the one on disk keeps its files; a
+    different one is numbered unless overwrite (`make demo` passes --force to refresh its own
+    figures).
     """
     from . import figworker
 
