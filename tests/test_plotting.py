@@ -162,10 +162,15 @@ def test_export_lays_out_once_and_gives_the_figure_back(tmp_path):
     assert ax.get_position().bounds != fresh.axes[0].get_position().bounds   # and was laid out
 
 
-def test_write_repro_figures(tmp_path):
+def test_write_repro_figures(tmp_path, request):
+    from qsa_lab import figures, figworker
     from qsa_lab.figures import write_repro_figures
     from qsa_lab.repro import REPRO_CASES, run_repro
 
+    drawer = figworker.start()          # the second process `qsa-lab repro` starts, rendering beside this test
+    figworker.request("emulate")
+    figworker._SPARE = None             # taken by this test, not by write_repro_figures
+    request.addfinalizer(drawer.close)
     cases = [c for c in REPRO_CASES if c.report_key == "rows19-targeted" or c.poison.get("site") == "stale-tail"]
     table, results = run_repro(backend="emulate", cases=cases, progress=False, repeat=False,
                                geometry_overrides=dict(context=512, topk=32))
@@ -180,20 +185,13 @@ def test_write_repro_figures(tmp_path):
     # one folder, and a second run leaves no numbered copies
     assert write_repro_figures(results, tmp_path, table=table) == paths
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
-    # the second process `qsa-lab repro` starts renders 01, 03, 05 and 04: the one-process bytes
-    from qsa_lab import figures, figworker
-
-    drawer = figworker.start()
-    figworker.request("emulate")
+    # the second process renders 01, 03, 05 and 04: the one-process bytes
     drawer.hand([s for s in figures.figure_specs(results, table, "emulate") if s.name in figures.HANDED])
     answers, want = [], set(figures.INDEPENDENT + figures.HANDED)
-    try:
-        while want - {m[1].name for m in answers}:
-            m = drawer.inbox.get(timeout=600)
-            assert m is not None and m[0] in ("figure", "done"), m
-            answers += [m] if m[0] == "figure" else []
-    finally:
-        figworker.close()
+    while want - {m[1].name for m in answers}:
+        m = drawer.inbox.get(timeout=600)
+        assert m is not None and m[0] in ("figure", "done"), m
+        answers += [m] if m[0] == "figure" else []
     one = {p.name: p.read_bytes() for p in paths}
     assert all(blob == one[f"{m[1].name}.{f}"] for m in answers for f, blob in m[1].blobs.items())
     # and write_repro_figures writes its answers, rendering only the others here
