@@ -333,9 +333,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_repro(args) -> int:
-    from pathlib import Path
-
-    from .outputs import check_folder, check_output, writing
+    from .outputs import check_folder, check_output
 
     with _blame({}, "--out"):
         out = check_folder(args.out, "--out")
@@ -346,10 +344,25 @@ def cmd_repro(args) -> int:
     if not args.no_figures:
         with _blame({}, "--figures"):
             check_folder(args.figures, "--figures")
+    from . import figworker, procs
+
+    if not args.no_figures and args.backend != "cuda" and procs.idle_core():
+        figworker.start()   # figures 01, 03, 05 are rendered in a second process while this one runs the cases
+    try:
+        return _repro(args, out, files)
+    finally:
+        figworker.close()   # not taken (bad input found later, a GPU run, a failure): ended with the command
+
+
+def _repro(args, out, files: dict) -> int:
+    from pathlib import Path
+
+    from . import figworker
+    from .outputs import check_folder, writing
     from .routes import resolve_backend  # torch from here on
 
     with _blame({}, "--backend"):
-        resolve_backend(args.backend)
+        figworker.request(resolve_backend(args.backend))
     from .repro import run_repro
 
     table, results = run_repro(backend=args.backend, progress=not args.quiet)

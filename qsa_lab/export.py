@@ -17,6 +17,7 @@ import json
 import os
 import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from .outputs import check_folder, writing
@@ -103,10 +104,28 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
     written); if any differs and overwrite is False, the first free stem name-1, name-2, ... whose
     files are absent or identical is used instead (all three files share it).
     """
+    _check_name(name)
+    out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
+    return save_rendered(render_figure(fig, name, meta, dpi), out_dir, overwrite)
+
+
+def _check_name(name) -> None:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*", name):
         raise ValueError(f"name: must be a plain file stem ([A-Za-z0-9_.+-], not starting with '.': no hidden "
                          f"files), got {name!r}")
-    out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A figure's three files, not yet written: name, full metadata, format -> bytes."""
+    name: str
+    meta: dict
+    blobs: dict
+
+
+def render_figure(fig, name: str, meta: dict | None = None, dpi: int = 150) -> Rendered:
+    """The bytes export_figure writes for `fig` (the first half of it; save_rendered the second)."""
+    _check_name(name)
     m = full_meta(meta)
     blob = json.dumps(m, sort_keys=True)
     title = f"qsa_lab {name}"
@@ -117,16 +136,21 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
                        "Keywords": [f"{k}={v}" for k, v in m.items()]},
                "pdf": {"Title": title, "Subject": blob, "Creator": "qsa_lab", "CreationDate": None,
                        "Keywords": "; ".join(f"{k}={v}" for k, v in m.items())}}
-    blobs = _render(fig, meta_of, dpi)
+    return Rendered(name, m, _render(fig, meta_of, dpi))
+
+
+def save_rendered(r: Rendered, out_dir="figures", overwrite: bool = False) -> list[Path]:
+    """Write a rendered figure as export_figure does (reused, numbered or replaced) -> its paths."""
+    out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
     n = 0
     while True:
-        paths = _paths(out_dir, name, n or None)
-        if not overwrite and all(p.is_file() and not p.is_symlink() and p.read_bytes() == blobs[f]
+        paths = _paths(out_dir, r.name, n or None)
+        if not overwrite and all(p.is_file() and not p.is_symlink() and p.read_bytes() == r.blobs[f]
                                  for f, p in paths.items()):
             return list(paths.values())     # the same figure, already saved: no numbered copy
         if overwrite or not any(p.exists() or p.is_symlink() for p in paths.values()):
             try:
-                return _write_all(blobs, paths, overwrite)
+                return _write_all(r.blobs, paths, overwrite)
             except FileExistsError:
                 if overwrite:
                     raise

@@ -85,7 +85,7 @@ def test_the_cli_starts_it_only_with_a_core_to_spare(monkeypatch, capsys, others
     from qsa_lab.cli import main
 
     monkeypatch.setattr(overlap, "_others_running", lambda: others)      # besides the CLI itself, on 2 cores
-    monkeypatch.setattr(overlap.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(overlap.procs.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     seen = []
     start = overlap.start_overlap
     monkeypatch.setattr(overlap, "start_overlap", lambda: seen.append(start()) or seen[-1])

@@ -2,6 +2,9 @@
 return their Axes, and the exporter writes PNG/SVG/PDF with metadata without overwriting."""
 from __future__ import annotations
 
+import os
+import signal
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -159,10 +162,15 @@ def test_export_lays_out_once_and_gives_the_figure_back(tmp_path):
     assert ax.get_position().bounds != fresh.axes[0].get_position().bounds   # and was laid out
 
 
-def test_write_repro_figures(tmp_path):
+def test_write_repro_figures(tmp_path, request):
+    from qsa_lab import figures, figworker
     from qsa_lab.figures import write_repro_figures
     from qsa_lab.repro import REPRO_CASES, run_repro
 
+    drawer = figworker.start()          # the second process `qsa-lab repro` starts, rendering beside this test
+    figworker.request("emulate")
+    figworker._SPARE = None             # taken by this test, not by write_repro_figures
+    request.addfinalizer(drawer.close)
     cases = [c for c in REPRO_CASES if c.report_key == "rows19-targeted" or c.poison.get("site") == "stale-tail"]
     table, results = run_repro(backend="emulate", cases=cases, progress=False, repeat=False,
                                geometry_overrides=dict(context=512, topk=32))
@@ -177,6 +185,27 @@ def test_write_repro_figures(tmp_path):
     # one folder, and a second run leaves no numbered copies
     assert write_repro_figures(results, tmp_path, table=table) == paths
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
+    # the second process renders 01, 03, 05 and 04: the one-process bytes
+    drawer.hand([s for s in figures.figure_specs(results, table, "emulate") if s.name in figures.HANDED])
+    answers, want = [], set(figures.INDEPENDENT + figures.HANDED)
+    while want - {m[1].name for m in answers}:
+        m = drawer.inbox.get(timeout=600)
+        assert m is not None and m[0] in ("figure", "done"), m
+        answers += [m] if m[0] == "figure" else []
+    one = {p.name: p.read_bytes() for p in paths}
+    assert all(blob == one[f"{m[1].name}.{f}"] for m in answers for f, blob in m[1].blobs.items())
+    # and write_repro_figures writes its answers, rendering only the others here
+    figworker._SPARE = _fake_drawer(tmp_path, answers, stay=True)   # gives those answers back
+    here = []
+    render = figures.render_spec
+    figures.render_spec = lambda spec: here.append(spec.name) or render(spec)
+    try:
+        two = write_repro_figures(results, tmp_path / "two", table=table)
+    finally:
+        figures.render_spec = render
+    assert sorted(here) == sorted(stems - want) and figworker._SPARE is None
+    assert [p.name for p in two] == [p.name for p in paths]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(paths, two))
 
 
 def overlapping_texts(fig) -> list:
@@ -300,3 +329,181 @@ def test_plan_draws_no_bar_for_zero_on_log_scale():
     heights = [p.get_height() for p in ax.patches if np.isfinite(p.get_height())]
     assert sorted(heights) == [4, 7, 12, 30, 40]          # the three zeros drew nothing
     assert sum(t.get_text() == "0" for t in ax.texts) == 3  # but are still labelled
+
+
+FAKE_WORKER = ("import sys; sys.stdin.buffer.read(8); sys.stdout.buffer.write(open(sys.argv[1], 'rb').read()); "
+               "sys.stdout.flush(); sys.argv[2:] and sys.stdin.buffer.read()")
+
+
+def _fake_drawer(tmp_path, messages, stay=False):
+    """A figworker.Drawer whose process answers the request with `messages`, then exits (or,
+    with stay, waits for the end of its input); returned once its answer has been read."""
+    import subprocess
+    import sys
+    import time
+
+    from qsa_lab import figworker, procs
+
+    with open(tmp_path / "answer", "wb") as f:
+        for m in messages:
+            procs.send(f, m)
+    d = figworker.Drawer(subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(tmp_path / "answer")]
+                                          + ["stay"] * stay, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+    d.request("emulate")
+    if not stay:
+        d.reader.join(60)
+    deadline = time.monotonic() + 60
+    while d.inbox.qsize() < len(messages) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return d
+
+
+def test_the_second_process_answers_are_used_only_from_this_code_and_whole(tmp_path):
+    from qsa_lab.export import Rendered, full_meta
+    from qsa_lab.figures import Spec
+
+    meta = full_meta({"case": "c", "backend": "emulate"})
+    a, b = (Rendered(n, meta, {"png": n.encode(), "svg": b"", "pdf": b""}) for n in ("a", "b"))
+    other = Rendered("b", {**meta, "git_commit": "0" * 40}, b.blobs)
+    specs = [Spec("a", plotting.plot_plan), Spec("b", plotting.plot_plan)]
+    rendered = []
+
+    def here(spec):
+        rendered.append(spec.name)
+        return ("here", spec.name)
+
+    d = _fake_drawer(tmp_path, [("figure", a), ("figure", b), ("done",)])
+    assert d.collect(specs, here) == {"a": a, "b": b} and rendered == [] and d.proc is None
+    for answer in ([],                                            # ended before answering
+                   [("figure", a)],                                # ended part-way
+                   [("figure", a), ("error", "Traceback ...")],    # failed part-way
+                   [("figure", a), ("figure", other), ("done",)],  # drawn by another commit
+                   [("figure", "not a figure"), ("done",)]):
+        rendered.clear()
+        d = _fake_drawer(tmp_path, answer)
+        assert d.collect(specs, here) == {"a": ("here", "a"), "b": ("here", "b")}, answer    # every one here
+        assert sorted(rendered) == ["a", "b"] and d.proc is None
+    # a slow process: this one renders, from the last one back, what it has not answered yet
+    rendered.clear()
+    d = _fake_drawer(tmp_path, [("figure", a)], stay=True)
+    assert d.collect(specs + [Spec("c", plotting.plot_plan)], here) == {"a": a, "b": ("here", "b"),
+                                                                        "c": ("here", "c")}
+    assert rendered == ["c", "b"] and d.proc is None
+
+
+def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, monkeypatch):
+    """A second process that failed: every figure rendered here, the bytes export_figure writes."""
+    from qsa_lab import figures, figworker
+
+    def tiny(name):
+        fig = Figure(figsize=(2, 2))
+        fig.add_subplot().plot([0, len(name)])
+        return fig, {"case": name, "backend": "none"}
+
+    names = ["01_e4m3_code_table", "02_plan", "04_repro_table", "05_fix_cost"]
+    monkeypatch.setattr(figures, "figure_specs", lambda results, table, backend: [
+        figures.Spec(n, lambda n=n: tiny(n)) for n in names])
+    figworker._SPARE = _fake_drawer(tmp_path, [("error", "Traceback ...")])
+    figworker._SPARE.backend = "none"
+    paths = figures.write_repro_figures([], tmp_path / "figs")
+    assert figworker._SPARE is None and [p.name for p in paths[::3]] == [f"{n}.png" for n in names]
+    for n, p in zip(names, paths[::3]):
+        assert p.read_bytes() == export_figure(tiny(n)[0], n, tiny(n)[1], out_dir=tmp_path / "direct")[0].read_bytes()
+
+
+@pytest.mark.parametrize("argv,idle,started", [([], True, True), ([], False, False),
+                                               (["--no-figures"], True, False), (["--backend", "cuda"], True, False)])
+def test_repro_starts_the_second_process_only_for_figures_and_an_idle_core(monkeypatch, tmp_path, argv, idle,
+                                                                            started):
+    from qsa_lab import cli, figworker, procs
+
+    monkeypatch.setattr(procs, "idle_core", lambda others=None: idle)
+    seen = []
+    monkeypatch.setattr(cli, "_repro", lambda args, out, files: seen.append(figworker._SPARE) or 0)
+    assert cli.main(["repro", "--out", str(tmp_path / "r"), "--figures", str(tmp_path / "f"), *argv]) == 0
+    assert (seen[0] is not None) == started and figworker._SPARE is None    # ended with the command
+    if started:
+        assert seen[0].proc is None
+
+
+SIGNAL_WRAPPER = r'''
+import runpy, sys, time
+import qsa_lab.figworker as fw, qsa_lab.outputs as outputs, qsa_lab.procs as procs
+mode, argv = sys.argv[1], sys.argv[2:]
+procs.idle_core = lambda others=None: True        # a core to spare, whatever the test machine runs
+start = fw.start
+def started():
+    d = start()
+    sys.stderr.write(f"PID {d.proc.pid}\n")
+    return d
+fw.start = started
+
+def mark(text):
+    sys.stderr.write(f"MARK {text}\n")
+    sys.stderr.flush()
+
+import qsa_lab.repro as repro        # one small case (the full table takes minutes)
+real = repro.run_repro
+def small(backend="auto", progress=True):
+    kw = dict(cases=repro.REPRO_CASES[:1], progress=False, repeat=False,
+              geometry_overrides=dict(context=256, topk=16, head_dim=32))
+    if mode == "compute":            # the second process is rendering: the signal comes now
+        mark("computing")
+        while True:
+            real(backend=backend, **kw)
+    return real(backend=backend, **kw)
+repro.run_repro = small
+if mode == "write":                  # a figure's temporary file, written whole, waits to be published
+    def publish(tmp, path, force, arg):
+        mark(f"writing {tmp}")
+        while True:
+            time.sleep(0.05)
+    outputs._publish = publish
+sys.argv = ["qsa-lab", *argv]
+runpy.run_module("qsa_lab", run_name="__main__", alter_sys=True)
+'''
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("mode,signum,code,line", [
+    ("compute", signal.SIGINT, 130, "qsa-lab: interrupted"),
+    ("compute", signal.SIGTERM, 143, "qsa-lab: terminated (SIGTERM)"),
+    ("write", signal.SIGTERM, 143, "qsa-lab: terminated (SIGTERM)")])
+def test_a_signal_ends_repro_and_its_second_process_and_publishes_nothing(tmp_path, mode, signum, code, line):
+    import subprocess
+    import sys
+    import time
+
+    def default_signals():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    p = subprocess.Popen([sys.executable, "-c", SIGNAL_WRAPPER, mode, "repro", "--backend", "emulate", "--out",
+                          "results", "--figures", "figures", "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    try:
+        pid = None
+        for ln in iter(p.stderr.readline, ""):
+            pid = int(ln.split()[1]) if ln.startswith("PID") else pid
+            if ln.startswith("MARK"):
+                break
+        assert pid is not None and p.poll() is None, "no second process, or no marker"
+        p.send_signal(signum)
+        out, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert (p.returncode, err.splitlines()) == (code, [line]), err
+    deadline = time.monotonic() + 60
+    while not _ended(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ended(pid), "the second process outlived the command"
+    left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file())
+    assert not any(".tmp" in f or f.startswith("results") for f in left), left

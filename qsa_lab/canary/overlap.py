@@ -4,56 +4,19 @@ before it imports torch, so that both imports run at once on two cores).
 """
 from __future__ import annotations
 
-import os
 import pickle
-import struct
 import subprocess
-import sys
-from pathlib import Path
 
-
-def send(stream, obj) -> None:
-    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<Q", len(blob)) + blob)
-    stream.flush()
-
-
-def recv(stream):
-    """From a blocking binary stream (the worker side); None at EOF."""
-    head = stream.read(8)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    return pickle.loads(stream.read(n))
+from .. import procs
+from ..procs import recv, send  # noqa: F401 - the worker's protocol
 
 
 def _spawn(*args: str) -> subprocess.Popen:
     """python -m qsa_lab.canary.worker [args], its stdin / stdout the request / reply pipes."""
-    import qsa_lab
-
-    env = dict(os.environ)
-    root = str(Path(qsa_lab.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.Popen([sys.executable, "-m", "qsa_lab.canary.worker", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
+    return procs.spawn("qsa_lab.canary.worker", *args)
 
 
-def _end(p: subprocess.Popen | None, wait: float = 2) -> None:
-    if p is None:
-        return
-    if p.poll() is None:
-        try:
-            p.stdin.close()          # a worker waiting for a request exits at EOF
-            p.wait(timeout=wait)
-        except (OSError, subprocess.TimeoutExpired):
-            p.kill()
-            p.wait()
-    for s in (p.stdin, p.stdout):
-        try:
-            s.close()
-        except OSError:
-            pass
+_end = procs.end
 
 
 # -- the slow built-in kernels beside the others ---------------------------------------------------
@@ -107,28 +70,12 @@ class Overlap:
         _end(p, wait=0.5 if self.used else 0)     # an unused one is still importing: kill it
 
 
-def _others_running() -> float:
-    """Processes running or waiting for a core now, this one not counted (Linux: /proc/loadavg;
-    elsewhere the load average of the last minute)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0]) - 1
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return float("inf")
+_others_running = procs.others_running
 
 
 def idle_core() -> bool:
-    """Is a core free for the second process, beside this one and whatever else runs now? On a
-    busy machine it would only add its own import of torch to the work."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return _others_running() <= cores - 2
+    """Is a core free for the second process (procs.idle_core)?"""
+    return procs.idle_core(_others_running())
 
 
 def start_overlap() -> Overlap | None:

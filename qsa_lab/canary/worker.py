@@ -11,14 +11,7 @@ import os
 import signal
 import sys
 
-
-def _die_with_parent() -> None:
-    try:  # Linux: SIGKILL this worker when the canary's process goes away
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+from ..procs import die_with_parent
 
 
 def main() -> int:
@@ -28,7 +21,7 @@ def main() -> int:
     os.dup2(null, 0)
     os.dup2(2, 1)               # whatever the kernel prints goes to stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
 
     from .execution import Outcome, call_kernel, load_kernel, recv, send
 

@@ -1,0 +1,173 @@
+"""`qsa-lab repro`'s second process: `python -m qsa_lab.figworker` renders the figures that need
+no repro results (figures.INDEPENDENT: 01, 03, 05) while the command runs the cases.
+
+The command starts it before it imports torch, when a core is idle (procs.idle_core), so both
+imports run at once too; once the backend is known it sends ("draw", backend). The process
+renders each figure to bytes with the same code the command would run (figures.figure_specs,
+export.render_figure) and sends them back ("figure", Rendered) ... ("done",); then, with
+("specs", [figures.Spec]), some figures of the results (figures.HANDED) while the command
+renders the others. It writes no file: the command writes every figure itself, in its own
+order, as without it. It ignores
+Ctrl-C (the command decides), prints nothing, and dies with the command (procs.die_with_parent).
+If it fails in any way, or answers for another backend, code or machine, the command renders
+those figures itself.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+from . import procs
+
+_SPARE = None     # the started process no write_repro_figures has taken yet
+
+
+class Drawer:
+    """The started process (proc: python -m qsa_lab.figworker unless given)."""
+
+    def __init__(self, proc: subprocess.Popen | None = None):
+        self.proc = proc or procs.spawn("qsa_lab.figworker", stderr=subprocess.DEVNULL)
+        self.backend = None
+        self.inbox = queue.Queue()    # its messages, read by a thread as they come; None: it ended
+        self.reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+        self.reader.start()
+
+    def _read(self, stream) -> None:
+        while True:
+            try:
+                msg = procs.recv(stream)
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
+                msg = None
+            self.inbox.put(msg)
+            if msg is None:
+                return
+
+    def _send(self, msg) -> None:
+        try:
+            procs.send(self.proc.stdin, msg)
+        except (OSError, ValueError, AttributeError, pickle.PicklingError):
+            self.close()
+
+    def request(self, backend: str) -> None:
+        """Render figures.INDEPENDENT for `backend`."""
+        self._send(("draw", backend))
+        self.backend = backend
+
+    def hand(self, specs: list) -> None:
+        """Render these figures.Spec too, after those."""
+        if specs and self.proc is not None:
+            self._send(("specs", specs))
+
+    def collect(self, specs: list, render) -> dict:
+        """{name: export.Rendered} of `specs`, the figures asked of it, in its order: its answers
+        as they come, while this process renders, from the last one back, those it has not
+        answered yet (render(spec)). If it fails in any way, or answers for another commit, GPU
+        or version than this process, none of its answers is used: every figure is rendered
+        here. Then it is ended."""
+        from .export import META_KEYS, Rendered, full_meta
+
+        here = {k: v for k, v in full_meta(None).items() if k not in ("case", "backend")}
+        theirs, mine, ok = {}, {}, self.proc is not None
+        left = list(specs)
+        while left:
+            while ok and left:
+                try:
+                    msg = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if msg == ("done",):
+                    continue
+                r = msg[1] if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "figure" else None
+                ok = isinstance(r, Rendered) and set(META_KEYS) <= set(r.meta) and \
+                    all(r.meta[k] == v for k, v in here.items())
+                if ok:
+                    theirs[r.name] = r
+                    left = [s for s in left if s.name != r.name]
+            if not ok:
+                theirs, left = {}, [s for s in specs if s.name not in mine]
+            if left:
+                s = left.pop()
+                mine[s.name] = render(s)
+        self.close()
+        return {**theirs, **mine}
+
+    def close(self) -> None:
+        p, self.proc = self.proc, None
+        procs.end(p, wait=0)
+
+
+def start() -> Drawer | None:
+    """Start the second process now (a plain-Python caller, before torch is imported)."""
+    global _SPARE
+    close()
+    try:
+        _SPARE = Drawer()
+    except OSError:
+        _SPARE = None
+    return _SPARE
+
+
+def request(backend: str) -> None:
+    """Tell the started process the backend; it renders for the emulation only (a GPU run
+    would start CUDA a second time)."""
+    if _SPARE is not None:
+        if backend == "emulate":
+            _SPARE.request(backend)
+        else:
+            close()
+
+
+def take(backend: str) -> Drawer | None:
+    """The started process, asked for `backend`'s figures, for write_repro_figures (else None;
+    a started one is ended: one call takes it or none)."""
+    global _SPARE
+    spare, _SPARE = _SPARE, None
+    if spare is None or spare.proc is None:
+        return None
+    if spare.backend != backend:
+        spare.close()
+        return None
+    return spare
+
+
+def close() -> None:
+    global _SPARE
+    spare, _SPARE = _SPARE, None
+    if spare is not None:
+        spare.close()
+
+
+def main() -> int:
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)            # nothing it prints reaches the command's output
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    procs.die_with_parent()
+    import traceback
+
+    from . import figures       # matplotlib, torch: imported while the command imports its own
+
+    while True:
+        msg = procs.recv(proto_in)
+        if msg is None:         # the command is done with it: no teardown of torch and matplotlib
+            os._exit(0)
+        try:
+            specs = figures.figure_specs([], None, msg[1]) if msg[0] == "draw" else msg[1]
+            for spec in specs:
+                procs.send(proto_out, ("figure", figures.render_spec(spec)))
+            procs.send(proto_out, ("done",))
+        except BrokenPipeError:
+            os._exit(0)
+        except Exception:  # noqa: BLE001 - the command then renders these figures itself
+            procs.send(proto_out, ("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

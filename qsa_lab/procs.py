@@ -1,0 +1,97 @@
+"""A second Python process beside a command, started before the command imports torch: the
+length-prefixed pickles on its pipes, whether a core is idle for it, and ending it with its
+parent. Plain Python only (no torch): `qsa-lab canary --overlap` and `qsa-lab repro`'s figure
+process (qsa_lab.figworker) use it before their imports.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+
+def send(stream, obj) -> None:
+    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(blob)) + blob)
+    stream.flush()
+
+
+def recv(stream):
+    """From a blocking binary stream; None at EOF."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(stream.read(n))
+
+
+def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:
+    """python -m module [args] with this qsa_lab first on its path; its stdin / stdout the
+    request / reply pipes."""
+    import qsa_lab
+
+    env = dict(os.environ)
+    root = str(Path(qsa_lab.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=stderr, env=env)
+
+
+def end(p: subprocess.Popen | None, wait: float = 2) -> None:
+    """End a spawned process: EOF on its stdin (a worker waiting for a request exits), killed
+    after `wait` seconds (at once with wait=0)."""
+    if p is None:
+        return
+    if p.poll() is None:
+        try:
+            p.stdin.close()
+            p.wait(timeout=wait)
+        except (OSError, subprocess.TimeoutExpired):
+            p.kill()
+            p.wait()
+    for s in (p.stdin, p.stdout):
+        try:
+            s.close()
+        except OSError:
+            pass
+
+
+def others_running() -> float:
+    """Processes running or waiting for a core now, this one not counted (Linux: /proc/loadavg;
+    elsewhere the load average of the last minute)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("inf")
+
+
+def idle_core(others: float | None = None) -> bool:
+    """Is a core free for a second process, beside this one and whatever else runs now
+    (`others`: default others_running())? On a busy machine it would only add its own imports
+    to the work."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return (others_running() if others is None else others) <= cores - 2
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent goes away (a signal ends the command with
+    os._exit, which ends no child); elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
