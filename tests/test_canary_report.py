@@ -25,6 +25,17 @@ def run(*args, timeout=900):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
+def in_process(capsys, module, *argv):
+    """`python -m module *argv` called in this process (its main(argv), exit code as returned):
+    what the command prints and returns, without a second torch import."""
+    from importlib import import_module
+
+    capsys.readouterr()
+    code = import_module(module).main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([module, *argv], code, out, err)
+
+
 @pytest.fixture(scope="module")
 def window_report(tmp_path_factory):
     case = canary_case("fp16", attend="window:8", **GQA)
@@ -62,32 +73,33 @@ def test_each_leaking_cell_gets_its_smallest_call_one_poisoned_slot(window_repor
         assert f"python -m qsa_lab.canary.replay {f}" in (out / "report.md").read_text()
 
 
-def test_the_replay_command_recreates_the_nan_and_a_masked_kernel_is_clean(window_report):
+def test_the_replay_command_recreates_the_nan_and_a_masked_kernel_is_clean(window_report, capsys):
     _, out = window_report
     call = next((out / "calls").glob("*out-of-window__v__nan.safetensors"))
-    leaked = run("-m", "qsa_lab.canary.replay", str(call))
+    leaked = run("-m", "qsa_lab.canary.replay", str(call))    # the command the report prints, in a fresh process
     assert leaked.returncode == 1, leaked.stderr
     assert "control 0 NaN; poisoned" in leaked.stdout and "verdict nan-leak" in leaked.stdout
     nan = int(leaked.stdout.split("poisoned ")[1].split(" NaN")[0])
     assert nan > 0
-    fixed = run("-m", "qsa_lab.canary.replay", str(call), "--kernel", MASKED)
+    fixed = in_process(capsys, "qsa_lab.canary.replay", str(call), "--kernel", MASKED)
     assert fixed.returncode == 0 and "poisoned 0 NaN, 0 Inf, 0 finite changed" in fixed.stdout, fixed.stdout
-    bad = run("-m", "qsa_lab.canary.replay", str(out / "canary.json"))
+    bad = in_process(capsys, "qsa_lab.canary.replay", str(out / "canary.json"))
     assert bad.returncode == 2 and "replay: error: path:" in bad.stderr
 
 
-def test_cli_report_on_a_qsa_route_writes_replayable_calls(tmp_path):
+def test_cli_report_on_a_qsa_route_writes_replayable_calls(tmp_path, capsys):
     out = tmp_path / "grouped"
-    r = run("-m", "qsa_lab", "canary", "--kernels", "qsa:grouped", "--backend", "emulate", "--payloads", "nan",
-            "--report", str(out))
+    r = in_process(capsys, "qsa_lab.cli", "canary", "--kernels", "qsa:grouped", "--backend", "emulate",
+                   "--payloads", "nan", "--report", str(out))
     assert r.returncode == 1, r.stderr                       # the canary's exit code for a leak
     md = (out / "report.md").read_text()
     assert "qsa:grouped" in md and "nan-leak" in md
     call = sorted((out / "calls").glob("qsa_grouped__*__v__nan.safetensors"))
     assert call, sorted(p.name for p in (out / "calls").iterdir())
-    replay = run("-m", "qsa_lab.canary.replay", str(call[0]), "--backend", "emulate")
+    replay = in_process(capsys, "qsa_lab.canary.replay", str(call[0]), "--backend", "emulate")
     assert replay.returncode == 1 and "verdict nan-leak" in replay.stdout, replay.stdout + replay.stderr
-    again = run("-m", "qsa_lab", "canary", "--kernels", "qsa:grouped", "--backend", "emulate", "--report", str(out))
+    again = in_process(capsys, "qsa_lab.cli", "canary", "--kernels", "qsa:grouped", "--backend", "emulate",
+                       "--report", str(out))
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith(
         "qsa-lab: error: --report:") and "--force" in again.stderr
 

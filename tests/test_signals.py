@@ -116,6 +116,7 @@ def test_repro_interrupted_mid_write_publishes_neither_table(tmp_path):
 def test_an_ignored_hangup_stays_ignored(tmp_path):
     """nohup: SIGHUP ignored before the process starts stays ignored (the run completes)."""
     def ignore_hup():
+        _default_signals()                               # Ctrl-C at its default, whatever the runner passed on
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     p = subprocess.Popen([sys.executable, "-c", WRAPPER, "compute", "diff", *TINY], cwd=tmp_path,
