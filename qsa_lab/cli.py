@@ -272,6 +272,8 @@ def cmd_diff(args) -> int:
 
     with _blame({}, "--backend"):
         backend = resolve_backend(args.backend, geometry)
+    if backend == "emulate":
+        _fit_threads()
     if saved is None and not 0 <= args.poison_seed < 1 << 63:  # cheap poison checks before any work starts
         raise UsageError(f"--poison-seed: must be in 0..{(1 << 63) - 1}, got {args.poison_seed}")
     if saved is None and args.dims is not None:
@@ -362,7 +364,10 @@ def _repro(args, out, files: dict) -> int:
     from .routes import resolve_backend  # torch from here on
 
     with _blame({}, "--backend"):
-        figworker.request(resolve_backend(args.backend))
+        backend = resolve_backend(args.backend)
+    figworker.request(backend)
+    if backend == "emulate":
+        _fit_threads(started=figworker.running())   # the second process holds a core of its own
     from .repro import run_repro
 
     table, results = run_repro(backend=args.backend, progress=not args.quiet)
@@ -611,11 +616,25 @@ def main(argv=None) -> int:
     the handler stays until the interpreter exits, in-process the caller's handlers come back."""
     from . import signals
 
+    global _PROGRAM
     if argv is None:
         signals.install()
+        _PROGRAM = True
         _leave(_main(argv))
     with signals.installed():
         return _main(argv)
+
+
+_PROGRAM = False   # main() runs as the program (not one command inside a caller's process)
+
+
+def _fit_threads(started: int = 0) -> None:
+    """As the program, torch's CPU threads fit the cores free now (procs.fit_torch_threads); one
+    command in a caller's process leaves the caller's setting alone."""
+    if _PROGRAM:
+        from .procs import fit_torch_threads
+
+        fit_torch_threads(started)
 
 
 def _leave(code: int):

@@ -122,6 +122,11 @@ def request(backend: str) -> None:
             close()
 
 
+def running() -> int:
+    """1 while a started process is waiting to be taken (it renders beside the command), else 0."""
+    return int(_SPARE is not None and _SPARE.proc is not None)
+
+
 def take(backend: str) -> Drawer | None:
     """The started process, asked for `backend`'s figures, for write_repro_figures (else None;
     a started one is ended: one call takes it or none)."""
