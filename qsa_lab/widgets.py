@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import io
 import platform
 import time
 from collections import OrderedDict
