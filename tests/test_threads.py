@@ -39,9 +39,9 @@ def test_a_count_the_user_set_is_kept(two_cores, var):
 def test_one_command_in_a_callers_process_keeps_its_threads(two_cores, capsys):
     two_cores.setattr(procs, "others_running", lambda: 5)
     assert cli.main(["diff", "--rows", "4", "--requests", "1", "--context", "64", "--topk", "8", "--head-dim", "16",
-                     "--q-heads", "2"]) == 0
+                     "--q-heads", "2", "--backend", "emulate"]) == 0
     assert torch.get_num_threads() == 2
     two_cores.setattr(cli, "_PROGRAM", True)     # as the program, the same command fits them
     assert cli.main(["diff", "--rows", "4", "--requests", "1", "--context", "64", "--topk", "8", "--head-dim", "16",
-                     "--q-heads", "2"]) == 0
+                     "--q-heads", "2", "--backend", "emulate"]) == 0
     assert torch.get_num_threads() == 1
