@@ -164,12 +164,13 @@ def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = Fal
     backend = results[0].backend if results else "none"
     specs = list(figure_specs(results, table, backend))
     drawer = figworker.take(backend)
-    theirs = [s for s in specs if s.name in INDEPENDENT] if drawer is not None else []
+    theirs = []
     if drawer is not None:
         handed = [s for s in specs if s.name in HANDED]
         drawer.hand(handed)
-        theirs += handed
-    rendered = {s.name: render_spec(s) for s in specs if s.name not in {t.name for t in theirs}}
+        theirs = [s for s in specs if s.name in INDEPENDENT] + handed
+    names = {t.name for t in theirs}
+    rendered = {s.name: render_spec(s) for s in specs if s.name not in names}
     if drawer is not None:
         rendered.update(drawer.collect(theirs, render_spec))
     paths: list[Path] = []

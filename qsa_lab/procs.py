@@ -5,6 +5,7 @@ process (qsa_lab.figworker) use it before their imports.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -79,11 +80,15 @@ def idle_core(others: float | None = None) -> bool:
     """Is a core free for a second process, beside this one and whatever else runs now
     (`others`: default others_running())? On a busy machine it would only add its own imports
     to the work."""
+    return (others_running() if others is None else others) <= _cores() - 2
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
-    return (others_running() if others is None else others) <= cores - 2
+        return os.cpu_count() or 1
 
 
 def die_with_parent() -> None:
@@ -109,12 +114,21 @@ def fit_torch_threads(started: int = 0) -> int:
 
     if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
         return torch.get_num_threads()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    free = int(cores - max(others_running(), started))
-    n = max(1, min(torch.get_num_threads(), free))
+    free = max(1, _cores() - max(others_running(), started))     # others: inf where unknown
+    n = int(min(torch.get_num_threads(), free))
     if n != torch.get_num_threads():
         torch.set_num_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Torch's CPU ops on `n` threads inside; the previous count restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -368,12 +368,10 @@ def one_cpu_thread():
     tensors are small: a second thread saves little, and on a busy machine every op waits for it
     (a redraw took over twice as long on a loaded 2-core machine). Outputs are bit for bit the
     same: no route splits a reduction by thread (tests/test_widgets.py compares with run_routes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    from .procs import torch_threads
+
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def render_playground(data: dict, fig=None):
@@ -517,10 +515,14 @@ def _draw_changes(fig, canvas):
     parts, size = _parts(fig), (canvas.get_width_height(), fig.dpi)
     blank = [a for artists, _ in parts.values() for a in artists if hasattr(a, "get_array") and _transparent(a)]
     last = getattr(fig, "qsa_drawn", None)
-    if last is None or (last["size"], last["layout"], last["axes"]) != (size, fig.qsa_layout, fig.axes[:2]):
+
+    def full():
         with _hidden(blank):
             canvas.draw()
         return _remember(fig, canvas, parts, size, np.asarray(canvas.buffer_rgba()).copy())
+
+    if last is None or (last["size"], last["layout"], last["axes"]) != (size, fig.qsa_layout, fig.axes[:2]):
+        return full()
     changed = [n for n, (_, state) in parts.items() if state is None or state != last["parts"][n][1]]
     old = [last["boxes"][n] for n in changed]
     # left out: unchanged parts and static artists clear of every changed part's old footprint
@@ -531,9 +533,7 @@ def _draw_changes(fig, canvas):
         canvas.draw()
         new = [_box(parts[n][0], canvas.get_renderer()) for n in changed]
     if any(_meets(box, b) for _, box in out for b in new):
-        with _hidden(blank):    # a part grew into something left out: draw it all
-            canvas.draw()
-        return _remember(fig, canvas, parts, size, np.asarray(canvas.buffer_rgba()).copy())
+        return full()           # a part grew into something left out: draw it all
     image, fresh = last["image"], np.asarray(canvas.buffer_rgba())
     height, width = image.shape[:2]
     for box in [b for b in old + new if b is not None]:

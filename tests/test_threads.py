@@ -16,7 +16,8 @@ def two_cores(monkeypatch):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("others, started, want", [(0, 0, 2), (0.0, 1, 1), (1, 0, 1), (5, 0, 1), (1, 1, 1)])
+@pytest.mark.parametrize("others, started, want", [(0, 0, 2), (0.0, 1, 1), (1, 0, 1), (5, 0, 1), (1, 1, 1),
+                                                  (float("inf"), 0, 1)])   # inf: no load figure on this system
 def test_threads_fit_the_cores_no_other_process_holds(two_cores, others, started, want):
     two_cores.setattr(procs, "others_running", lambda: others)
     assert procs.fit_torch_threads(started) == want

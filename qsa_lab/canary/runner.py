@@ -18,6 +18,7 @@ A requested kernel with no clean-or-leak cell at all fails the run, it never pas
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 
 from .. import __version__
 from ..poison import PAYLOADS, int_list, payload_bits
+from ..procs import torch_threads
 from ..regions import REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of
 from .case import CanaryCase, as_canary_case, canary_case, load_case
 from .execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
@@ -379,14 +381,10 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
         for r in runners.values():
             r.load()
         overlap = take_overlap(named, device)
-        threads = torch.get_num_threads()
-        if device.type == "cpu":
-            torch.set_num_threads(1)  # the canary's tensors are small: more threads only contend
-        try:
+        # the canary's tensors are small: on the CPU more threads only contend
+        with torch_threads(1) if device.type == "cpu" else contextlib.nullcontext():
             results = _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress,
                                   overlap)
-        finally:
-            torch.set_num_threads(threads)
     finally:
         for r in [*runners.values(), *([overlap] if overlap else [])]:
             r.close()
