@@ -1,12 +1,14 @@
 """The report's verification table, plus this project's extra cases and controls."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from . import package_data
+from . import package_data, procs
 from .analysis import max_abs_diff, nan_dims
 from .case import Geometry, build_case
 from .geometry import CAUSAL3, CAUSAL3_SEED, DECODE  # noqa: F401 - the report's presets
@@ -117,23 +119,85 @@ def summarize(rc: ReproCase, result: RunResult, repeat: RunResult | None = None,
 
 
 def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: bool = True,
-              geometry_overrides: dict | None = None):
-    """-> (DataFrame, list[RunResult]). Each case runs twice when `repeat` to check bit-identity."""
+              geometry_overrides: dict | None = None, parallel: bool | None = None):
+    """-> (DataFrame, list[RunResult]). Each case runs twice when `repeat` to check bit-identity.
+
+    The repeats run in a second process (qsa_lab.reproworker) beside the cases when `parallel`
+    (default: on the emulation when a core is idle, procs.idle_core), from the last case back
+    while this one runs the cases and then the repeats from the first on; torch's threads are
+    shared between the two. Else here, after each case, on the threads the cores free now give
+    (the previous count restored after; a user's OMP_NUM_THREADS or MKL_NUM_THREADS is kept).
+    Either way a repeat rebuilds, poisons and runs again from nothing it shares with the first
+    run, and the outputs do not depend on the process or thread count."""
     import pandas as pd
     from tqdm.auto import tqdm
 
-    cases = REPRO_CASES if cases is None else cases
+    from .reproworker import Repeats
+
+    cases = REPRO_CASES if cases is None else list(cases)
     report = report_rows()
-    rows, results = [], []
-    # one build per geometry for the cases, and a second, separate one for their repeats: a
-    # repeat rebuilds, poisons and runs again from nothing it shares with the first run
+    if parallel is None:
+        parallel = repeat and len(cases) > 1 and _emulated(backend) and procs.idle_core()
+    mine, theirs = _threads(2 if parallel else 1)
+    # one build per geometry for the cases, and a second, separate one for their repeats
     builds, rebuilds = {}, {}
-    for rc in tqdm(cases, desc="repro", disable=not progress):
-        res = run_case(rc, backend, geometry_overrides, builds)
-        again = run_case(rc, backend, geometry_overrides, rebuilds) if repeat else None
-        rows.append(summarize(rc, res, again, report.get(rc.report_key) if rc.report_key else None))
-        results.append(res)
+    results, again = [], {}
+    bar = tqdm(total=len(cases) * (2 if repeat else 1), disable=not progress,
+               desc="repro: each case twice, the repeats in a second process" if parallel and repeat else "repro")
+    second = None
+    try:
+        with procs.torch_threads(mine) if mine else contextlib.nullcontext():
+            if parallel and repeat:
+                with contextlib.suppress(OSError):   # no second process: the repeats run here
+                    second = Repeats(cases, backend, geometry_overrides, theirs, on_repeat=lambda: bar.update(1))
+            for rc in cases:
+                results.append(run_case(rc, backend, geometry_overrides, builds))
+                bar.update(1)
+            for i, rc in enumerate(cases if repeat else ()):
+                if second is not None and not second.claim(i):
+                    break   # the second process has this one and every one after it
+                again[i] = run_case(rc, backend, geometry_overrides, rebuilds).outputs
+                bar.update(1)
+            for i in range(len(again), len(cases) if repeat else 0):
+                out = second.wait(i)
+                if out is None:          # it failed: this process runs what it did not answer
+                    out = run_case(cases[i], backend, geometry_overrides, rebuilds).outputs
+                    bar.update(1)
+                again[i] = out
+    finally:
+        if second is not None:
+            second.close()
+        bar.close()
+    rows = [summarize(rc, res, Repeat(again[i]) if repeat else None,
+                      report.get(rc.report_key) if rc.report_key else None)
+            for i, (rc, res) in enumerate(zip(cases, results))]
     return pd.DataFrame(rows), results
+
+
+@dataclass
+class Repeat:
+    """A repeat's outputs (route -> tensor), all summarize compares."""
+    outputs: dict
+
+
+def _emulated(backend: str) -> bool:
+    from .routes import resolve_backend
+
+    try:
+        return resolve_backend(backend) == "emulate"
+    except ValueError:
+        return False
+
+
+def _threads(processes: int) -> tuple:
+    """Torch threads for this process and the second one: the cores no other running process
+    holds, shared between `processes` (at least 1 each); (None, None) where the user set
+    OMP_NUM_THREADS or MKL_NUM_THREADS."""
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return None, None
+    free = max(processes, procs._cores() - procs.others_running())   # others: inf where unknown
+    mine = int(min(torch.get_num_threads(), max(1, free // processes)))
+    return mine, int(max(1, min(free - mine, torch.get_num_threads()))) if processes > 1 else None
 
 
 #: route -> short column header of the printed table (fixes by letter, as in the README)
