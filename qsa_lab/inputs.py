@@ -17,10 +17,12 @@ def notebook_backend(value: str | None = None, env: str = BACKEND_ENV) -> str:
     """`value` (default: $QSA_LAB_BACKEND, else 'auto') if it is a backend this machine can run:
     'auto', 'emulate', or 'cuda' when the compiled kernels load. Anything else ('bogus', '',
     'CUDA', 'cuda' without a GPU) prints one line saying why and returns 'emulate'."""
-    from .routes import BACKENDS, resolve_backend
-
     if value is None:
         value = os.environ.get(env, "auto")
+    if isinstance(value, str) and value in ("auto", "emulate"):   # no torch needed (notebook 05 on a CPU)
+        return value
+    from .routes import BACKENDS, resolve_backend
+
     if not isinstance(value, str) or value not in BACKENDS:
         hint = " (names are lower case)" if isinstance(value, str) and value.lower() in BACKENDS else ""
         return _fallback(f"{env}: {value!r} is not one of {', '.join(BACKENDS)}{hint}")
