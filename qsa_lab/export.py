@@ -109,6 +109,21 @@ def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", o
     return save_rendered(render_figure(fig, name, meta, dpi), out_dir, overwrite)
 
 
+def show_png(png, fig=None) -> None:
+    """In a notebook, show the PNG export_figure wrote in place of `fig`, at the size the inline
+    backend gives the figure: the picture is the file itself, and `fig`, closed in pyplot, is not
+    drawn twice more for its inline image (each draw solves its layout again)."""
+    from IPython.display import Image, display
+
+    width = None
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        width = round(fig.get_figwidth() * fig.dpi)
+        plt.close(fig)
+    display(Image(filename=str(png), width=width))
+
+
 def _check_name(name) -> None:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*", name):
         raise ValueError(f"name: must be a plain file stem ([A-Za-z0-9_.+-], not starting with '.': no hidden "
