@@ -132,13 +132,15 @@ def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: 
     import pandas as pd
     from tqdm.auto import tqdm
 
+    from . import figworker
     from .reproworker import Repeats
 
     cases = REPRO_CASES if cases is None else list(cases)
     report = report_rows()
+    others = max(procs.others_running(), figworker.running())   # `qsa-lab repro`'s figure process holds a core
     if parallel is None:
-        parallel = repeat and len(cases) > 1 and _emulated(backend) and procs.idle_core()
-    mine, theirs = _threads(2 if parallel else 1)
+        parallel = repeat and len(cases) > 1 and _emulated(backend) and procs.idle_core(others)
+    mine, theirs = _threads(2 if parallel else 1, others)
     # one build per geometry for the cases, and a second, separate one for their repeats
     builds, rebuilds = {}, {}
     results, again = [], {}
@@ -189,13 +191,13 @@ def _emulated(backend: str) -> bool:
         return False
 
 
-def _threads(processes: int) -> tuple:
+def _threads(processes: int, others: float) -> tuple:
     """Torch threads for this process and the second one: the cores no other running process
-    holds, shared between `processes` (at least 1 each); (None, None) where the user set
-    OMP_NUM_THREADS or MKL_NUM_THREADS."""
+    (`others` of them: inf where unknown) holds, shared between `processes` (at least 1 each);
+    (None, None) where the user set OMP_NUM_THREADS or MKL_NUM_THREADS."""
     if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
         return None, None
-    free = max(processes, procs._cores() - procs.others_running())   # others: inf where unknown
+    free = max(processes, procs._cores() - others)
     mine = int(min(torch.get_num_threads(), max(1, free // processes)))
     return mine, int(max(1, min(free - mine, torch.get_num_threads()))) if processes > 1 else None
 

@@ -107,10 +107,22 @@ def test_the_thread_counts_share_the_free_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     monkeypatch.setattr(repro.procs, "_cores", lambda: 8)
-    monkeypatch.setattr(repro.procs, "others_running", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert repro._threads(2) == (3, 3) and repro._threads(1) == (6, None)
-    monkeypatch.setattr(repro.procs, "others_running", lambda: float("inf"))   # unknown load
-    assert repro._threads(2) == (1, 1) and repro._threads(1) == (1, None)
+    assert repro._threads(2, 2) == (3, 3) and repro._threads(1, 2) == (6, None)
+    assert repro._threads(2, float("inf")) == (1, 1) and repro._threads(1, float("inf")) == (1, None)   # unknown load
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert repro._threads(2) == (None, None)
+    assert repro._threads(2, 0) == (None, None)
+
+
+def test_beside_the_figure_process_the_repeats_stay_here(monkeypatch, spawned):
+    """`qsa-lab repro`'s figure process (figworker) holds the idle core: no second repro process."""
+    from qsa_lab import figworker
+
+    monkeypatch.setattr(repro.procs, "others_running", lambda: 0)
+    monkeypatch.setattr(repro.procs, "_cores", lambda: 2)
+    monkeypatch.setattr(figworker, "running", lambda: 1)
+    repro.run_repro(backend="emulate", cases=CASES[:2], progress=False, geometry_overrides=TINY)
+    assert spawned == []
+    monkeypatch.setattr(figworker, "running", lambda: 0)
+    repro.run_repro(backend="emulate", cases=CASES[:2], progress=False, geometry_overrides=TINY)
+    assert len(spawned) == 1
