@@ -15,12 +15,9 @@ those figures itself.
 from __future__ import annotations
 
 import os
-import pickle
 import queue
-import signal
 import subprocess
 import sys
-import threading
 
 from . import procs
 
@@ -33,24 +30,10 @@ class Drawer:
     def __init__(self, proc: subprocess.Popen | None = None):
         self.proc = proc or procs.spawn("qsa_lab.figworker", stderr=subprocess.DEVNULL)
         self.backend = None
-        self.inbox = queue.Queue()    # its messages, read by a thread as they come; None: it ended
-        self.reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
-        self.reader.start()
-
-    def _read(self, stream) -> None:
-        while True:
-            try:
-                msg = procs.recv(stream)
-            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
-                msg = None
-            self.inbox.put(msg)
-            if msg is None:
-                return
+        self.inbox, self.reader = procs.reader(self.proc.stdout)   # its messages as they come; None: it ended
 
     def _send(self, msg) -> None:
-        try:
-            procs.send(self.proc.stdin, msg)
-        except (OSError, ValueError, AttributeError, pickle.PicklingError):
+        if self.proc is None or not procs.try_send(self.proc.stdin, msg):
             self.close()
 
     def request(self, backend: str) -> None:
@@ -148,13 +131,7 @@ def close() -> None:
 
 
 def main() -> int:
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)            # nothing it prints reaches the command's output
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    procs.die_with_parent()
+    proto_in, proto_out = procs.worker_pipes()
     import traceback
 
     from . import figures       # matplotlib, torch: imported while the command imports its own

@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
 import signal
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 
@@ -28,6 +30,35 @@ def recv(stream):
         return None
     (n,) = struct.unpack("<Q", head)
     return pickle.loads(stream.read(n))
+
+
+def reader(stream) -> tuple:
+    """The messages on a spawned process's stdout, read by a thread into a queue as they come;
+    None once it ended (or sent something unreadable). -> (queue, thread)"""
+    inbox = queue.Queue()
+
+    def read():
+        while True:
+            try:
+                msg = recv(stream)
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
+                msg = None
+            inbox.put(msg)
+            if msg is None:
+                return
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return inbox, thread
+
+
+def try_send(stream, obj) -> bool:
+    """send(), False where the process is gone (or `obj` does not pickle)."""
+    try:
+        send(stream, obj)
+        return True
+    except (OSError, ValueError, AttributeError, pickle.PicklingError):
+        return False
 
 
 def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:
@@ -89,6 +120,19 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def worker_pipes() -> tuple:
+    """In a spawned process (spawn), first: its (request, reply) pipes as binary files, with
+    stdin and stdout moved to the null device (nothing it prints reaches the parent's output),
+    Ctrl-C ignored (the parent decides) and death with the parent (die_with_parent)."""
+    pipes = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    return pipes
 
 
 def die_with_parent() -> None:

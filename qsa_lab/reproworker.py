@@ -13,9 +13,7 @@ its stdin. If it fails in any way, the caller runs the repeats it has not answer
 from __future__ import annotations
 
 import os
-import pickle
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -34,25 +32,11 @@ class Repeats:
         self.mine = set()            # the repeats the caller claimed
         self.done = False            # it sent all it will run
         self.on_repeat = on_repeat
-        self.inbox = queue.Queue()   # its messages, read by a thread as they come; None: it ended
-        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        self.inbox, self.reader = procs.reader(self.proc.stdout)   # its messages as they come; None: it ended
         self._send((backend, overrides, list(cases), threads))
 
-    def _read(self, stream) -> None:
-        while True:
-            try:
-                msg = procs.recv(stream)
-            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
-                msg = None
-            self.inbox.put(msg)
-            if msg is None:
-                return
-
     def _send(self, msg) -> None:
-        try:
-            procs.send(self.proc.stdin, msg)
-        except (OSError, ValueError, AttributeError, pickle.PicklingError):
-            self.ok = False
+        self.ok = self.ok and procs.try_send(self.proc.stdin, msg)
 
     def _take(self, block: bool) -> bool:
         """Handle one message (waiting for it when `block`) -> False when none was there."""
@@ -94,13 +78,7 @@ class Repeats:
 
 
 def main() -> int:
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)            # nothing it prints reaches the caller's output
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    procs.die_with_parent()
+    proto_in, proto_out = procs.worker_pipes()
     job = procs.recv(proto_in)
     if job is None:
         os._exit(0)
