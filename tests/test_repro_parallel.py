@@ -126,3 +126,42 @@ def test_beside_the_figure_process_the_repeats_stay_here(monkeypatch, spawned):
     monkeypatch.setattr(figworker, "running", lambda: 0)
     repro.run_repro(backend="emulate", cases=CASES[:2], progress=False, geometry_overrides=TINY)
     assert len(spawned) == 1
+
+
+CHILD = r'''
+from qsa_lab import repro, reproworker
+init = reproworker.Repeats.__init__
+def told(self, *a, **kw):
+    init(self, *a, **kw)
+    print(self.proc.pid, flush=True)
+reproworker.Repeats.__init__ = told
+repro.run_repro(backend="emulate", progress=False, parallel=True)   # full size: seconds to be signalled in
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the second process dies with its caller on Linux")
+def test_a_signal_to_the_caller_ends_the_second_process():
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+        assert _alive(pid)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        p.kill()
+        p.wait()
