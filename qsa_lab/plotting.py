@@ -351,9 +351,7 @@ def update_route_comparison(ax, data: dict):
     dropped = np.asarray(data.get("dropped_per_dim", np.zeros(per_dim.shape))) > 0
     ax.qsa_image.set_data(np.where(per_dim > 0, np.nan, 0.0))
     ax.qsa_dropped.set_data(_overlay(dropped, DROPPED_COLOR))
-    table = data["table"]
-    for text, r in zip(ax.qsa_texts, data["routes"]):
-        row = table.loc[r]
+    for text, row in zip(ax.qsa_texts, data["rows"]):
         d = row["max_abs_diff_vs_xqa"]
         d = "NaN" if d is None or (isinstance(d, float) and math.isnan(d)) else f"{d:.1e}"
         n, lost = int(row["nan_count"]), int(row.get("finite_where_ref_nan", 0) or 0)
