@@ -376,6 +376,30 @@ def with_table(data: dict) -> dict:
     return data
 
 
+def compute_ahead(p: Params, cache: RunCache):
+    """When a core is idle (procs.idle_core), start computing the routes playground_data(p,
+    cache) needs in a worker thread -> a function that waits for it (else one that does nothing).
+    Torch leaves the GIL inside its ops, so they run on the idle core while the caller imports
+    the widget and figure modules; playground_data then finds every output in `cache`: the same
+    entries, computed by the same code on one thread. On a busy machine the two threads would
+    only queue for one core (a first draw took longer), so there it stays sequential. A failure
+    is left for playground_data to meet again and show."""
+    import threading
+
+    from .procs import idle_core
+
+    if not idle_core():
+        return lambda: None
+
+    def work():
+        with contextlib.suppress(Exception), one_cpu_thread():
+            cache.result(replace(p, plane=p.applied_plane))
+
+    worker = threading.Thread(target=work, name="qsa-lab playground compute", daemon=True)
+    worker.start()
+    return worker.join
+
+
 @contextlib.contextmanager
 def one_cpu_thread():
     """Torch on one CPU thread inside (the previous count restored after). The playground's
@@ -772,12 +796,13 @@ class Playground:
                  background: bool | None = None):
         import threading
 
-        import ipywidgets as W
-
         from .inputs import playground_params
 
         p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
         self.cache, self.out_dir = cache or _CACHE, out_dir
+        computed = compute_ahead(p, self.cache)   # on an idle core, while the modules below load
+
+        import ipywidgets as W
         self.params = self._data = self.figure = self.last_redraw_s = None
         self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
         self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
@@ -808,6 +833,10 @@ class Playground:
             self.status, self.message, self.table, self.image,
         ], layout=W.Layout(width="100%"))
         self.widget.add_class("qsa-playground")
+        import matplotlib.figure  # noqa: F401 - render_playground's and figure_png's, loaded beside the compute
+        from matplotlib.backends import backend_agg  # noqa: F401
+
+        computed()
         self.redraw()
 
     @property

@@ -359,6 +359,39 @@ def test_one_cpu_thread_changes_no_output_bit():
         assert torch.equal(o.view(torch.int16), res.outputs[r].view(torch.int16)), r
 
 
+def test_first_draw_computes_beside_the_imports_on_an_idle_core(monkeypatch):
+    """With a core idle the first draw's routes are computed in a worker thread (while the
+    widget and figure modules load), each once, and the figure, table and data are the
+    sequential way's; on a busy machine all runs in the caller. A failure in the worker is
+    met again by the redraw, which computes and draws."""
+    import threading
+
+    from qsa_lab import procs
+
+    real, where = W.compute_routes, []
+
+    def spy(*args, **kw):
+        where.append(threading.current_thread().name)
+        if fail_in_worker and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("worker failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(W, "compute_routes", spy)
+    drawn = {}
+    for idle, fail_in_worker in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(procs, "idle_core", lambda *a, idle=idle: idle)
+        where.clear()
+        cache = W.RunCache()
+        pg = W.Playground(cache=cache)
+        assert pg.last_ok and len(cache.computed) == len(set(cache.computed))   # no route computed twice
+        drawn[idle, fail_in_worker] = bytes(pg.image.value), pg.table.value, set(where)
+        assert pg.last_data["table"].equals(W.playground_data(pg.params, cache)["table"])
+    assert drawn[False, False][2] == {"MainThread"}
+    assert drawn[True, False][2] == {"qsa-lab playground compute"}
+    assert drawn[True, True][2] == {"qsa-lab playground compute", "MainThread"}
+    assert drawn[True, False][:2] == drawn[False, False][:2] == drawn[True, True][:2]
+
+
 def test_export_name_and_metadata_say_what_is_shown(pg, tmp_path):
     pg.set(dims="7,168,170", masked_load=False)
     paths = pg.export()
