@@ -15,6 +15,10 @@ route's output from the clean case, which is bit-identical because those routes 
 read the changed bytes; the compute runs on one torch thread (one_cpu_thread). The new image
 repaints only the parts of the figure that changed (the NaN map, its dims, the counts that
 moved), pixel for pixel what a full draw gives (`_draw_changes`).
+
+The first draw: pandas does not load (the route table is kept as rows; `last_data` builds its
+DataFrame when looked at), and with a core idle the routes are computed in a worker thread
+while ipywidgets and matplotlib load (`compute_ahead`).
 """
 from __future__ import annotations
 
