@@ -807,6 +807,7 @@ class Playground:
         computed = compute_ahead(p, self.cache)   # on an idle core, while the modules below load
 
         import ipywidgets as W
+
         self.params = self._data = self.figure = self.last_redraw_s = None
         self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
         self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
