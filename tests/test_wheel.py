@@ -21,7 +21,8 @@ import pytest
 
 from nvrtc_toolkit import nvrtc_toolkit
 
-pytestmark = pytest.mark.wheel
+# `make test` (--dist loadgroup) runs this module on one worker: the wheel and its venv are built once
+pytestmark = [pytest.mark.wheel, pytest.mark.xdist_group("wheel")]
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 1800  # a loaded 2-core machine: the repro alone takes minutes
 
