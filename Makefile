@@ -39,13 +39,11 @@ demo: setup
 	$(PY) -m qsa_lab doctor
 	$(PY) -m qsa_lab repro --out results --figures figures --force
 
-# the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise;
-# --dist loadgroup: the modules marked xdist_group run whole on one worker (their module fixtures
-# take seconds to build: once, not once per worker), first; every other test goes to whichever is free
+# the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise
 TEST_WORKERS ?= auto
 test: setup
 	bash scripts/setup_test_extras.sh "$(PY)"
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not wheel"

@@ -11,9 +11,6 @@ from qsa_lab.canary.runner import MAX_HINT
 from qsa_lab.cli import main
 from qsa_lab.regions import regions_of
 
-# `make test` (--dist loadgroup) runs this module on one worker: its spec_report fixture is built once
-pytestmark = pytest.mark.xdist_group("canary_integrity")
-
 GQA = dict(q_heads=8, kv_heads=2, head_dim=128, page_size=16, context=65, topk=3)
 SPECS = ["dense", "window:8,sink:4", "sparse", "mask"]
 

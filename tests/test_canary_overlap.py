@@ -7,9 +7,6 @@ import torch
 from qsa_lab.canary import overlap, run_canary
 from qsa_lab.canary.execution import same_bits
 
-# `make test` (--dist loadgroup) runs this module on one worker: its in_process fixture is built once
-pytestmark = pytest.mark.xdist_group("canary_overlap")
-
 # qsa routes and SDPA around both FlexAttention kernels, on poisoned cells of every kind they give:
 # NaN leaks (flex V null block, paged flex V free pages), clean (K), n/a (flex, free pages)
 KERNELS = ["qsa:grouped", "torch:flex", "torch:sdpa-math", "torch:flex-paged"]

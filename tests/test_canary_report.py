@@ -14,9 +14,6 @@ from qsa_lab.canary.case import canary_case
 from qsa_lab.canary.report import load_call, write_report
 
 pytest_plugins = ["pytester"]
-# `make test` (--dist loadgroup) runs this module on one worker: its window_report fixture is built once
-pytestmark = pytest.mark.xdist_group("canary_report")
-
 DATA = Path(__file__).parent / "data"
 LEAKY = f"{DATA / 'canary_kernels.py'}:leaky"
 MASKED = f"{DATA / 'canary_kernels.py'}:masked"

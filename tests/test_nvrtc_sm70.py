@@ -13,9 +13,6 @@ import pytest
 from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc
 
-# `make test` (--dist loadgroup) runs this module on one worker: its ptx fixture is built once
-pytestmark = pytest.mark.xdist_group("nvrtc_sm70")
-
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
 
 

@@ -18,9 +18,6 @@ from qsa_lab import kernels
 from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc, ptx70
 
-# `make test` (--dist loadgroup) runs this module on one worker: its folder fixture is built once
-pytestmark = pytest.mark.xdist_group("ptx70")
-
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
 
 

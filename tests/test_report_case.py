@@ -7,10 +7,6 @@ from qsa_lab.case import Geometry, build_case
 from qsa_lab.poison import REPORT_DIMS, apply_poison
 from qsa_lab.routes import GROUPED, run_routes
 
-# `make test` (--dist loadgroup) runs this module on one worker, with test_route_table_text's test of
-# the same case: the session's report_result (conftest.py) is computed once
-pytestmark = pytest.mark.xdist_group("report_result")
-
 FIXED = ["grouped+kernel_fix", "grouped+pad_fix", "grouped+both_fixes", "grouped+masked_load"]
 
 

@@ -6,7 +6,6 @@ import math
 import random
 
 import pandas as pd
-import pytest
 
 from qsa_lab.analysis import route_rows, route_table_text
 from qsa_lab.routes import ROUTES
@@ -19,7 +18,6 @@ def pandas_text(rows):
         return t.to_string()
 
 
-@pytest.mark.xdist_group("report_result")      # on test_report_case's worker: report_result computed once
 def test_report_case_table_as_pandas_printed_it(report_result):
     rows = route_rows(report_result)
     assert route_table_text(rows) == pandas_text(rows)

@@ -21,8 +21,7 @@ import pytest
 
 from nvrtc_toolkit import nvrtc_toolkit
 
-# `make test` (--dist loadgroup) runs this module on one worker: the wheel and its venv are built once
-pytestmark = [pytest.mark.wheel, pytest.mark.xdist_group("wheel")]
+pytestmark = pytest.mark.wheel
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 1800  # a loaded 2-core machine: the repro alone takes minutes
 
