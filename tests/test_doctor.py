@@ -9,9 +9,6 @@ import pytest
 
 from qsa_lab.doctor import cuda_version, verdict
 
-# `make test` (--dist loadgroup) runs this module on one worker: `qsa-lab doctor` runs once for it
-pytestmark = pytest.mark.xdist_group("doctor")
-
 V100 = {"cuda_available": True, "gpu": "Tesla V100-SXM2-32GB", "capability": "7.0", "torch": "2.14.0+cu126",
         "torch_cuda": "12.6", "torch_arch_list": ["sm_70", "sm_80", "sm_90"], "nvcc": "/usr/bin/nvcc",
         "nvcc_version": "Build cuda_12.6.r12.6/compiler.34841621_0", "host_compiler": "/usr/bin/c++",
