@@ -1,11 +1,24 @@
 import os
+import sys
 
 import pytest
-import torch
 
-from qsa_lab.case import Geometry, build_case
-from qsa_lab.poison import REPORT_DIMS, apply_poison
-from qsa_lab.routes import run_routes
+# pytest keeps each test module, its asserts rewritten, as bytecode in tests/__pycache__ unless
+# bytecode writing is off (PYTHONDONTWRITEBYTECODE); then every run and every xdist worker
+# rewrites and compiles all of them again (~4 s of CPU each). The test modules are written while
+# they are collected; writing is back as the user set it once collection is done.
+_DONT_WRITE_BYTECODE, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+
+
+def pytest_collection_finish(session):
+    sys.dont_write_bytecode = _DONT_WRITE_BYTECODE
+
+
+import torch  # noqa: E402
+
+from qsa_lab.case import Geometry, build_case  # noqa: E402
+from qsa_lab.poison import REPORT_DIMS, apply_poison  # noqa: E402
+from qsa_lab.routes import run_routes  # noqa: E402
 
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
