@@ -259,9 +259,14 @@ def route_table_text(rows: list[dict], max_dims: int = 12, extra: dict | None = 
 
 def route_table(result: RunResult):
     """The differential table: one row per route."""
+    return route_frame(route_rows(result))
+
+
+def route_frame(rows: list[dict]):
+    """route_rows -> the differential table as a DataFrame, indexed by route."""
     import pandas as pd
 
-    return pd.DataFrame(route_rows(result)).set_index("route")
+    return pd.DataFrame(rows).set_index("route")
 
 
 def diff_json(result: RunResult, rows: list[dict] | None = None) -> dict:

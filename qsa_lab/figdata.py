@@ -150,18 +150,35 @@ def _dropped(result: RunResult, route: str) -> torch.Tensor:
     return torch.isnan(ref) & ~torch.isnan(result.outputs[route])
 
 
-def route_nans(result: RunResult, routes=None) -> dict:
+def route_nans(result: RunResult, routes=None, frame: bool = True) -> dict:
     """Per route: NaN elements per head dim [routes, D], elements finite where the reference is
-    NaN per head dim [routes, D] (dropped), and the route table (with finite_where_ref_nan)."""
-    from .analysis import route_table
+    NaN per head dim [routes, D] (dropped), the route table's rows (analysis.route_rows, with
+    finite_where_ref_nan) and, unless frame=False, the same table as a DataFrame ("table";
+    route_nans_frame builds it later from the rows when `routes` are all of result's routes)."""
+    from .analysis import route_rows
 
     routes = [r for r in (routes or ROUTES) if r in result.outputs]
     per_dim = torch.stack([torch.isnan(result.outputs[r]).flatten(0, 1).sum(0) for r in routes])
     dropped = torch.stack([_dropped(result, r).flatten(0, 1).sum(0) for r in routes])
-    table = route_table(result).loc[routes].copy()
-    table["finite_where_ref_nan"] = dropped.sum(1).tolist()
-    return {"routes": routes, "per_dim": per_dim.numpy(), "dropped_per_dim": dropped.numpy(), "table": table,
-            "title": case_title(result.case, result.backend)}
+    every = {row["route"]: row for row in route_rows(result)}
+    rows = [dict(every[r], finite_where_ref_nan=n) for r, n in zip(routes, dropped.sum(1).tolist())]
+    out = {"routes": routes, "per_dim": per_dim.numpy(), "dropped_per_dim": dropped.numpy(), "rows": rows,
+           "title": case_title(result.case, result.backend)}
+    if frame:   # from every route's row, as analysis.route_table: a subset's columns keep the whole table's types
+        out["table"] = route_nans_frame(rows, every=list(every.values()))
+    return out
+
+
+def route_nans_frame(rows: list[dict], every: list[dict] | None = None):
+    """route_nans' DataFrame from its rows: the route table of `every` route's row (route_rows;
+    default `rows`, when they are all of the result's routes) cut to `rows`' routes in their
+    order, with their finite_where_ref_nan column."""
+    from .analysis import route_frame
+
+    table = route_frame([{k: v for k, v in r.items() if k != "finite_where_ref_nan"} for r in every or rows])
+    table = table.loc[[r["route"] for r in rows]].copy()
+    table["finite_where_ref_nan"] = [r["finite_where_ref_nan"] for r in rows]
+    return table
 
 
 def attribution_map(result: RunResult, route: str = "grouped") -> dict:

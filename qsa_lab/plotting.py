@@ -60,14 +60,18 @@ def dim_label_groups(dims, min_gap: float) -> list[tuple[float, str]]:
             for r in merged]
 
 
-def _dim_axis(ax, head_dim: int, nan_dims=(), minor: bool = True, fontsize: float = 7):
+def _dim_axis(ax, head_dim: int, nan_dims=(), minor: bool = True, fontsize: float = 7, marks: bool = True):
     """Head dims on x: majors every 32, minors every 8; NaN dims marked on a top axis (kept
-    on `ax` so set_nan_dims can change them without rebuilding the axes)."""
+    on `ax` so set_nan_dims can change them without rebuilding the axes; marks=False: none,
+    ax.qsa_top None)."""
     major = DIM_MAJOR if head_dim >= 128 else 8 if head_dim > 32 else 4 if head_dim > 16 else 1
     ax.set_xticks(np.arange(0, head_dim, major))
     if minor and major > 1:
         ax.set_xticks(np.arange(0, head_dim, DIM_MINOR if major == DIM_MAJOR else 1), minor=True)
     ax.set_xlabel("head dim")
+    if not marks:
+        ax.qsa_top = None
+        return
     top = ax.secondary_xaxis("top")
     top.xaxis.remove_overlapping_locs = False  # a label (minor) often sits on its dim's mark (major)
     top.tick_params(axis="x", which="major", colors=NAN_COLOR, length=6, width=1.5, labelsize=fontsize)
@@ -333,10 +337,8 @@ def plot_route_comparison(data: dict, ax=None, minor: bool = True, mark_dims: bo
     ax.set_yticks(range(n), data["routes"], fontsize=9)
     for y in range(n - 1):
         ax.axhline(y + 0.5, color="white", lw=1)
-    _dim_axis(ax, data["per_dim"].shape[1], minor=minor, fontsize=8)
-    if not mark_dims:   # the NaN map above marks them (the playground)
-        ax.qsa_top[0].set_visible(False)
-        ax.qsa_top = None
+    # mark_dims=False (the playground): the NaN map above marks them, and no top axis is built here
+    _dim_axis(ax, data["per_dim"].shape[1], minor=minor, fontsize=8, marks=mark_dims)
     update_route_comparison(ax, data)
     return ax
 
@@ -351,9 +353,7 @@ def update_route_comparison(ax, data: dict):
     dropped = np.asarray(data.get("dropped_per_dim", np.zeros(per_dim.shape))) > 0
     ax.qsa_image.set_data(np.where(per_dim > 0, np.nan, 0.0))
     ax.qsa_dropped.set_data(_overlay(dropped, DROPPED_COLOR))
-    table = data["table"]
-    for text, r in zip(ax.qsa_texts, data["routes"]):
-        row = table.loc[r]
+    for text, row in zip(ax.qsa_texts, data["rows"]):
         d = row["max_abs_diff_vs_xqa"]
         d = "NaN" if d is None or (isinstance(d, float) and math.isnan(d)) else f"{d:.1e}"
         n, lost = int(row["nan_count"]), int(row.get("finite_where_ref_nan", 0) or 0)

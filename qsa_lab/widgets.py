@@ -15,6 +15,10 @@ route's output from the clean case, which is bit-identical because those routes 
 read the changed bytes; the compute runs on one torch thread (one_cpu_thread). The new image
 repaints only the parts of the figure that changed (the NaN map, its dims, the counts that
 moved), pixel for pixel what a full draw gives (`_draw_changes`).
+
+The first draw: pandas does not load (the route table is kept as rows; `last_data` builds its
+DataFrame when looked at), and with a core idle the routes are computed in a worker thread
+while ipywidgets and matplotlib load (`compute_ahead`).
 """
 from __future__ import annotations
 
@@ -346,9 +350,11 @@ class RunCache:
 _CACHE = RunCache()
 
 
-def playground_data(p: Params, cache: RunCache | None = None) -> dict:
+def playground_data(p: Params, cache: RunCache | None = None, frame: bool = True) -> dict:
     """Params -> everything render_playground draws: the chosen route's NaN map, the routes
-    side by side, the route table, and the case/backend for titles and export metadata."""
+    side by side, the route table (its rows, and as a DataFrame "table"; frame=False leaves the
+    DataFrame to with_table, so that a first draw does not wait for pandas), and the case/backend
+    for titles and export metadata."""
     from . import figdata
 
     check_params(p)
@@ -356,10 +362,46 @@ def playground_data(p: Params, cache: RunCache | None = None) -> dict:
     with one_cpu_thread():
         res = (cache or _CACHE).result(p)
         # the case is named once, in the NaN map's title: every line of text costs redraw time
-        routes = dict(figdata.route_nans(res, p.routes), title="the case above")
+        routes = dict(figdata.route_nans(res, p.routes, frame=False), title="the case above")
         nan_map = figdata.nan_map(res, p.nan_map)
-    return {"params": p, "backend": res.backend, "case": res.case.describe(), "poison": dict(res.case.poison),
-            "geometry": p.geometry.to_dict(), "nan_map": nan_map, "routes": routes, "table": routes["table"]}
+    data = {"params": p, "backend": res.backend, "case": res.case.describe(), "poison": dict(res.case.poison),
+            "geometry": p.geometry.to_dict(), "nan_map": nan_map, "routes": routes, "rows": routes["rows"]}
+    return with_table(data) if frame else data
+
+
+def with_table(data: dict) -> dict:
+    """playground_data's dict with its route table as a DataFrame ("table", in it and in its
+    routes), built from the rows once. The rows are every route the result holds (the shown
+    ones), so the table is figdata.route_nans' own."""
+    if "table" not in data:
+        from .figdata import route_nans_frame
+
+        data["table"] = data["routes"]["table"] = route_nans_frame(data["rows"])
+    return data
+
+
+def compute_ahead(p: Params, cache: RunCache):
+    """When a core is idle (procs.idle_core), start computing the routes playground_data(p,
+    cache) needs in a worker thread -> a function that waits for it (else one that does nothing).
+    Torch leaves the GIL inside its ops, so they run on the idle core while the caller imports
+    the widget and figure modules; playground_data then finds every output in `cache`: the same
+    entries, computed by the same code on one thread. On a busy machine the two threads would
+    only queue for one core (a first draw took longer), so there it stays sequential. A failure
+    is left for playground_data to meet again and show."""
+    import threading
+
+    from .procs import idle_core
+
+    if not idle_core():
+        return lambda: None
+
+    def work():
+        with contextlib.suppress(Exception), one_cpu_thread():
+            cache.result(replace(p, plane=p.applied_plane))
+
+    worker = threading.Thread(target=work, name="qsa-lab playground compute", daemon=True)
+    worker.start()
+    return worker.join
 
 
 @contextlib.contextmanager
@@ -642,24 +684,24 @@ def error_html(e) -> str:
             "<span style='color:#666'> (the figure shows the last good case)</span>")
 
 
-def table_html(table) -> str:
-    """The route table as HTML: counts as integers, differences as 1.2e-03, and a difference
-    that NaN makes undefined as 'NaN in output' (never None). Columns: route, NaN, NaN dims,
-    finite where ref NaN, max |Δ ref|, max |Δ xqa|."""
+def table_html(rows: list[dict]) -> str:
+    """The route table (playground_data's rows) as HTML: counts as integers, differences as
+    1.2e-03, and a difference that NaN makes undefined as 'NaN in output' (never None).
+    Columns: route, NaN, NaN dims, finite where ref NaN, max |Δ ref|, max |Δ xqa|."""
     def diff(v):
         return "NaN in output" if v is None or v != v else f"{v:.2e}"
 
     def dims(d):
         return ",".join(map(str, d[:12])) + ("..." if len(d) > 12 else "") if len(d) else "-"
 
-    rows = "".join(
-        f"<tr><th>{_esc(route)}</th><td>{int(r['nan_count'])}</td><td>{_esc(dims(r['nan_dims']))}</td>"
+    body = "".join(
+        f"<tr><th>{_esc(r['route'])}</th><td>{int(r['nan_count'])}</td><td>{_esc(dims(r['nan_dims']))}</td>"
         f"<td>{int(r.get('finite_where_ref_nan', 0))}</td>"
         f"<td>{diff(r['max_abs_diff_vs_reference'])}</td><td>{diff(r['max_abs_diff_vs_xqa'])}</td></tr>"
-        for route, r in table.iterrows())
+        for r in rows)
     head = ("<thead><tr><th>route</th><th>NaN</th><th>NaN dims</th><th>finite where ref NaN</th>"
             "<th>max |Δ ref|</th><th>max |Δ xqa|</th></tr></thead>")
-    return f"<table>{head}<tbody>{rows}</tbody></table>"
+    return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
 def make_controls(p: Params) -> tuple[dict, dict]:
@@ -758,13 +800,15 @@ class Playground:
                  background: bool | None = None):
         import threading
 
-        import ipywidgets as W
-
         from .inputs import playground_params
 
         p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
         self.cache, self.out_dir = cache or _CACHE, out_dir
-        self.params = self.last_data = self.figure = self.last_redraw_s = None
+        computed = compute_ahead(p, self.cache)   # on an idle core, while the modules below load
+
+        import ipywidgets as W
+
+        self.params = self._data = self.figure = self.last_redraw_s = None
         self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
         self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
         # _syncing: the thread now setting controls itself (its changes are not a user's)
@@ -794,7 +838,18 @@ class Playground:
             self.status, self.message, self.table, self.image,
         ], layout=W.Layout(width="100%"))
         self.widget.add_class("qsa-playground")
+        import matplotlib.figure  # noqa: F401 - render_playground's and figure_png's, loaded beside the compute
+        from matplotlib.backends import backend_agg  # noqa: F401
+
+        computed()
         self.redraw()
+
+    @property
+    def last_data(self) -> dict | None:
+        """The data the figure on screen was drawn from (playground_data's dict, its DataFrame
+        "table" built on the first look: pandas is no part of a redraw)."""
+        data = self._data
+        return None if data is None else with_table(data)
 
     def _inputs(self) -> list:
         return list(self.controls.values()) + list(self.toggles.values())
@@ -869,18 +924,18 @@ class Playground:
                 return self._error(e)
             self._set_busy(True)
             try:
-                data = playground_data(p, self.cache)
+                data = playground_data(p, self.cache, frame=False)
                 fig = render_playground(data, self.figure)
                 png = figure_png(fig)
             except Exception as e:  # noqa: BLE001
-                if self.last_data is not None and self.figure is not None:
-                    render_playground(self.last_data, self.figure)  # the figure object matches the screen again
+                if self._data is not None and self.figure is not None:
+                    render_playground(self._data, self.figure)  # the figure object matches the screen again
                 self._set_busy(False)
                 return self._error(e)
-            self.params, self.last_data, self.figure = data["params"], data, fig
+            self.params, self._data, self.figure = data["params"], data, fig
             self._sync(data["params"])
             # image, table and status change together: the status always describes the figure shown
-            self.image.value, self.table.value = png, table_html(data["table"])
+            self.image.value, self.table.value = png, table_html(data["rows"])
             self.redraws, self.last_ok, self.last_redraw_s = self.redraws + 1, True, time.perf_counter() - t0
             self.status.value, self.message.value = status_html(data, self.last_redraw_s), ""
             self._set_busy(False)
@@ -920,11 +975,11 @@ class Playground:
             return self._export(name)
 
     def _export(self, name):
-        if self.figure is None or self.last_data is None:
+        if self.figure is None or self._data is None:
             self.message.value = "<span style='color:#c00'>nothing to export yet</span>"
             return []
         try:
-            self.last_export = export_view(self.figure, self.last_data, self.out_dir, name)
+            self.last_export = export_view(self.figure, self._data, self.out_dir, name)
         except Exception as e:  # noqa: BLE001
             self.message.value = f"<span style='color:#c00;font-weight:bold'>&#9888; export: {_esc(e)}</span>"
             return []

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from conftest import once_per_run
 from qsa_lab.canary import run_canary
 from qsa_lab.canary.case import canary_case
 from qsa_lab.canary.report import load_call, write_report
@@ -38,11 +39,12 @@ def in_process(capsys, module, *argv):
 
 @pytest.fixture(scope="module")
 def window_report(tmp_path_factory):
-    case = canary_case("fp16", attend="window:8", **GQA)
-    report = run_canary([LEAKY, MASKED], case=case, backend="emulate", payloads=["nan", "max"])
-    out = tmp_path_factory.mktemp("rep") / "report"
-    write_report(report, out)
-    return report, out
+    def build(folder):
+        case = canary_case("fp16", attend="window:8", **GQA)
+        report = run_canary([LEAKY, MASKED], case=case, backend="emulate", payloads=["nan", "max"])
+        write_report(report, folder / "report")
+        return report, folder / "report"
+    return once_per_run(tmp_path_factory, "window-report", build)
 
 
 def test_report_has_figure_versions_case_spec_and_every_non_clean_cell(window_report):

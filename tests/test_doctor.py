@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from qsa_lab.doctor import cuda_version, verdict
 
 V100 = {"cuda_available": True, "gpu": "Tesla V100-SXM2-32GB", "capability": "7.0", "torch": "2.14.0+cu126",
@@ -35,8 +37,14 @@ def test_verdicts():
     assert "sm_61" in verdict({**V100, "capability": "6.1"})
 
 
-def test_doctor_command_ends_with_the_verdict():
-    out = subprocess.run([sys.executable, "-m", "qsa_lab", "doctor"], capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def doctor_run():
+    """`python -m qsa_lab doctor` run once, in a process of its own, for the tests that read it."""
+    return subprocess.run([sys.executable, "-m", "qsa_lab", "doctor"], capture_output=True, text=True, timeout=300)
+
+
+def test_doctor_command_ends_with_the_verdict(doctor_run):
+    out = doctor_run
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1].startswith("verdict: ")
 
@@ -119,8 +127,8 @@ def test_a_failed_build_names_the_compilers_first_error():
     assert first_error("nvcc fatal   : Unsupported gpu architecture 'compute_70'") .startswith("nvcc fatal")
 
 
-def test_doctor_lists_what_nvidia_smi_sees_and_where_the_sources_are():
-    out = subprocess.run([sys.executable, "-m", "qsa_lab", "doctor"], capture_output=True, text=True, timeout=300)
+def test_doctor_lists_what_nvidia_smi_sees_and_where_the_sources_are(doctor_run):
+    out = doctor_run
     from test_wheel import doctor_rows
 
     rows = doctor_rows(out.stdout)

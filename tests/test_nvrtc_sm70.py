@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import once_per_run
 from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc
 
@@ -21,8 +22,7 @@ def test_every_header_is_in_the_check():
     assert headers == sorted(nvrtc.DEVICE_HEADERS), "a new csrc/*.cuh must be added to nvrtc.DEVICE_HEADERS"
 
 
-@pytest.fixture(scope="module")
-def ptx():
+def _compile_all(_folder) -> dict:
     source = nvrtc.instantiation_source()
     out = {}
     for arch in ("compute_70", "compute_80", "compute_90"):
@@ -31,6 +31,11 @@ def ptx():
         assert "error" not in res.log.lower(), res.log
         out[arch] = res.ptx
     return out
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "nvrtc-ptx", _compile_all)
 
 
 @pytest.mark.parametrize("arch", ["compute_70", "compute_80", "compute_90"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qsa_lab import kernels
+from conftest import once_per_run
 from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc, ptx70
 
@@ -23,9 +24,10 @@ TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ptx70")
-    ptx70.generate(out, toolkit=TOOLKIT)
-    return out
+    def generate(shared):
+        ptx70.generate(shared / "ptx70", toolkit=TOOLKIT)
+        return shared / "ptx70"
+    return once_per_run(tmp_path_factory, "ptx70", generate)
 
 
 @pytest.fixture(scope="module")

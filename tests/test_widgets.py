@@ -81,6 +81,21 @@ def test_default_is_the_report_fingerprint(pg):
     assert list(pg.last_data["table"].loc["grouped", "nan_dims"]) == [7]
 
 
+def test_route_table_built_on_first_look_is_route_nans_own(pg):
+    """A redraw keeps the table's rows only; last_data's DataFrame, built from them when asked
+    for, equals figdata.route_nans' (values, column types, index) and its HTML is the rows'."""
+    from qsa_lab import figdata
+
+    pg.set(site="attended-k", kernel_fix=False)  # a NaN difference (None) beside finite ones
+    assert "table" not in pg._data and "table" not in pg._data["routes"]
+    res = CACHE.result(pg.params)
+    own = figdata.route_nans(res, pg.params.routes)["table"]
+    t = pg.last_data["table"]
+    assert t is pg.last_data["routes"]["table"] and "table" in pg._data
+    assert t.equals(own) and t.index.equals(own.index) and (t.dtypes == own.dtypes).all()
+    assert W.table_html(pg.last_data["rows"]) == pg.table.value and "NaN in output" in pg.table.value
+
+
 def test_widget_figure_equals_static_figure(pg):
     pg.set(dims="3,200", pad_fix=False)
     static = W.render_playground(W.playground_data(pg.last_data["params"], W.RunCache()))
@@ -176,10 +191,10 @@ def test_changes_during_a_redraw_coalesce_to_the_latest_value(monkeypatch):
     gate, entered = threading.Event(), threading.Event()
     real = W.playground_data
 
-    def slow(p, cache=None):            # hold the first background redraw until all clicks are in
+    def slow(p, cache=None, **kw):      # hold the first background redraw until all clicks are in
         entered.set()
         gate.wait(60)
-        return real(p, cache)
+        return real(p, cache, **kw)
 
     monkeypatch.setattr(W, "playground_data", slow)
     pg.toggles["kernel_fix"].value = False          # a click: the worker starts and blocks in slow()
@@ -342,6 +357,39 @@ def test_one_cpu_thread_changes_no_output_bit():
     assert set(ref.outputs) == set(res.outputs)
     for r, o in ref.outputs.items():
         assert torch.equal(o.view(torch.int16), res.outputs[r].view(torch.int16)), r
+
+
+def test_first_draw_computes_beside_the_imports_on_an_idle_core(monkeypatch):
+    """With a core idle the first draw's routes are computed in a worker thread (while the
+    widget and figure modules load), each once, and the figure, table and data are the
+    sequential way's; on a busy machine all runs in the caller. A failure in the worker is
+    met again by the redraw, which computes and draws."""
+    import threading
+
+    from qsa_lab import procs
+
+    real, where = W.compute_routes, []
+
+    def spy(*args, **kw):
+        where.append(threading.current_thread().name)
+        if fail_in_worker and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("worker failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(W, "compute_routes", spy)
+    drawn = {}
+    for idle, fail_in_worker in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(procs, "idle_core", lambda *a, idle=idle: idle)
+        where.clear()
+        cache = W.RunCache()
+        pg = W.Playground(cache=cache)
+        assert pg.last_ok and len(cache.computed) == len(set(cache.computed))   # no route computed twice
+        drawn[idle, fail_in_worker] = bytes(pg.image.value), pg.table.value, set(where)
+        assert pg.last_data["table"].equals(W.playground_data(pg.params, cache)["table"])
+    assert drawn[False, False][2] == {"MainThread"}
+    assert drawn[True, False][2] == {"qsa-lab playground compute"}
+    assert drawn[True, True][2] == {"qsa-lab playground compute", "MainThread"}
+    assert drawn[True, False][:2] == drawn[False, False][:2] == drawn[True, True][:2]
 
 
 def test_export_name_and_metadata_say_what_is_shown(pg, tmp_path):
