@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from conftest import once_per_run
+from run_once import once_per_run
 from qsa_lab.canary import run_canary
 from qsa_lab.canary.case import canary_case
 from qsa_lab.canary.report import load_call, write_report

@@ -13,16 +13,17 @@ def _run(code: str) -> str:
 
 
 def test_importing_qsa_lab_freezes_the_collector_at_exit():
-    # a handler registered before the import runs after qsa_lab's (atexit runs them last-in first-out)
+    # a handler registered before the import runs after qsa_lab's (atexit runs them last-in first-out);
+    # some interpreters freeze a few hundred objects at start-up, so it is the growth that counts
     code = """
-        import atexit, gc, sys
-        atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0, flush=True))
-        print("frozen now:", gc.get_freeze_count() > 0)
+        import atexit, gc
+        before = gc.get_freeze_count()
+        atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() - before > 10000, flush=True))
         {import_line}
+        import torch
     """
-    assert _run(code.format(import_line="import qsa_lab")).split() == ["frozen", "now:", "False", "frozen", "at",
-                                                                       "exit:", "True"]
-    assert "at exit: False" in _run(code.format(import_line="pass"))      # the check itself can fail
+    assert _run(code.format(import_line="import qsa_lab")).split() == ["frozen", "at", "exit:", "True"]
+    assert _run(code.format(import_line="pass")).split() == ["frozen", "at", "exit:", "False"]   # it can fail
 
 
 def test_what_cleans_up_by_reference_or_atexit_still_does(tmp_path):

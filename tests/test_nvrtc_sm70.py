@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import once_per_run
+from run_once import once_per_run
 from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from qsa_lab import kernels
-from conftest import once_per_run
+from run_once import once_per_run
 from nvrtc_toolkit import nvrtc_toolkit
 from qsa_lab.kernels import nvrtc, ptx70
 
