@@ -47,7 +47,22 @@ def run_notebook(path: Path, tmp_path: Path) -> dict:
                     found[mark] = json.loads(line[len(mark):])
     assert MARK in found, f"{path.name}: no key_results printed"
     check_conclusion(path, nb, found[CONCLUSION], found[MARK])
+    check_figures_shown(path, nb)
     return {"results": found[MARK], "nb": nb, "conclusion": found[CONCLUSION]}
+
+
+#: a code cell that draws a figure (a plotting or canary-figure call, or a written PNG shown)
+DRAWS = re.compile(r"\b(plotting\.plot_\w+|small_multiples|cf\.plot_\w+|show_png)\(")
+
+
+def check_figures_shown(path: Path, nb) -> None:
+    """Each cell that draws shows its figure once, as an inline PNG: not lost, not shown twice
+    (the notebooks disconnect pyplot's after-cell redraw, and 06 shows the files it wrote)."""
+    drawing = [c for c in nb.cells if c.cell_type == "code" and DRAWS.search(c.source)]
+    assert drawing or path.name.startswith("03_"), f"{path.name}: no cell draws a figure"  # 03: in its widget
+    for c in drawing:
+        images = [o for o in c.outputs if "image/png" in o.get("data", {})]
+        assert len(images) == 1, f"{path.name}: {len(images)} images from the cell starting {c.source[:60]!r}"
 
 
 def _formats(value) -> set:
