@@ -146,6 +146,11 @@ def die_with_parent() -> None:
         pass
 
 
+def threads_set_by_user() -> bool:
+    """OMP_NUM_THREADS or MKL_NUM_THREADS is set: torch's thread count is the user's, left as it is."""
+    return bool(os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"))
+
+
 def fit_torch_threads(started: int = 0) -> int:
     """Give torch's CPU ops at most one thread per core that no other running process holds, nor
     the `started` second processes this command runs beside itself; at least 1, never more than
@@ -156,7 +161,7 @@ def fit_torch_threads(started: int = 0) -> int:
     by thread)."""
     import torch
 
-    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+    if threads_set_by_user():
         return torch.get_num_threads()
     free = max(1, _cores() - max(others_running(), started))     # others: inf where unknown
     n = int(min(torch.get_num_threads(), free))

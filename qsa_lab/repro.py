@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -195,7 +194,7 @@ def _threads(processes: int, others: float) -> tuple:
     """Torch threads for this process and the second one: the cores no other running process
     (`others` of them: inf where unknown) holds, shared between `processes` (at least 1 each);
     (None, None) where the user set OMP_NUM_THREADS or MKL_NUM_THREADS."""
-    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+    if procs.threads_set_by_user():
         return None, None
     free = max(processes, procs._cores() - others)
     mine = int(min(torch.get_num_threads(), max(1, free // processes)))
