@@ -18,7 +18,8 @@ moved), pixel for pixel what a full draw gives (`_draw_changes`).
 
 The first draw: pandas does not load (the route table is kept as rows; `last_data` builds its
 DataFrame when looked at), and with a core idle the routes are computed in a worker thread
-while ipywidgets and matplotlib load (`compute_ahead`).
+while ipywidgets and matplotlib load and the figure is built and drawn for a blank case of the
+same layout (`compute_ahead`, `figure_ahead`): the data then repaints only what it changes.
 """
 from __future__ import annotations
 
@@ -381,27 +382,65 @@ def with_table(data: dict) -> dict:
 
 
 def compute_ahead(p: Params, cache: RunCache):
-    """When a core is idle (procs.idle_core), start computing the routes playground_data(p,
-    cache) needs in a worker thread -> a function that waits for it (else one that does nothing).
-    Torch leaves the GIL inside its ops, so they run on the idle core while the caller imports
-    the widget and figure modules; playground_data then finds every output in `cache`: the same
-    entries, computed by the same code on one thread. On a busy machine the two threads would
-    only queue for one core (a first draw took longer), so there it stays sequential. A failure
-    is left for playground_data to meet again and show."""
+    """When a core is idle (procs.idle_core), start computing what playground_data(p, cache)
+    needs in a worker thread -> (planned, computed): planned() waits for the clean case and its
+    plans (the figure's layout, see figure_ahead) and returns the geometry's _Base, computed()
+    waits for the routes; else two functions that do nothing (planned() gives None). Torch
+    leaves the GIL inside its ops, so they run on the idle core while the caller imports the
+    widget and figure modules and builds the figure; playground_data then finds every output in
+    `cache`: the same entries, computed by the same code on one thread. On a busy machine the
+    two threads would only queue for one core (a first draw took longer), so there it stays
+    sequential. A failure is left for playground_data to meet again and show."""
     import threading
 
     from .procs import idle_core
 
     if not idle_core():
-        return lambda: None
+        return (lambda: None), (lambda: None)
+    planned, base = threading.Event(), []
 
     def work():
         with contextlib.suppress(Exception), one_cpu_thread():
+            try:
+                base.append(cache.base(p.geometry))
+            finally:
+                planned.set()
             cache.result(replace(p, plane=p.applied_plane))
 
     worker = threading.Thread(target=work, name="qsa-lab playground compute", daemon=True)
     worker.start()
-    return worker.join
+
+    def wait_planned():
+        planned.wait()
+        return base[0] if base else None
+    return wait_planned, worker.join
+
+
+def figure_ahead(p: Params, base: _Base):
+    """The playground's figure for `p` before its routes are computed: every artist made for the
+    layout (shapes, routes) the data will have, holding a blank case (no NaN, zero outputs), and
+    drawn. render_playground then gives it the data as to a figure it drew before and
+    figure_png repaints the parts that changed: the same pixels as a new figure's full draw
+    (tests/test_widgets.py compares them). None for invalid Params."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    try:
+        check_params(p)
+    except ValueError:
+        return None         # redraw shows the error
+    plan, g = base.plan, p.geometry
+    rows = ((plan.group_rows.numel() if plan.groups else 0) + plan.xqa_rows.numel()) * g.q_heads
+    nan_map = {"values": np.zeros((rows, g.head_dim), np.float32), "dropped": np.zeros((rows, g.head_dim), bool),
+               "groups": plan.groups, "q_heads": g.q_heads, "m_tiles": plan.m_tiles,
+               "xqa_rows": plan.xqa_rows.tolist(), "route": p.nan_map, "nan_count": 0, "dropped_count": 0, "title": ""}
+    shape = (len(p.routes), g.head_dim)
+    routes = {"routes": list(p.routes), "per_dim": np.zeros(shape, np.int64), "dropped_per_dim": np.zeros(shape, np.int64),
+              "rows": [{"route": r, "nan_count": 0, "max_abs_diff_vs_xqa": 0.0, "finite_where_ref_nan": 0}
+                       for r in p.routes], "title": ""}
+    fig = render_playground({"nan_map": nan_map, "routes": routes})
+    _draw_changes(fig, FigureCanvasAgg(fig))   # drawn once: the first figure_png repaints what the data changes
+    return fig
 
 
 @contextlib.contextmanager
@@ -804,11 +843,11 @@ class Playground:
 
         p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
         self.cache, self.out_dir = cache or _CACHE, out_dir
-        computed = compute_ahead(p, self.cache)   # on an idle core, while the modules below load
+        planned, computed = compute_ahead(p, self.cache)   # on an idle core, while the modules below load
 
         import ipywidgets as W
 
-        self.params = self._data = self.figure = self.last_redraw_s = None
+        self.params = self._data = self.figure = self.last_redraw_s = self._ahead = None
         self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
         self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
         # _syncing: the thread now setting controls itself (its changes are not a user's)
@@ -841,8 +880,11 @@ class Playground:
         import matplotlib.figure  # noqa: F401 - render_playground's and figure_png's, loaded beside the compute
         from matplotlib.backends import backend_agg  # noqa: F401
 
+        base = planned()   # the figure's layout is known before the routes are: build it meanwhile
+        self._ahead = None if base is None else figure_ahead(p, base)
         computed()
         self.redraw()
+        self._ahead = None
 
     @property
     def last_data(self) -> dict | None:
@@ -925,7 +967,7 @@ class Playground:
             self._set_busy(True)
             try:
                 data = playground_data(p, self.cache, frame=False)
-                fig = render_playground(data, self.figure)
+                fig = render_playground(data, self.figure or self._ahead)
                 png = figure_png(fig)
             except Exception as e:  # noqa: BLE001
                 if self._data is not None and self.figure is not None:

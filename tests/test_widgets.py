@@ -361,9 +361,11 @@ def test_one_cpu_thread_changes_no_output_bit():
 
 def test_first_draw_computes_beside_the_imports_on_an_idle_core(monkeypatch):
     """With a core idle the first draw's routes are computed in a worker thread (while the
-    widget and figure modules load), each once, and the figure, table and data are the
-    sequential way's; on a busy machine all runs in the caller. A failure in the worker is
-    met again by the redraw, which computes and draws."""
+    widget and figure modules load and the figure is built and drawn blank, figure_ahead), each
+    once, and the figure, table and data are the sequential way's (whose figure is drawn whole);
+    on a busy machine all runs in the caller. A failure in the worker is met again by the
+    redraw, which computes and draws. After a first draw either way, a redraw's image is a
+    full draw's."""
     import threading
 
     from qsa_lab import procs
@@ -386,6 +388,9 @@ def test_first_draw_computes_beside_the_imports_on_an_idle_core(monkeypatch):
         assert pg.last_ok and len(cache.computed) == len(set(cache.computed))   # no route computed twice
         drawn[idle, fail_in_worker] = bytes(pg.image.value), pg.table.value, set(where)
         assert pg.last_data["table"].equals(W.playground_data(pg.params, cache)["table"])
+        assert (pg.figure.qsa_drawn["repainted"] is None) is not idle   # idle: the blank figure, repainted
+        assert pg.set(dims="3,200"), pg.message.value
+        assert np.array_equal(shown(pg), pixels(W.render_playground(pg.last_data))[..., :3])
     assert drawn[False, False][2] == {"MainThread"}
     assert drawn[True, False][2] == {"qsa-lab playground compute"}
     assert drawn[True, True][2] == {"qsa-lab playground compute", "MainThread"}
