@@ -78,7 +78,8 @@ def add_parser(sub, parents=()):
                    help="qsa routes: compiled kernels or emulation (only qsa: kernels build qsa_lab's extension); "
                         "the other kernels run on the GPU unless 'emulate' (default auto)")
     k.add_argument("--timeout", type=_seconds, metavar="S",
-                   help="seconds one kernel call may take before it is an error (default 600)")
+                   help="seconds one call of your own kernel may take before it is an error (default 600); "
+                        "built-in kernels run in this process, unbounded (Ctrl-C stops them)")
     g = c.add_argument_group("the call's geometry and attention (default: 10 rows of 3 requests of 33, 32, 31 "
                              "tokens, page 16, 2 query heads, 1 KV head, head dim 16, fp16, attend sparse)")
     g.add_argument("--attend", metavar="SPEC",
