@@ -19,17 +19,25 @@ def reference_from_tokens(case: Case, K, V, valid, tokens: int | None = None) ->
     """reference_forward on every row's tokens as gather_tokens gives them (shared with XQA).
     tokens: the slots to use, when K, V and valid hold more (XQA's partition padding).
 
-    One row at a time, on one torch thread: a row's float64 copy of K and V is a few MB that
-    the allocator hands back for the next row, where the whole batch's was hundreds of MB of
-    fresh pages (faulting them in took longer than the arithmetic). The batched products ran
-    each row's on one thread, so on one thread each row's are bit for bit the same (a row's
+    On the CPU one row at a time, on one torch thread: a row's float64 copy of K and V is a few
+    MB that the allocator hands back for the next row, where the whole batch's was hundreds of
+    MB of fresh pages (faulting them in took longer than the arithmetic). The batched products
+    ran each row's on one thread, so on one thread each row's are bit for bit the same (a row's
     product on two threads is not: tests/test_bit_identity.py); the softmax is row by row."""
     T = K.shape[1] if tokens is None else tokens
-    q, out = case.q.double(), torch.empty(case.q.shape, dtype=torch.float64)
+    q = case.q.double()
+    if K.device.type != "cpu":
+        return _reference_rows(case, q, K, V, valid, T)
+    out = torch.empty_like(q)
     with torch_threads(1):
-        for n in range(K.shape[0]):   # in place on the row's copy: no second one
-            k, v = K[n].double().mul_(case.k_scale)[:T], V[n].double().mul_(case.v_scale)[:T]
-            s = torch.einsum("hd,td->ht", q[n], k).mul_(case.sm_scale)
-            s = torch.where(valid[n, :T], s, -torch.inf)
-            out[n] = torch.einsum("ht,td->hd", torch.softmax(s, dim=-1), v)
+        for n in range(K.shape[0]):
+            out[n:n + 1] = _reference_rows(case, q[n:n + 1], K[n:n + 1], V[n:n + 1], valid[n:n + 1], T)
     return out
+
+
+def _reference_rows(case: Case, q, K, V, valid, T: int) -> torch.Tensor:
+    """The reference of the rows of q [n, Hq, D] float64 from their first T token slots."""
+    K, V = K.double().mul_(case.k_scale)[:, :T], V.double().mul_(case.v_scale)[:, :T]  # in place: no second copy
+    s = torch.einsum("nhd,ntd->nht", q, K).mul_(case.sm_scale)
+    s = torch.where(valid[:, :T].unsqueeze(1), s, -torch.inf)
+    return torch.einsum("nht,ntd->nhd", torch.softmax(s, dim=-1), V)
