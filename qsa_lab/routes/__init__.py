@@ -16,7 +16,8 @@ from ..case import Case, decoded_once, validate_case
 from ..geometry import BACKENDS
 from ..plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from . import emulate
-from .reference import reference_forward, reference_from_tokens
+from ..procs import torch_threads
+from .reference import reference_forward, reference_rows
 
 #: grouped route -> (kernel variant, pad-fix applied to the plan)
 GROUPED = {
@@ -221,8 +222,8 @@ def run_routes_planned(case: Case, routes, backend: str, plan: GroupedPlan, *, p
 def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, reference: bool = True,
                     remainder: bool = True, memo: dict | None = None, bar=None):
     """The emulation's routes -> (outputs, reference64), sharing what routes have in common, each
-    output bit for bit what its route gives alone: one gather of every row's tokens (reference
-    and XQA), one XQA run of the grouped routes' remainder rows, and one pass of the grouped
+    output bit for bit what its route gives alone: one gather of each row's tokens for the
+    reference and XQA (_every_row), one XQA run of the grouped routes' remainder rows, and one pass of the grouped
     kernel for all its variants (grouped_forward_many: they share S, the softmax and the sums).
 
     For a caller that checked its inputs (see run_routes_planned; memo likewise), best inside
@@ -230,33 +231,45 @@ def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, refere
     'reference' is not asked for (else None). remainder=False: the grouped routes' XQA rows are
     left unset (emulated_remainder gives them). bar: iterated instead of `routes` (a progress bar)."""
     memo = {} if memo is None else memo
-    shared = {}
-
-    def all_tokens():  # -> (T, (K, V, valid)): XQA's partition padding included; the reference reads T slots
-        if "tokens" not in shared:
-            if "xqa_tokens" not in memo:
-                memo["xqa_tokens"] = xqa_tokens(case)
-            token_index, token_count = memo["xqa_tokens"]
-            T = token_index.shape[1]
-            shared["tokens"] = T, emulate.gather_tokens(case.kv_cache, token_index, token_count, case.kv_format,
-                                                        width=emulate.xqa_width(T, case.kv_format))
-        return shared["tokens"]
-
-    ref = None
-    if reference or "reference" in routes:
-        T, tokens = all_tokens()
-        ref = reference_from_tokens(case, *tokens, tokens=T)
+    ref, xqa = _every_row(case, memo, reference or "reference" in routes, "xqa" in routes)
     grouped = [r for r in routes if r in GROUPED]
     outputs = {}
     for route in routes if bar is None else bar:
         if route == "reference":
             outputs[route] = ref.to(torch.float16)
         elif route == "xqa":
-            outputs[route] = emulate.xqa_from_tokens(case.q, *all_tokens()[1], case.k_scale, case.v_scale,
-                                                     kv_format=case.kv_format, sm_scale=case.sm_scale)
+            outputs[route] = xqa
         elif route not in outputs:  # the first grouped route: all of them at once
             outputs.update(_emulated_grouped(case, grouped, plan, fixed_plan, memo, remainder))
     return {r: outputs[r] for r in routes}, ref
+
+
+def _every_row(case: Case, memo: dict, reference: bool, xqa: bool) -> tuple:
+    """-> (reference64 or None, XQA output or None) of every row, one row at a time on one torch
+    thread: a row's gathered tokens (XQA's partition padding included; the reference reads the
+    first T slots) serve both, a few MB where every row's at once were hundreds of MB of fresh
+    pages. The batched ops ran each row's products on one thread and reduce row by row, so the
+    outputs are bit for bit theirs (tests/test_bit_identity.py)."""
+    if not (reference or xqa):
+        return None, None
+    if "xqa_tokens" not in memo:
+        memo["xqa_tokens"] = xqa_tokens(case)
+    index, count = memo["xqa_tokens"]
+    T = index.shape[1]
+    width = emulate.xqa_width(T, case.kv_format)
+    q64 = case.q.double() if reference else None
+    ref = torch.empty_like(q64) if reference else None
+    out = torch.empty_like(case.q) if xqa else None
+    with torch_threads(1):
+        for n in range(case.q.shape[0]):
+            K, V, valid = emulate.gather_tokens(case.kv_cache, index[n:n + 1], count[n:n + 1], case.kv_format,
+                                                width=width)
+            if reference:
+                ref[n:n + 1] = reference_rows(case, q64[n:n + 1], K, V, valid, T)
+            if xqa:
+                out[n:n + 1] = emulate.xqa_from_tokens(case.q[n:n + 1], K, V, valid, case.k_scale, case.v_scale,
+                                                       kv_format=case.kv_format, sm_scale=case.sm_scale)
+    return ref, out
 
 
 def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict) -> torch.Tensor:

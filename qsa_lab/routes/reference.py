@@ -27,15 +27,15 @@ def reference_from_tokens(case: Case, K, V, valid, tokens: int | None = None) ->
     T = K.shape[1] if tokens is None else tokens
     q = case.q.double()
     if K.device.type != "cpu":
-        return _reference_rows(case, q, K, V, valid, T)
+        return reference_rows(case, q, K, V, valid, T)
     out = torch.empty_like(q)
     with torch_threads(1):
         for n in range(K.shape[0]):
-            out[n:n + 1] = _reference_rows(case, q[n:n + 1], K[n:n + 1], V[n:n + 1], valid[n:n + 1], T)
+            out[n:n + 1] = reference_rows(case, q[n:n + 1], K[n:n + 1], V[n:n + 1], valid[n:n + 1], T)
     return out
 
 
-def _reference_rows(case: Case, q, K, V, valid, T: int) -> torch.Tensor:
+def reference_rows(case: Case, q, K, V, valid, T: int) -> torch.Tensor:
     """The reference of the rows of q [n, Hq, D] float64 from their first T token slots."""
     K, V = K.double().mul_(case.k_scale)[:, :T], V.double().mul_(case.v_scale)[:, :T]  # in place: no second copy
     s = torch.einsum("nhd,ntd->nht", q, K).mul_(case.sm_scale)
