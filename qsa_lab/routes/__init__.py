@@ -223,8 +223,9 @@ def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, refere
                     remainder: bool = True, memo: dict | None = None, bar=None):
     """The emulation's routes -> (outputs, reference64), sharing what routes have in common, each
     output bit for bit what its route gives alone: one gather of each row's tokens for the
-    reference and XQA (_every_row), one XQA run of the grouped routes' remainder rows, and one pass of the grouped
-    kernel for all its variants (grouped_forward_many: they share S, the softmax and the sums).
+    reference and XQA (_every_row), one XQA run of the grouped routes' remainder rows, and one
+    pass of the grouped kernel for all its variants (grouped_forward_many: they share S, the
+    softmax and the sums).
 
     For a caller that checked its inputs (see run_routes_planned; memo likewise), best inside
     decoded_once(case.kv_cache, ...). reference: compute reference64 even when the route
