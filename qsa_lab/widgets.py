@@ -435,7 +435,8 @@ def figure_ahead(p: Params, base: _Base):
                "groups": plan.groups, "q_heads": g.q_heads, "m_tiles": plan.m_tiles,
                "xqa_rows": plan.xqa_rows.tolist(), "route": p.nan_map, "nan_count": 0, "dropped_count": 0, "title": ""}
     shape = (len(p.routes), g.head_dim)
-    routes = {"routes": list(p.routes), "per_dim": np.zeros(shape, np.int64), "dropped_per_dim": np.zeros(shape, np.int64),
+    routes = {"routes": list(p.routes), "per_dim": np.zeros(shape, np.int64),
+              "dropped_per_dim": np.zeros(shape, np.int64),
               "rows": [{"route": r, "nan_count": 0, "max_abs_diff_vs_xqa": 0.0, "finite_where_ref_nan": 0}
                        for r in p.routes], "title": ""}
     fig = render_playground({"nan_map": nan_map, "routes": routes})
