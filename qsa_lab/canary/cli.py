@@ -78,7 +78,8 @@ def add_parser(sub, parents=()):
                    help="qsa routes: compiled kernels or emulation (only qsa: kernels build qsa_lab's extension); "
                         "the other kernels run on the GPU unless 'emulate' (default auto)")
     k.add_argument("--timeout", type=_seconds, metavar="S",
-                   help="seconds one kernel call may take before it is an error (default 600)")
+                   help="seconds one call of your own kernel may take before it is an error (default 600); "
+                        "built-in kernels run in this process, unbounded (Ctrl-C stops them)")
     g = c.add_argument_group("the call's geometry and attention (default: 10 rows of 3 requests of 33, 32, 31 "
                              "tokens, page 16, 2 query heads, 1 KV head, head dim 16, fp16, attend sparse)")
     g.add_argument("--attend", metavar="SPEC",
@@ -96,7 +97,7 @@ def add_parser(sub, parents=()):
     g.add_argument("--kv-heads", type=_int, help="KV heads, a divisor of --q-heads: GQA (default 1)")
     g.add_argument("--head-dim", type=_int, help="head dimension, a multiple of 16 (default 16)")
     g.add_argument("--topk", type=_int, help="selected 4-token blocks per row, for the sparse spec (default 16)")
-    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16", help="the pool's storage dtype (default fp16)")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, help="the pool's storage dtype (default fp16)")
     g.add_argument("--seed", type=_int, help="seed of q, K/V and the selections (default 0)")
     g.add_argument("--layout", choices=LAYOUTS, help="physical page order (default contiguous)")
     g.add_argument("--selection", choices=SELECTIONS, help="how rows select blocks (default indexer)")
@@ -207,8 +208,9 @@ def run(args) -> int:
     from ..cli import UsageError, _blame, _outputs
 
     geometry = {n: getattr(args, n) for n in GEOMETRY if getattr(args, n, None) is not None}
-    if args.case and geometry:
-        raise UsageError(f"--case: takes no geometry option (got {', '.join(FLAGS[n] for n in geometry)})")
+    if args.case and (geometry or args.kv_dtype):   # the case file holds its own pool and its dtype
+        given = [*geometry, *(["kv_dtype"] if args.kv_dtype else [])]
+        raise UsageError(f"--case: takes no geometry option (got {', '.join(FLAGS[n] for n in given)})")
     kernel_files = {}
     for spec in args.kernel or []:
         path = spec.rpartition(":")[0]

@@ -307,16 +307,18 @@ def _dims(dims, D: int):
 
 def _case(case, kv_dtype, attend, geometry) -> CanaryCase:
     if case is None:
-        return canary_case(kv_dtype, attend="sparse" if attend is None else attend, **geometry)
+        return canary_case("fp16" if kv_dtype is None else kv_dtype, attend="sparse" if attend is None else attend,
+                           **geometry)
     if geometry:
         raise ValueError(f"case: give a case or geometry options ({', '.join(geometry)}), not both")
-    if isinstance(case, (str, Path)):
-        return load_case(case, attend)
-    return as_canary_case(case, attend)
+    case = load_case(case, attend) if isinstance(case, (str, Path)) else as_canary_case(case, attend)
+    if kv_dtype is not None and kv_dtype != case.kv_dtype:   # a case brings its own pool: never silently another
+        raise ValueError(f"kv_dtype: the case's pool is {case.kv_dtype}, not {kv_dtype!r} (leave it out with a case)")
+    return case
 
 
 def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
-               case=None, kv_dtype: str = "fp16", dims=None, progress: bool = False, attend=None,
+               case=None, kv_dtype: str | None = None, dims=None, progress: bool = False, attend=None,
                timeout: float = DEFAULT_TIMEOUT, **geometry) -> CanaryReport:
     """Run the canary matrix.
 
@@ -330,7 +332,8 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     case: a CanaryCase, a qsa_lab Case, or a case file (see qsa_lab.canary.case.CASE_FORMAT);
         default canary_case(kv_dtype, attend=attend, **geometry) with geometry keywords rows,
         requests, context, topk, page_size, q_heads, kv_heads, head_dim, query_len, seed,
-        layout, selection, overlap, free_pages, mla, v_head_dim.
+        layout, selection, overlap, free_pages, mla, v_head_dim. kv_dtype: that case's pool
+        (default fp16); a given case brings its own, and another kv_dtype beside it is an error.
     attend: the attention spec ('dense', 'sparse', 'window:W[,sink:S]' or an AttentionSpec);
         default sparse (a loaded case without selections: dense).
     dims: head dims to poison (default every dim; one dim shows a kernel's leak pattern: a V
@@ -565,7 +568,7 @@ def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResul
 
 
 def assert_no_leak(kernel, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
-                   case=None, kv_dtype: str = "fp16", dims=None, allow_skipped: bool = False, attend=None,
+                   case=None, kv_dtype: str | None = None, dims=None, allow_skipped: bool = False, attend=None,
                    timeout: float = DEFAULT_TIMEOUT, **geometry) -> CanaryReport:
     """pytest helper: run the canary for one kernel (a callable fn(PagedCall) -> [rows, q_heads,
     head_dim], or a kernel name) and raise AssertionError listing every leak and every failure
