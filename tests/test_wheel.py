@@ -168,9 +168,11 @@ def test_nvrtc_sm70_compile_of_the_installed_sources(venv, elsewhere, tmp_path_f
     the options), its own csrc/ (the -I folder: every header is found there) and the NVRTC
     wheels that find_toolkit() locates. When its nvrtc.py and every csrc/ file are the
     checkout's bytes and its toolkit is the same files, that compile is the checkout's one,
-    but for the -I folder's name, which no header reads (no __FILE__): so it is proven here
-    by that identity and by the checkout's compute_70 compile of the run (shared with
-    test_ptx70 and test_nvrtc_sm70, made once), instead of by compiling again."""
+    but for the -I folder's name, which no header reads (no __FILE__) and which changes only
+    the file names in the PTX's line info: so it is proven here by that identity and by the
+    checkout's compute_70 compile of the run (tests/test_ptx70.py's folder, made once: the
+    same source with ptx70's probe appended, see tests/test_nvrtc_sm70.py), instead of by
+    compiling again."""
     toolkit = nvrtc_toolkit()  # skips without the NVRTC wheels (fails under CI=true)
     from qsa_lab.kernels import nvrtc, ptx70
 
