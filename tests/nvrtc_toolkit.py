@@ -3,6 +3,8 @@ import os
 
 import pytest
 
+from run_once import once_per_run
+
 
 def nvrtc_toolkit():
     """The CUDA 12 NVRTC wheels (the sm_70 compile checks), or skip the calling module;
@@ -16,3 +18,16 @@ def nvrtc_toolkit():
             pytest.fail(f"CI=true: {reason}", pytrace=False)
         pytest.skip(reason, allow_module_level=True)
     return toolkit
+
+
+def ptx70_folder(tmp_path_factory, toolkit):
+    """The checkout's compute_70 folder (qsa_lab.kernels.ptx70.generate: PTX + manifest), made
+    once per test run. It is the run's one compute_70 compile of csrc/: ptx70.generate
+    compiles nvrtc.instantiation_source() with the probe appended, and the three test modules
+    that check compute_70 PTX (test_ptx70, test_nvrtc_sm70, test_wheel) read it."""
+    from qsa_lab.kernels import ptx70
+
+    def generate(shared):
+        ptx70.generate(shared / "ptx70", toolkit=toolkit)
+        return shared / "ptx70"
+    return once_per_run(tmp_path_factory, "ptx70", generate)

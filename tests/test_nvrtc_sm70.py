@@ -4,6 +4,7 @@ lacks. This is the proof, on a machine without a GPU or nvcc, that a V100 user c
 the kernels. Needs the `nvrtc` extra (requirements-nvrtc.txt); under CI=true a missing
 wheel fails the test instead of skipping it.
 """
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -11,10 +12,13 @@ from pathlib import Path
 import pytest
 
 from run_once import once_per_run
-from nvrtc_toolkit import nvrtc_toolkit
-from qsa_lab.kernels import nvrtc
+from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
+from qsa_lab.kernels import nvrtc, ptx70
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
+# one xdist worker runs the NVRTC modules (`make test`: --dist loadgroup), the other the rest,
+# instead of one waiting on the other's compile (each compile is made once per run)
+pytestmark = pytest.mark.xdist_group("nvrtc")
 
 
 def test_every_header_is_in_the_check():
@@ -22,25 +26,47 @@ def test_every_header_is_in_the_check():
     assert headers == sorted(nvrtc.DEVICE_HEADERS), "a new csrc/*.cuh must be added to nvrtc.DEVICE_HEADERS"
 
 
-def _compile_all(_folder) -> dict:
-    source = nvrtc.instantiation_source()
-    out = {}
-    for arch in ("compute_70", "compute_80", "compute_90"):
-        res = nvrtc.compile_ptx(source, arch, TOOLKIT)
+def _compile(arch):
+    def make(_folder) -> str:
+        res = nvrtc.compile_ptx(nvrtc.instantiation_source(), arch, TOOLKIT)
         assert res.ok, f"NVRTC {arch} failed:\n{res.log}"
         assert "error" not in res.log.lower(), res.log
-        out[arch] = res.ptx
-    return out
+        return res.ptx
+    return make
+
+
+def _compute_70(tmp_path_factory) -> str:
+    """The compute_70 PTX is the one of tests/test_ptx70.py's folder, compiled once per run:
+    the same nvrtc.instantiation_source() through the same nvrtc.compile_ptx options, with
+    ptx70's probe appended (one extern "C" kernel, qsa_ptx70_smem_probe, and two constant
+    arrays) and another program name. Every header entry point comes out with the same
+    instructions as from instantiation_source() alone (compared on NVRTC 12.9: the 24 entries
+    equal up to branch-label numbers, .loc lines and the program-name hash in internal
+    names), and each check below looks at entries by name, or at what no entry may hold,
+    which the probe only adds to. ptx70.generate raises on a failed compile."""
+    folder = ptx70_folder(tmp_path_factory, TOOLKIT)
+    log = json.loads((folder / ptx70.MANIFEST_FILE).read_text())["nvrtc_log"]
+    assert "error" not in log.lower(), log
+    return (folder / ptx70.PTX_FILE).read_text()
 
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory):
-    return once_per_run(tmp_path_factory, "nvrtc-ptx", _compile_all)
+    """arch -> PTX, each compiled once per run and only when a test asks for it (xdist's
+    workers then wait only on the compile they need)."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = _compute_70(tmp_path_factory) if arch == "compute_70" else \
+                once_per_run(tmp_path_factory, f"nvrtc-{arch}", _compile(arch))
+        return cache[arch]
+    return get
 
 
 @pytest.mark.parametrize("arch", ["compute_70", "compute_80", "compute_90"])
 def test_headers_compile_with_tensor_cores(ptx, arch):
-    text = ptx[arch]
+    text = ptx(arch)
     assert re.search(r"\b(wmma\.mma\.sync|mma\.sync)\b", text), "no tensor-core MMA in the PTX"
     assert nvrtc.forbidden_instructions(text) == []
     # every entry point was instantiated: the grouped forward per format and variant,
@@ -74,7 +100,7 @@ def test_sm70_machine_code_fits_a_v100(ptx):
     if TOOLKIT.ptxas is None:
         pytest.skip("ptxas not in the nvcc wheel")
     with tempfile.TemporaryDirectory() as d:
-        report = nvrtc.ptxas_report(ptx["compute_70"], "sm_70", TOOLKIT, Path(d))
+        report = nvrtc.ptxas_report(ptx("compute_70"), "sm_70", TOOLKIT, Path(d))
     assert "error" not in report.lower(), report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128, report
@@ -96,7 +122,7 @@ def test_barriers_per_tile_as_documented(ptx):
     from qsa_lab.kernels import BARRIERS_PER_TILE, VARIANTS
 
     by_number = {str(n): name for name, n in VARIANTS.items()}
-    entries = re.split(r"^\.(?:visible|weak) \.entry ", ptx["compute_70"], flags=re.M)[1:]
+    entries = re.split(r"^\.(?:visible|weak) \.entry ", ptx("compute_70"), flags=re.M)[1:]
     seen = 0
     for body in entries:
         found = re.match(r"_ZN3qsa21grouped_page4_forwardILi(\d)ELi(\d)E", body)

@@ -15,19 +15,16 @@ import pytest
 import torch
 
 from qsa_lab import kernels
-from run_once import once_per_run
-from nvrtc_toolkit import nvrtc_toolkit
+from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
 from qsa_lab.kernels import nvrtc, ptx70
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
+pytestmark = pytest.mark.xdist_group("nvrtc")  # with tests/test_nvrtc_sm70.py: one worker, one compile
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    def generate(shared):
-        ptx70.generate(shared / "ptx70", toolkit=TOOLKIT)
-        return shared / "ptx70"
-    return once_per_run(tmp_path_factory, "ptx70", generate)
+    return ptx70_folder(tmp_path_factory, TOOLKIT)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ seconds and without a network.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from nvrtc_toolkit import nvrtc_toolkit
+from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
+from run_once import once_per_run
 
-pytestmark = pytest.mark.wheel
+# one xdist worker (`make test`: --dist loadgroup) builds the wheel and venv and runs every test here
+pytestmark = [pytest.mark.wheel, pytest.mark.xdist_group("wheel")]
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 1800  # a loaded 2-core machine: the repro alone takes minutes
 
@@ -50,10 +53,7 @@ def _ok(res, what):
     return res
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """(sdist, wheel built from that sdist) through setuptools' PEP 517 hooks, as pip or build call them."""
-    out = tmp_path_factory.mktemp("dist")
+def _build(out: Path) -> tuple[Path, Path]:
     hook = "import sys; from setuptools import build_meta as b; print(getattr(b, sys.argv[1])(sys.argv[2]))"
     sdist = out / _ok(_run([sys.executable, "-c", hook, "build_sdist", out], REPO), "build_sdist").stdout.split()[-1]
     with tarfile.open(sdist) as tar:
@@ -63,19 +63,31 @@ def built(tmp_path_factory):
     return sdist, wheel
 
 
-@pytest.fixture(scope="module")
-def venv(built, tmp_path_factory):
-    """A fresh venv holding the wheel; returns its bin folder."""
-    root = tmp_path_factory.mktemp("venv")
+def _make_venv(root: Path, wheel: Path) -> Path:
     _ok(_run([sys.executable, "-m", "venv", "--without-pip", root], root), "venv")
     site = Path(_ok(_run([root / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          root), "purelib").stdout.strip())
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (site / "_qsa_lab_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
     # -I: this test environment's editable qsa_lab is visible through the .pth and must not count
-    _ok(_run([root / "bin" / "python", "-m", "pip", "install", "-q", "-I", "--no-deps", "--no-index", built[1]], root),
+    _ok(_run([root / "bin" / "python", "-m", "pip", "install", "-q", "-I", "--no-deps", "--no-index", wheel], root),
         "pip install the wheel")
     return root / "bin"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(sdist, wheel built from that sdist) through setuptools' PEP 517 hooks, as pip or build call them.
+    Built once per test run: pytest-xdist's workers share it (two builds in the checkout at
+    once would also race on its egg-info and sdist staging folder)."""
+    return once_per_run(tmp_path_factory, "wheel-dist", _build)
+
+
+@pytest.fixture(scope="module")
+def venv(built, tmp_path_factory):
+    """A fresh venv holding the wheel, made once per test run; returns its bin folder. The
+    tests only run its commands, each from a folder of its own."""
+    return once_per_run(tmp_path_factory, "wheel-venv", lambda root: _make_venv(root, built[1]))
 
 
 @pytest.fixture()
@@ -148,14 +160,35 @@ def test_installed_copy_resolves_every_kernel_source_and_notebook(venv, elsewher
     assert again.returncode == 2 and "--force" in again.stderr    # never overwritten without --force
 
 
-def test_nvrtc_sm70_compile_of_the_installed_sources(venv, elsewhere):
-    """The V100 proof (tests/test_nvrtc_sm70.py) on the installed copy of csrc/."""
-    nvrtc_toolkit()  # skips without the NVRTC wheels (fails under CI=true)
-    code = ("import json; from qsa_lab.kernels import nvrtc; tk = nvrtc.find_toolkit();"
-            "r = nvrtc.compile_ptx(nvrtc.instantiation_source(), 'compute_70', tk);"
-            "print(json.dumps({'csrc': str(nvrtc.CSRC), 'ok': r.ok, 'log': r.log[-3000:], 'mma': 'mma.sync' in r.ptx,"
-            " 'forbidden': nvrtc.forbidden_instructions(r.ptx)}))")
+def test_nvrtc_sm70_compile_of_the_installed_sources(venv, elsewhere, tmp_path_factory):
+    """The V100 proof (tests/test_nvrtc_sm70.py) holds for the installed copy of csrc/.
+
+    What the installed copy's compile (nvrtc.compile_ptx(nvrtc.instantiation_source(),
+    'compute_70', find_toolkit())) reads is its own qsa_lab/kernels/nvrtc.py (the source and
+    the options), its own csrc/ (the -I folder: every header is found there) and the NVRTC
+    wheels that find_toolkit() locates. When its nvrtc.py and every csrc/ file are the
+    checkout's bytes and its toolkit is the same files, that compile is the checkout's one,
+    but for the -I folder's name, which no header reads (no __FILE__) and which changes only
+    the file names in the PTX's line info: so it is proven here by that identity and by the
+    checkout's compute_70 compile of the run (tests/test_ptx70.py's folder, made once: the
+    same source with ptx70's probe appended, see tests/test_nvrtc_sm70.py), instead of by
+    compiling again."""
+    toolkit = nvrtc_toolkit()  # skips without the NVRTC wheels (fails under CI=true)
+    from qsa_lab.kernels import nvrtc, ptx70
+
+    code = ("import json, dataclasses; from qsa_lab.kernels import nvrtc; tk = nvrtc.find_toolkit();"
+            "print(json.dumps({'csrc': str(nvrtc.CSRC), 'nvrtc_py': nvrtc.__file__, 'source': nvrtc.instantiation_source(),"
+            " 'toolkit': tk and {k: str(v) for k, v in dataclasses.asdict(tk).items()}}))")
     got = json.loads(_ok(_run([venv / "python", "-c", code], elsewhere), "NVRTC").stdout.strip().splitlines()[-1])
-    assert Path(got["csrc"]).is_relative_to(venv.parent), got["csrc"]
-    assert got["ok"], got["log"]
-    assert got["mma"] and got["forbidden"] == []
+    csrc, nvrtc_py = Path(got["csrc"]), Path(got["nvrtc_py"])
+    assert csrc.is_relative_to(venv.parent) and nvrtc_py.is_relative_to(venv.parent), got
+    assert nvrtc_py.read_bytes() == (REPO / "qsa_lab" / "kernels" / "nvrtc.py").read_bytes()
+    assert got["source"] == nvrtc.instantiation_source()
+    def files(folder):
+        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    assert files(csrc) == files(REPO / "csrc") and all(p.is_file() for p in csrc.iterdir())
+    assert got["toolkit"] == {k: str(v) for k, v in dataclasses.asdict(toolkit).items()}
+    # the checkout's compile: generate raises on a failed compile or on instructions an SM70 lacks
+    folder = ptx70_folder(tmp_path_factory, toolkit)
+    text = (folder / ptx70.PTX_FILE).read_text()
+    assert "mma.sync" in text and nvrtc.forbidden_instructions(text) == []
