@@ -39,14 +39,11 @@ demo: setup
 	$(PY) -m qsa_lab doctor
 	$(PY) -m qsa_lab repro --out results --figures figures --force
 
-# the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise;
-# --dist loadgroup: the tests marked xdist_group(name) that share a result built once per run (the
-# NVRTC compiles, the wheel) go to one worker together, the largest group first, while the others
-# take the rest test by test
+# the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise
 TEST_WORKERS ?= auto
 test: setup
 	bash scripts/setup_test_extras.sh "$(PY)"
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not wheel"

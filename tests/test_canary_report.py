@@ -47,12 +47,6 @@ def window_report(tmp_path_factory):
     return once_per_run(tmp_path_factory, "window-report", build)
 
 
-# the tests of window_report run on one xdist worker (`make test`: --dist loadgroup): the
-# other would wait for the first one's build
-ON_WINDOW_REPORT = pytest.mark.xdist_group("window-report")
-
-
-@ON_WINDOW_REPORT
 def test_report_has_figure_versions_case_spec_and_every_non_clean_cell(window_report):
     report, out = window_report
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
@@ -67,7 +61,6 @@ def test_report_has_figure_versions_case_spec_and_every_non_clean_cell(window_re
     assert json.loads((out / "canary.json").read_text())["schema"] == "qsa_lab.canary/1"
 
 
-@ON_WINDOW_REPORT
 def test_each_leaking_cell_gets_its_smallest_call_one_poisoned_slot(window_report):
     report, out = window_report
     files = sorted((out / "calls").glob("*.safetensors"))
@@ -82,7 +75,6 @@ def test_each_leaking_cell_gets_its_smallest_call_one_poisoned_slot(window_repor
         assert f"python -m qsa_lab.canary.replay {f}" in (out / "report.md").read_text()
 
 
-@ON_WINDOW_REPORT
 def test_the_replay_command_recreates_the_nan_and_a_masked_kernel_is_clean(window_report, capsys):
     _, out = window_report
     call = next((out / "calls").glob("*out-of-window__v__nan.safetensors"))

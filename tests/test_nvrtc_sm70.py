@@ -16,9 +16,6 @@ from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
 from qsa_lab.kernels import nvrtc, ptx70
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
-# one xdist worker runs the NVRTC modules (`make test`: --dist loadgroup), the other the rest,
-# instead of one waiting on the other's compile (each compile is made once per run)
-pytestmark = pytest.mark.xdist_group("nvrtc")
 
 
 def test_every_header_is_in_the_check():

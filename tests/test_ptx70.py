@@ -19,7 +19,6 @@ from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
 from qsa_lab.kernels import nvrtc, ptx70
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
-pytestmark = pytest.mark.xdist_group("nvrtc")  # with tests/test_nvrtc_sm70.py: one worker, one compile
 
 
 @pytest.fixture(scope="module")

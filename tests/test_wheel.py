@@ -23,8 +23,7 @@ import pytest
 from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
 from run_once import once_per_run
 
-# one xdist worker (`make test`: --dist loadgroup) builds the wheel and venv and runs every test here
-pytestmark = [pytest.mark.wheel, pytest.mark.xdist_group("wheel")]
+pytestmark = pytest.mark.wheel
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 1800  # a loaded 2-core machine: the repro alone takes minutes
 
