@@ -6,6 +6,7 @@ the planner's groups through the grouped kernel and its remainder rows through X
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -15,9 +16,9 @@ import torch
 from ..case import Case, decoded_once, validate_case
 from ..geometry import BACKENDS
 from ..plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
-from . import emulate
 from ..procs import torch_threads
-from .reference import reference_forward, reference_rows
+from . import emulate
+from .reference import by_rows, reference_forward, reference_rows
 
 #: grouped route -> (kernel variant, pad-fix applied to the plan)
 GROUPED = {
@@ -246,30 +247,30 @@ def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, refere
 
 
 def _every_row(case: Case, memo: dict, reference: bool, xqa: bool) -> tuple:
-    """-> (reference64 or None, XQA output or None) of every row, one row at a time on one torch
-    thread: a row's gathered tokens (XQA's partition padding included; the reference reads the
-    first T slots) serve both, a few MB where every row's at once were hundreds of MB of fresh
-    pages. The batched ops ran each row's products on one thread and reduce row by row, so the
-    outputs are bit for bit theirs (tests/test_bit_identity.py)."""
+    """-> (reference64 or None, XQA output or None) of every row, from one gather of each row's
+    tokens (XQA's partition padding included; the reference reads the first T slots) serving
+    both: the whole batch at once for a small case, else one row at a time on one torch thread
+    (reference.by_rows: a few MB where every row's at once were hundreds of MB of fresh pages),
+    the same bits either way (tests/test_bit_identity.py)."""
     if not (reference or xqa):
         return None, None
     if "xqa_tokens" not in memo:
         memo["xqa_tokens"] = xqa_tokens(case)
     index, count = memo["xqa_tokens"]
-    T = index.shape[1]
+    T, rows = index.shape[1], case.q.shape[0]
     width = emulate.xqa_width(T, case.kv_format)
+    one_by_one = by_rows(case.q.device, rows * width * case.q.shape[-1])
     q64 = case.q.double() if reference else None
     ref = torch.empty_like(q64) if reference else None
     out = torch.empty_like(case.q) if xqa else None
-    with torch_threads(1):
-        for n in range(case.q.shape[0]):
-            K, V, valid = emulate.gather_tokens(case.kv_cache, index[n:n + 1], count[n:n + 1], case.kv_format,
-                                                width=width)
+    with torch_threads(1) if one_by_one else contextlib.nullcontext():
+        for part in [slice(n, n + 1) for n in range(rows)] if one_by_one else [slice(None)]:
+            K, V, valid = emulate.gather_tokens(case.kv_cache, index[part], count[part], case.kv_format, width=width)
             if reference:
-                ref[n:n + 1] = reference_rows(case, q64[n:n + 1], K, V, valid, T)
+                ref[part] = reference_rows(case, q64[part], K, V, valid, T)
             if xqa:
-                out[n:n + 1] = emulate.xqa_from_tokens(case.q[n:n + 1], K, V, valid, case.k_scale, case.v_scale,
-                                                       kv_format=case.kv_format, sm_scale=case.sm_scale)
+                out[part] = emulate.xqa_from_tokens(case.q[part], K, V, valid, case.k_scale, case.v_scale,
+                                                    kv_format=case.kv_format, sm_scale=case.sm_scale)
     return ref, out
 
 

@@ -15,18 +15,31 @@ def reference_forward(case: Case) -> torch.Tensor:
     return reference_from_tokens(case, *gather_tokens(case.kv_cache, token_index, token_count, case.kv_format))
 
 
+#: above this many bytes of float64 K and V for all rows together, the reference and XQA run a
+#: row at a time (by_rows); below it, the whole batch at once (the ops' own threads)
+BATCH_BYTES = 16 << 20
+
+
+def by_rows(device, elements: int) -> bool:
+    """Run the reference / XQA one row at a time, on one torch thread, for gathered K [n, T, D]
+    of `elements` elements on `device`? On the CPU, when the batch's float64 copies of K and V
+    exceed BATCH_BYTES: a row's are a few MB that the allocator hands back for the next row,
+    where the whole batch's were hundreds of MB of fresh pages (faulting them in took longer
+    than the arithmetic). A small case stays batched: a loop over its rows only adds per-op
+    overhead (the canary's in-process qsa routes took 1.4x as long). Both ways give the same
+    bits: the batched products ran each row's on one thread, and on one thread each row's are
+    those (a row's product on two threads is not: tests/test_bit_identity.py); the softmax is
+    row by row."""
+    return torch.device(device).type == "cpu" and 2 * 8 * elements > BATCH_BYTES
+
+
 def reference_from_tokens(case: Case, K, V, valid, tokens: int | None = None) -> torch.Tensor:
     """reference_forward on every row's tokens as gather_tokens gives them (shared with XQA).
-    tokens: the slots to use, when K, V and valid hold more (XQA's partition padding).
-
-    On the CPU one row at a time, on one torch thread: a row's float64 copy of K and V is a few
-    MB that the allocator hands back for the next row, where the whole batch's was hundreds of
-    MB of fresh pages (faulting them in took longer than the arithmetic). The batched products
-    ran each row's on one thread, so on one thread each row's are bit for bit the same (a row's
-    product on two threads is not: tests/test_bit_identity.py); the softmax is row by row."""
+    tokens: the slots to use, when K, V and valid hold more (XQA's partition padding); rows one
+    at a time where by_rows says so."""
     T = K.shape[1] if tokens is None else tokens
     q = case.q.double()
-    if K.device.type != "cpu":
+    if not by_rows(K.device, K.numel()):
         return reference_rows(case, q, K, V, valid, T)
     out = torch.empty_like(q)
     with torch_threads(1):
