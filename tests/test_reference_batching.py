@@ -3,17 +3,17 @@ small one as a whole batch (qsa_lab.routes.reference.by_rows): both ways give th
 import pytest
 
 from bitid_cases import bits, make_case, small_specs
-from qsa_lab import routes
 from qsa_lab.case import Geometry, build_case
 from qsa_lab.plan import xqa_tokens
 from qsa_lab.poison import apply_poison
 from qsa_lab.routes import emulate, reference, run_routes
 
 ROUTES = ("reference", "xqa")
+REFERENCE_ROWS = reference.reference_rows   # the real one, before any test wraps it
 
 
 def _gathered(case) -> int:
-    """Elements of K as the routes gather it for every row (as routes._every_row counts them)."""
+    """Elements of K as the routes gather it for every row (as reference.every_row counts them)."""
     index, _ = xqa_tokens(case)
     return case.q.shape[0] * emulate.xqa_width(index.shape[1], case.kv_format) * case.q.shape[-1]
 
@@ -21,8 +21,8 @@ def _gathered(case) -> int:
 def _run(case, monkeypatch, batch_bytes):
     """-> (route output bits, reference64 bits, rows per reference_rows call) with BATCH_BYTES set."""
     monkeypatch.setattr(reference, "BATCH_BYTES", batch_bytes)
-    seen, real = [], reference.reference_rows
-    monkeypatch.setattr(routes, "reference_rows", lambda case, q, *a: seen.append(q.shape[0]) or real(case, q, *a))
+    seen, real = [], REFERENCE_ROWS
+    monkeypatch.setattr(reference, "reference_rows", lambda case, q, *a: seen.append(q.shape[0]) or real(case, q, *a))
     res = run_routes(case, ROUTES, backend="emulate")
     return {r: bits(res.outputs[r]) for r in ROUTES}, bits(res.reference64), seen
 

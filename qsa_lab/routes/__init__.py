@@ -6,7 +6,6 @@ the planner's groups through the grouped kernel and its remainder rows through X
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -16,9 +15,8 @@ import torch
 from ..case import Case, decoded_once, validate_case
 from ..geometry import BACKENDS
 from ..plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
-from ..procs import torch_threads
 from . import emulate
-from .reference import by_rows, reference_forward, reference_rows
+from .reference import every_row, reference_forward
 
 #: grouped route -> (kernel variant, pad-fix applied to the plan)
 GROUPED = {
@@ -247,31 +245,14 @@ def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, refere
 
 
 def _every_row(case: Case, memo: dict, reference: bool, xqa: bool) -> tuple:
-    """-> (reference64 or None, XQA output or None) of every row, from one gather of each row's
-    tokens (XQA's partition padding included; the reference reads the first T slots) serving
-    both: the whole batch at once for a small case, else one row at a time on one torch thread
-    (reference.by_rows: a few MB where every row's at once were hundreds of MB of fresh pages),
-    the same bits either way (tests/test_bit_identity.py)."""
+    """reference.every_row over XQA's padded width, its token lists kept in `memo`."""
     if not (reference or xqa):
         return None, None
     if "xqa_tokens" not in memo:
         memo["xqa_tokens"] = xqa_tokens(case)
     index, count = memo["xqa_tokens"]
-    T, rows = index.shape[1], case.q.shape[0]
-    width = emulate.xqa_width(T, case.kv_format)
-    one_by_one = by_rows(case.q.device, rows * width * case.q.shape[-1])
-    q64 = case.q.double() if reference else None
-    ref = torch.empty_like(q64) if reference else None
-    out = torch.empty_like(case.q) if xqa else None
-    with torch_threads(1) if one_by_one else contextlib.nullcontext():
-        for part in [slice(n, n + 1) for n in range(rows)] if one_by_one else [slice(None)]:
-            K, V, valid = emulate.gather_tokens(case.kv_cache, index[part], count[part], case.kv_format, width=width)
-            if reference:
-                ref[part] = reference_rows(case, q64[part], K, V, valid, T)
-            if xqa:
-                out[part] = emulate.xqa_from_tokens(case.q[part], K, V, valid, case.k_scale, case.v_scale,
-                                                    kv_format=case.kv_format, sm_scale=case.sm_scale)
-    return ref, out
+    return every_row(case, index, count, emulate.xqa_width(index.shape[1], case.kv_format), reference=reference,
+                     xqa=xqa)
 
 
 def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict) -> torch.Tensor:

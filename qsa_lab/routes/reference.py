@@ -1,18 +1,20 @@
 """The reference: dense float64 attention over each row's attended tokens, same scales."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..case import Case
 from ..plan import xqa_tokens
 from ..procs import torch_threads
-from .emulate import gather_tokens
+from .emulate import gather_tokens, xqa_from_tokens
 
 
 def reference_forward(case: Case) -> torch.Tensor:
     """-> [rows, q_heads, head_dim] float64."""
     token_index, token_count = xqa_tokens(case)
-    return reference_from_tokens(case, *gather_tokens(case.kv_cache, token_index, token_count, case.kv_format))
+    return every_row(case, token_index, token_count, token_index.shape[1], reference=True)[0]
 
 
 #: above this many bytes of float64 K and V for all rows together, the reference and XQA run a
@@ -33,19 +35,26 @@ def by_rows(device, elements: int) -> bool:
     return torch.device(device).type == "cpu" and 2 * 8 * elements > BATCH_BYTES
 
 
-def reference_from_tokens(case: Case, K, V, valid, tokens: int | None = None) -> torch.Tensor:
-    """reference_forward on every row's tokens as gather_tokens gives them (shared with XQA).
-    tokens: the slots to use, when K, V and valid hold more (XQA's partition padding); rows one
-    at a time where by_rows says so."""
-    T = K.shape[1] if tokens is None else tokens
-    q = case.q.double()
-    if not by_rows(K.device, K.numel()):
-        return reference_rows(case, q, K, V, valid, T)
-    out = torch.empty_like(q)
-    with torch_threads(1):
-        for n in range(K.shape[0]):
-            out[n:n + 1] = reference_rows(case, q[n:n + 1], K[n:n + 1], V[n:n + 1], valid[n:n + 1], T)
-    return out
+def every_row(case: Case, index, count, width: int, *, reference: bool = True, xqa: bool = False) -> tuple:
+    """-> (reference64 or None, XQA output or None) of every row from its token lists (index,
+    count: plan.xqa_tokens), gathered once for both over `width` slots (XQA's partition padding
+    included; the reference reads the first index.shape[1]): the whole batch at once, or one
+    row at a time on one torch thread where by_rows says so (the same bits either way,
+    tests/test_bit_identity.py, tests/test_reference_batching.py)."""
+    T, rows = index.shape[1], case.q.shape[0]
+    one_by_one = by_rows(case.q.device, rows * width * case.q.shape[-1])
+    q64 = case.q.double() if reference else None
+    ref = torch.empty_like(q64) if reference else None
+    out = torch.empty_like(case.q) if xqa else None
+    with torch_threads(1) if one_by_one else contextlib.nullcontext():
+        for part in [slice(n, n + 1) for n in range(rows)] if one_by_one else [slice(None)]:
+            K, V, valid = gather_tokens(case.kv_cache, index[part], count[part], case.kv_format, width=width)
+            if reference:
+                ref[part] = reference_rows(case, q64[part], K, V, valid, T)
+            if xqa:
+                out[part] = xqa_from_tokens(case.q[part], K, V, valid, case.k_scale, case.v_scale,
+                                            kv_format=case.kv_format, sm_scale=case.sm_scale)
+    return ref, out
 
 
 def reference_rows(case: Case, q, K, V, valid, T: int) -> torch.Tensor:
