@@ -3,7 +3,7 @@
 csrc/, data/ and notebooks/ stay at the top of the repository, beside the package, and every
 wheel and sdist also carries them inside the package as qsa_lab/csrc, qsa_lab/data and
 qsa_lab/notebooks: each is mapped to its top-level folder as a data-only package.
-qsa_lab.package_data finds them in either place.
+qsa_lab.support.package_data finds them in either place.
 """
 from setuptools import find_packages, setup
 

@@ -3,11 +3,11 @@
     python benchmarks/bench.py --json data/bench_h200.json     (same as `qsa-lab bench --json ...`)
 
 The method (CUDA events, warm-up, medians, rotated inputs, L2 flush) is in
-qsa_lab/kernels/bench.py's docstring and in the JSON's "method" field.
+qsa_lab/routes/bench.py's docstring and in the JSON's "method" field.
 """
 import argparse
 
-from qsa_lab.kernels.bench import run_bench
+from qsa_lab.routes.bench import run_bench
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -14,9 +14,9 @@ import time
 import torch
 
 from qsa_lab import __version__
-from qsa_lab.case import Geometry, build_case
-from qsa_lab.poison import apply_poison
-from qsa_lab.routes import run_routes
+from qsa_lab.model.case import Geometry, build_case
+from qsa_lab.model.poison import apply_poison
+from qsa_lab.routes.run import run_routes
 
 
 def stage_times(geometry: Geometry) -> dict:

@@ -22,10 +22,10 @@ STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "wait", "math_pipe_t
 def launch():
     import torch
 
-    from qsa_lab import kernels
-    from qsa_lab.case import Geometry, build_case
-    from qsa_lab.plan import plan_groups
-    from qsa_lab.poison import apply_poison
+    from qsa_lab.routes import compiled as kernels
+    from qsa_lab.model.case import Geometry, build_case
+    from qsa_lab.model.plan import plan_groups
+    from qsa_lab.model.poison import apply_poison
 
     case = apply_poison(build_case(Geometry(rows=16)), "random", plane="kv").to("cuda")
     plan = plan_groups(case)
@@ -48,7 +48,7 @@ def _number(text):
 
 
 def summarize(raw_csv, case_line):
-    from qsa_lab.kernels import BARRIERS_PER_TILE
+    from qsa_lab.routes.compiled import BARRIERS_PER_TILE
 
     case = json.loads(case_line.split("NCU_CASE ", 1)[1])
     tiles = case["tiles_per_group"]

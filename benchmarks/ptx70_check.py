@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from qsa_lab.kernels import ptx70
+from qsa_lab.routes import ptx70
 
 # The GPU tests' shapes plus head_dim 48 (an odd number of 16-wide k-steps in Q K^T).
 SHAPES = ((1, 16, 4), (3, 64, 8), (5, 128, 16), (8, 256, 32), (2, 48, 16))
@@ -56,7 +56,7 @@ def gpu_tests():
 
 def case_specs(t, quick: bool):
     """(label, case_for kwargs): every kv dtype x poison site (V plane), a K-plane case, shapes."""
-    from qsa_lab.poison import SITES
+    from qsa_lab.model.poison import SITES
 
     sites = ("none", "targeted", "stale-tail") if quick else SITES
     shapes = SHAPES[::2] if quick else SHAPES
@@ -110,7 +110,7 @@ class Prepared:
     def __init__(self, t, spec: dict):
         import torch
 
-        from qsa_lab.plan import plan_groups, xqa_tokens
+        from qsa_lab.model.plan import plan_groups, xqa_tokens
 
         kw = dict(spec)
         self.case = t.case_for(kw.pop("kv_dtype"), kw.pop("site"), **kw)
@@ -134,7 +134,7 @@ class Prepared:
 
     def run(self, impl, key, on_gpu: bool):
         """Output of entry `key` = (kind, fmt, variant) through `impl` (ptx70.Ptx70,
-        qsa_lab.kernels or qsa_lab.routes.emulate)."""
+        qsa_lab.routes.compiled or qsa_lab.routes.emulate)."""
         kind, fmt, variant = key
         kw = dict(kv_format=fmt, sm_scale=self.case.sm_scale)
         if kind == "grouped":
@@ -145,7 +145,7 @@ class Prepared:
         """(sm_90 extension output, emulation output, emulation variant used, emulation of
         the race's upper bound or None) for `key`."""
         if key not in self.cache:
-            from qsa_lab import kernels
+            from qsa_lab.routes import compiled as kernels
             from qsa_lab.routes import emulate
 
             kind, fmt, variant = key
@@ -207,7 +207,7 @@ def cmd_generate(a) -> int:
 def cmd_check(a) -> int:
     import torch
 
-    from qsa_lab import kernels
+    from qsa_lab.routes import compiled as kernels
 
     t = gpu_tests()
     start = time.perf_counter()

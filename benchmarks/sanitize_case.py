@@ -10,10 +10,10 @@ import argparse
 
 import torch
 
-from qsa_lab import kernels
-from qsa_lab.case import Geometry, build_case
-from qsa_lab.plan import plan_groups, xqa_tokens
-from qsa_lab.poison import apply_poison
+from qsa_lab.routes import compiled as kernels
+from qsa_lab.model.case import Geometry, build_case
+from qsa_lab.model.plan import plan_groups, xqa_tokens
+from qsa_lab.model.poison import apply_poison
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--variants", default="unfixed,kernel_fix,masked_load,kernel_fix_no_leading_barrier,early_v")

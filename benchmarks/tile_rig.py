@@ -37,9 +37,9 @@ LEAVE_OUT = (
 
 def write_cases(out: Path, copies: int = 3) -> None:
     sys.path.insert(0, str(ROOT))
-    from qsa_lab.case import Geometry, build_case
-    from qsa_lab.kernels.bench import REPORT
-    from qsa_lab.plan import plan_groups
+    from qsa_lab.model.case import Geometry, build_case
+    from qsa_lab.routes.bench import REPORT
+    from qsa_lab.model.plan import plan_groups
 
     for seed in range(copies):
         case = build_case(Geometry(**REPORT).replace(seed=seed))

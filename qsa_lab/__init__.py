@@ -16,10 +16,11 @@ _atexit.register(_gc.freeze)
 del _atexit, _gc
 
 # The names below are imported on first use (PEP 562; `qsa_lab.build_case` imports torch then):
-# `import qsa_lab.cli` and `qsa-lab --help` stay free of torch, and `python -m qsa_lab` / `qsa-lab`
-# install their signal handling (qsa_lab.signals) before the seconds-long torch import.
-_LAZY = {"Case": "case", "Geometry": "geometry", "build_case": "case", "apply_poison": "poison",
-         "plan_groups": "plan", "pad_fix": "plan", "ROUTES": "routes", "run_routes": "routes"}
+# `import qsa_lab.app.cli` and `qsa-lab --help` stay free of torch, and `python -m qsa_lab` / `qsa-lab`
+# install their signal handling (qsa_lab.support.signals) before the seconds-long torch import.
+_LAZY = {"Case": "model.case", "Geometry": "model.geometry", "build_case": "model.case",
+         "apply_poison": "model.poison", "plan_groups": "model.plan", "pad_fix": "model.plan",
+         "ROUTES": "routes.labels", "run_routes": "routes.run"}
 
 __all__ = ["Case", "Geometry", "build_case", "apply_poison", "plan_groups", "pad_fix", "ROUTES",
            "run_routes", "__version__"]

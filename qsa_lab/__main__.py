@@ -1,9 +1,9 @@
 import sys
 
-from .signals import install
+from qsa_lab.support.signals import install
 
-install()  # first: Ctrl-C during the imports below is one line and exit 130 too (qsa_lab.signals)
+install()  # first: Ctrl-C during the imports below is one line and exit 130 too (qsa_lab.support.signals)
 
-from .cli import main  # noqa: E402
+from qsa_lab.app.cli import main  # noqa: E402
 
 sys.exit(main())

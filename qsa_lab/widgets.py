@@ -33,14 +33,13 @@ from pathlib import Path
 
 import torch
 
-from .case import KV_DTYPES, Case, Geometry, build_case, decoded_once
-from .plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
-from .poison import ATTENDED_SITES, DIM_SITES, PLANES, QUERY_SITE, REPORT_DIMS, SITES, apply_poison
-from .routes import BACKENDS, GROUPED, ROUTES, RunResult, backend_module, emulated_remainder, emulated_routes, \
-    grouped_output, resolve_backend, xqa_output
-from .routes.reference import reference_forward
+from qsa_lab.model.case import KV_DTYPES, Case, Geometry, build_case, decoded_once
+from qsa_lab.model.plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
+from qsa_lab.model.poison import (ATTENDED_SITES, DIM_SITES, PLANES, QUERY_SITE, REPORT_DIMS, SITES, apply_poison)
+from qsa_lab.routes.run import (BACKENDS, GROUPED, ROUTES, RunResult, backend_module, emulated_remainder, emulated_routes, grouped_output, resolve_backend, xqa_output)
+from qsa_lab.routes.reference import reference_forward
 
-CAUSAL3_SEED = 63   # = qsa_lab.repro.CAUSAL3_SEED (not imported: repro pulls in the whole harness)
+CAUSAL3_SEED = 63   # = qsa_lab.report.repro.CAUSAL3_SEED (not imported: repro pulls in the whole harness)
 
 #: geometry presets; the first is the default (the report's decode-like case at a shorter
 #: context: same groups, M-tiles, padding and 480-NaN fingerprint). Presets marked
@@ -229,7 +228,7 @@ def compute_route(case: Case, base: _Base, route: str, backend: str) -> torch.Te
 
 def compute_routes(case: Case, base: _Base, routes, backend: str) -> dict:
     """compute_route for several routes of one case: on the emulation in one shared pass
-    (qsa_lab.routes.emulated_routes: one decode of the cache, one gather for the reference and
+    (qsa_lab.routes.run.emulated_routes: one decode of the cache, one gather for the reference and
     XQA, one grouped-kernel pass for every grouped variant), each output bit for bit the same."""
     if backend != "emulate":
         return {r: compute_route(case, base, r, backend) for r in routes}
@@ -356,7 +355,7 @@ def playground_data(p: Params, cache: RunCache | None = None, frame: bool = True
     side by side, the route table (its rows, and as a DataFrame "table"; frame=False leaves the
     DataFrame to with_table, so that a first draw does not wait for pandas), and the case/backend
     for titles and export metadata."""
-    from . import figdata
+    from qsa_lab.analysis import figure_data as figdata
 
     check_params(p)
     p = replace(p, plane=p.applied_plane)   # what the figure shows is what was applied
@@ -375,7 +374,7 @@ def with_table(data: dict) -> dict:
     routes), built from the rows once. The rows are every route the result holds (the shown
     ones), so the table is figdata.route_nans' own."""
     if "table" not in data:
-        from .figdata import route_nans_frame
+        from qsa_lab.analysis.figure_data import route_nans_frame
 
         data["table"] = data["routes"]["table"] = route_nans_frame(data["rows"])
     return data
@@ -393,7 +392,7 @@ def compute_ahead(p: Params, cache: RunCache):
     sequential. A failure is left for playground_data to meet again and show."""
     import threading
 
-    from .procs import idle_core
+    from qsa_lab.support.processes import idle_core
 
     if not idle_core():
         return (lambda: None), (lambda: None)
@@ -450,7 +449,7 @@ def one_cpu_thread():
     tensors are small: a second thread saves little, and on a busy machine every op waits for it
     (a redraw took over twice as long on a loaded 2-core machine). Outputs are bit for bit the
     same: no route splits a reduction by thread (tests/test_widgets.py compares with run_routes)."""
-    from .procs import torch_threads
+    from qsa_lab.support.processes import torch_threads
 
     with torch_threads(1):
         yield
@@ -463,7 +462,7 @@ def render_playground(data: dict, fig=None):
     time. No pyplot state, so it draws the same inside and outside widgets."""
     from matplotlib.figure import Figure
 
-    from . import plotting
+    from qsa_lab.plotting import plots as plotting
 
     layout = (plotting.nan_map_layout(data["nan_map"]), plotting.route_comparison_layout(data["routes"]))
     if fig is not None and getattr(fig, "qsa_layout", None) == layout:
@@ -650,8 +649,8 @@ def _remember(fig, canvas, parts, size, image):
 
 
 def figures_dir() -> Path:
-    """Where figures go (the one folder; see qsa_lab.export.figures_dir)."""
-    from .export import figures_dir as where
+    """Where figures go (the one folder; see qsa_lab.plotting.export.figures_dir)."""
+    from qsa_lab.plotting.export import figures_dir as where
 
     return where()
 
@@ -661,7 +660,7 @@ def export_meta(data: dict) -> dict:
     plane, dims and seed, the fixes shown, backend and versions (export adds the GPU)."""
     import matplotlib
 
-    from . import __version__
+    from qsa_lab import __version__
 
     p = data["params"]
     return {"case": data["case"], "backend": data["backend"], "preset": p.preset,
@@ -707,7 +706,7 @@ BUSY_HTML = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
 def export_view(fig, data: dict, out_dir=None, name: str | None = None) -> list:
     """Write a playground figure (PNG, SVG, PDF) to out_dir (default figures_dir()), named and
     tagged with what it shows (export_name, export_meta) -> the absolute paths."""
-    from .export import export_figure
+    from qsa_lab.plotting.export import export_figure
 
     out = Path(out_dir).expanduser().resolve() if out_dir else figures_dir()
     return [Path(x).resolve() for x in export_figure(fig, name or export_name(data), export_meta(data), out_dir=out)]
@@ -840,7 +839,7 @@ class Playground:
                  background: bool | None = None):
         import threading
 
-        from .inputs import playground_params
+        from qsa_lab.analysis.playground import playground_params
 
         p = playground_params(params)  # a bad field: one ValueError naming it, before any control is built
         self.cache, self.out_dir = cache or _CACHE, out_dir

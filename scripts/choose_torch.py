@@ -30,8 +30,8 @@ FALLBACK = "torch==2.13.0"
 
 
 def _doctor():
-    """qsa_lab/doctor.py of this checkout, loaded by path: it needs neither torch nor the package."""
-    path = Path(__file__).resolve().parents[1] / "qsa_lab" / "doctor.py"
+    """qsa_lab/support/machine.py of this checkout, loaded by path: it needs neither torch nor the package."""
+    path = Path(__file__).resolve().parents[1] / "qsa_lab" / "support" / "machine.py"
     spec = importlib.util.spec_from_file_location("_qsa_lab_doctor", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -3,7 +3,7 @@
     python scripts/hostile_inputs.py                    # the qsa_lab on sys.path
     cd /tmp && PYTHONPATH=/path/to/other/checkout python /path/to/hostile_inputs.py
 
-Surfaces: the CLI (`qsa_lab.cli.main`, in-process), the Python API (case building, poison,
+Surfaces: the CLI (`qsa_lab.app.cli.main`, in-process), the Python API (case building, poison,
 routes, analysis, canary, export, the playground widget and the notebooks' backend switch),
 and loading saved files (corrupt, torn, contradicting their metadata).
 Each probe runs in a forked child with a time limit and a cap on its address space, so a
@@ -40,11 +40,11 @@ import torch
 torch.set_num_threads(1)
 
 import qsa_lab  # noqa: E402
-from qsa_lab import io as qio  # noqa: E402
-from qsa_lab.case import Geometry, build_case  # noqa: E402
-from qsa_lab.cli import main  # noqa: E402
-from qsa_lab.poison import apply_poison  # noqa: E402
-from qsa_lab.routes import run_routes  # noqa: E402
+from qsa_lab.app import case_file as qio  # noqa: E402
+from qsa_lab.model.case import Geometry, build_case  # noqa: E402
+from qsa_lab.app.cli import main  # noqa: E402
+from qsa_lab.model.poison import apply_poison  # noqa: E402
+from qsa_lab.routes.run import run_routes  # noqa: E402
 
 TIMEOUT_S = 30  # per probe, generous: the machine may be loaded (--timeout)
 EXTRA_ADDRESS_SPACE = 3 << 30
@@ -224,7 +224,7 @@ def cli_probes(d: Path) -> list[Probe]:
         def appears(flag=flag, k=k):
             target = d / f"appears_{k}"
             target.unlink(missing_ok=True)
-            import qsa_lab.routes as routes
+            import qsa_lab.routes.run as routes
 
             real = routes.run_routes
 
@@ -433,8 +433,9 @@ def api_probes(d: Path) -> list[Probe]:
                  "routes"))
     P.append(api("run_routes(backend='tpu')", lambda: run_routes(case, backend="tpu") and None, "backend"))
     P.append(api("run_routes(not a case)", lambda: run_routes("case", backend="emulate") and None, "case"))
-    from qsa_lab.plan import plan_groups
-    from qsa_lab.routes import emulate, grouped_output
+    from qsa_lab.model.plan import plan_groups
+    from qsa_lab.routes import emulate
+    from qsa_lab.routes.run import grouped_output
 
     plan = plan_groups(case)
     other = build_case(TINY_G.replace(seed=1))
@@ -446,7 +447,7 @@ def api_probes(d: Path) -> list[Probe]:
         P.append(api(f"grouped_output(plan of {name})",
                      lambda oc=oc: grouped_output(case, plan_groups(oc), "unfixed", emulate) and None, "plan"))
     P.append(api("load(missing path)", lambda: qio.load(d / "nope.safetensors") and None, "nope|path"))
-    from qsa_lab.export import export_figure
+    from qsa_lab.plotting.export import export_figure
 
     def fig():
         from matplotlib.figure import Figure
@@ -469,8 +470,8 @@ def api_probes(d: Path) -> list[Probe]:
 
 def analysis_probes(case, d: Path) -> list[Probe]:
     """The analysis functions, devices, scales, block tables, the query poison, canary dims, export names."""
-    from qsa_lab import analysis
-    from qsa_lab.plan import plan_groups
+    from qsa_lab.analysis import fingerprints as analysis
+    from qsa_lab.model.plan import plan_groups
 
     P = []
     res = run_routes(apply_poison(case, "targeted", dims=[3]), backend="emulate")
@@ -539,7 +540,7 @@ def analysis_probes(case, d: Path) -> list[Probe]:
         P.append(api(f"run_canary(dims={v!r})", lambda v=v: run_canary(["qsa:xqa"], regions=["null-block"],
                                                                          payloads=["nan"], backend="emulate",
                                                                          dims=v) and None, "dims"))
-    from qsa_lab.export import export_figure
+    from qsa_lab.plotting.export import export_figure
 
     def fig():
         from matplotlib.figure import Figure
@@ -557,7 +558,7 @@ def analysis_probes(case, d: Path) -> list[Probe]:
 
 def widget_probes() -> list[Probe]:
     """The playground and the notebooks' backend switch."""
-    from qsa_lab.inputs import notebook_backend
+    from qsa_lab.analysis.playground import notebook_backend
     from qsa_lab.widgets import Params, Playground
 
     P = []
@@ -601,7 +602,7 @@ def repro_probes(d: Path) -> list[Probe]:
                     time.sleep(1.1)
                 return {"differs": (a / f"x.{kind}").read_bytes() != (b / f"x.{kind}").read_bytes()}
             if kind == "csv":
-                from qsa_lab.repro import REPRO_CASES, run_repro
+                from qsa_lab.report.repro import REPRO_CASES, run_repro
                 for folder in (a, b):
                     table, _ = run_repro(cases=REPRO_CASES[:2], progress=False, backend="emulate",
                                          geometry_overrides=dict(context=64, topk=8, head_dim=16))
@@ -609,7 +610,7 @@ def repro_probes(d: Path) -> list[Probe]:
                 return {"differs": (a / "x.csv").read_bytes() != (b / "x.csv").read_bytes()}
             from matplotlib.figure import Figure
 
-            from qsa_lab.export import export_figure
+            from qsa_lab.plotting.export import export_figure
             paths = []
             for folder in (a, b):
                 f = Figure(figsize=(2, 2))

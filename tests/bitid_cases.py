@@ -21,8 +21,8 @@ import random
 import numpy as np
 import torch
 
-from qsa_lab.case import Geometry, build_case
-from qsa_lab.poison import apply_poison
+from qsa_lab.model.case import Geometry, build_case
+from qsa_lab.model.poison import apply_poison
 
 VARIANTS = ("unfixed", "kernel_fix", "masked_load")
 

@@ -16,9 +16,9 @@ def pytest_collection_finish(session):
 
 import torch  # noqa: E402
 
-from qsa_lab.case import Geometry, build_case  # noqa: E402
-from qsa_lab.poison import REPORT_DIMS, apply_poison  # noqa: E402
-from qsa_lab.routes import run_routes  # noqa: E402
+from qsa_lab.model.case import Geometry, build_case  # noqa: E402
+from qsa_lab.model.poison import REPORT_DIMS, apply_poison  # noqa: E402
+from qsa_lab.routes.run import run_routes  # noqa: E402
 
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

@@ -9,7 +9,7 @@ from run_once import once_per_run
 def nvrtc_toolkit():
     """The CUDA 12 NVRTC wheels (the sm_70 compile checks), or skip the calling module;
     under CI=true a missing wheel is a failure, since `make test` installs them."""
-    from qsa_lab.kernels import nvrtc
+    from qsa_lab.routes import nvrtc
 
     toolkit = nvrtc.find_toolkit()
     if toolkit is None:
@@ -21,11 +21,11 @@ def nvrtc_toolkit():
 
 
 def ptx70_folder(tmp_path_factory, toolkit):
-    """The checkout's compute_70 folder (qsa_lab.kernels.ptx70.generate: PTX + manifest), made
+    """The checkout's compute_70 folder (qsa_lab.routes.ptx70.generate: PTX + manifest), made
     once per test run. It is the run's one compute_70 compile of csrc/: ptx70.generate
     compiles nvrtc.instantiation_source() with the probe appended, and the three test modules
     that check compute_70 PTX (test_ptx70, test_nvrtc_sm70, test_wheel) read it."""
-    from qsa_lab.kernels import ptx70
+    from qsa_lab.routes import ptx70
 
     def generate(shared):
         ptx70.generate(shared / "ptx70", toolkit=toolkit)

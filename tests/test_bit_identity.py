@@ -17,9 +17,10 @@ import torch
 from bitid_cases import bits, digest, make_case, nan_bits
 
 from qsa_lab.canary import run_canary
-from qsa_lab.plan import pad_fix
-from qsa_lab.repro import REPRO_CASES, run_case
-from qsa_lab.routes import GROUPED, ROUTES, emulate, run_routes
+from qsa_lab.model.plan import pad_fix
+from qsa_lab.report.repro import REPRO_CASES, run_case
+from qsa_lab.routes.run import GROUPED, ROUTES, run_routes
+from qsa_lab.routes import emulate
 
 DATA = Path(__file__).resolve().parent / "data"
 REPORT = np.load(DATA / "bitid_report.npz")

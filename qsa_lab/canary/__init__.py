@@ -5,17 +5,17 @@
     report.frame()                                 # one row per result: verdict, NaN / Inf / changed counts
     assert_no_leak(my_kernel, attend="dense", q_heads=8, kv_heads=2, head_dim=128)   # in your own tests
 
-What a row attends and where the unattended bytes are: qsa_lab.regions (AttentionSpec).
+What a row attends and where the unattended bytes are: qsa_lab.model.regions (AttentionSpec).
 The call and its geometry: qsa_lab.canary.case (CanaryCase, canary_case, load_case).
-Payloads: qsa_lab.poison.PAYLOAD_BITS. Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
+Payloads: qsa_lab.model.poison.PAYLOAD_BITS. Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
 Names load on first use, so `qsa-lab canary --help` needs no torch.
 """
 import importlib
 
 _NAMES = {
-    "AttentionSpec": "..regions", "attended_tokens": "..regions",
+    "AttentionSpec": "qsa_lab.model.regions", "attended_tokens": "qsa_lab.model.regions",
     "CanaryCase": ".case", "canary_case": ".case", "load_case": ".case",
-    "KernelSkipped": ".kernels", "PagedCall": ".kernels", "builtin_kernels": ".kernels", "register_kernel": ".kernels",
+    "KernelSkipped": ".call", "PagedCall": ".call", "builtin_kernels": ".kernels", "register_kernel": ".kernels",
     "DEFAULT_PAYLOADS": ".runner", "LEAKS": ".runner", "SCHEMA": ".runner", "VERDICTS": ".runner",
     "CanaryReport": ".runner", "LeakResult": ".runner", "assert_no_leak": ".runner", "compare": ".runner",
     "load_canary": ".runner", "run_canary": ".runner",

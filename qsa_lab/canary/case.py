@@ -12,7 +12,7 @@ says what each row attends:
     block_table  [requests, max_pages] int32; entries past a request's last page are 0 (the null block)
     seq_lens     [requests] int32; token_to_req [rows] int32; positions [rows] int64
     selected     [rows, topk] int32 logical 4-token block ids, -1 unused (the sparse spec reads them)
-    spec         qsa_lab.regions.AttentionSpec
+    spec         qsa_lab.model.regions.AttentionSpec
 
 Layout: rows are grouped by request in request order, and a request's query rows are its
 LAST positions (row i of a request with n rows and seq_len s sits at position s - n + i):
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import fp8
-from ..case import KV_DTYPES, Case, Geometry, build_case, validate_case
-from ..regions import SPARSE, AttentionSpec, attended_tokens, with_free_pages
+from qsa_lab.model import fp8
+from qsa_lab.model.case import KV_DTYPES, Case, Geometry, build_case, validate_case
+from qsa_lab.model.regions import SPARSE, AttentionSpec, attended_tokens, with_free_pages
 
 TENSORS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
 #: small enough that every CPU kernel runs the whole matrix in seconds; three requests of
@@ -258,7 +258,7 @@ def canary_case(kv_dtype: str = "fp16", free_pages: int = FREE_PAGES, *, kv_head
     (1 = decode; sets rows = requests * query_len). MLA: `mla=True`, head_dim = latent + rope
     (e.g. 576), `v_head_dim` (e.g. 512): one latent pool read as K and as V.
 
-    With one KV head and no MLA the pool is qsa_lab.case.build_case's, byte for byte (so the
+    With one KV head and no MLA the pool is qsa_lab.model.case.build_case's, byte for byte (so the
     qsa routes give the verdicts of their own case); otherwise a fresh N(0, 1) pool."""
     if query_len is not None:
         if not isinstance(query_len, int) or isinstance(query_len, bool) or query_len < 1:
@@ -279,7 +279,7 @@ def canary_case(kv_dtype: str = "fp16", free_pages: int = FREE_PAGES, *, kv_head
     base = with_free_pages(build_case(g), free_pages)
     case = CanaryCase.from_case(base, attend)
     if kv_heads != 1 or mla:
-        from ..regions import _written
+        from qsa_lab.model.regions import _written
 
         written = _written(base)
         kv, ks, vs = _pool(base.kv_cache.shape, kv_heads, g.kv_dtype, written,
@@ -368,7 +368,7 @@ def load_case(path, attend=None) -> CanaryCase:
     sel = t.get("selected", torch.full((rows, 0), -1, dtype=torch.int32)).to(torch.int32)
     geometry = None
     if "geometry" in meta:
-        from ..case import geometry_from_json
+        from qsa_lab.model.case import geometry_from_json
 
         try:
             geometry = geometry_from_json(meta["geometry"])

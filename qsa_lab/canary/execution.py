@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .kernels import KernelSkipped, PagedCall
-from .overlap import _end, _spawn, recv, send  # noqa: F401 - recv / send: the worker's protocol
+from qsa_lab.canary.call import KernelSkipped, PagedCall
+from qsa_lab.canary.overlap import _end, _spawn, recv, send  # noqa: F401 - recv / send: the worker's protocol
 
 INPUTS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
 DEFAULT_TIMEOUT = 600.0

@@ -1,10 +1,10 @@
 """Canary figures: data functions (a report or its JSON in, plain dicts out) and drawing
-functions `fn(data, ax=None) -> ax` in the style of qsa_lab.plotting (NaN in its NAN_COLOR)."""
+functions `fn(data, ax=None) -> ax` in the style of qsa_lab.plotting.plots (NaN in its NAN_COLOR)."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..plotting import CLEAN_COLOR, NAN_COLOR, _ax, _cmap, _dim_axis, _nan_legend
+from qsa_lab.plotting.plots import CLEAN_COLOR, NAN_COLOR, _ax, _cmap, _dim_axis, _nan_legend
 
 #: verdict -> (code in the matrix, colour, mark)
 VERDICT_STYLE = {"not run": (0, "#d9d9d9", "-"), "clean": (1, CLEAN_COLOR, ""), "nan-leak": (2, NAN_COLOR, "N"),

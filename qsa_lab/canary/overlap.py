@@ -7,8 +7,8 @@ from __future__ import annotations
 import pickle
 import subprocess
 
-from .. import procs
-from ..procs import recv, send  # noqa: F401 - the worker's protocol
+from qsa_lab.support import processes as procs
+from qsa_lab.support.processes import recv, send  # noqa: F401 - the worker's protocol
 
 
 def _spawn(*args: str) -> subprocess.Popen:

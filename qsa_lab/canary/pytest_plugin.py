@@ -71,7 +71,7 @@ class Config:
 
     @property
     def name(self) -> str:
-        from .kernels import kernel_name
+        from qsa_lab.canary.kernels import kernel_name
 
         return kernel_name(self.kernel)
 
@@ -105,7 +105,7 @@ def _unwrap(kwargs: dict) -> dict:
 
 def build_case(cfg: Config):
     """The canary case a marker asks for (its `case`, or canary_case(...) of its options)."""
-    from .case import canary_case
+    from qsa_lab.canary.case import canary_case
 
     kw = _unwrap(cfg.kwargs)
     if kw.get("case") is not None:
@@ -116,9 +116,9 @@ def build_case(cfg: Config):
 
 def cells(cfg: Config) -> list:
     """(region, plane, payload) of every test the marker makes."""
-    from ..poison import PAYLOADS
-    from ..regions import regions_of
-    from .runner import DEFAULT_PAYLOADS, _available_payloads
+    from qsa_lab.model.poison import PAYLOADS
+    from qsa_lab.model.regions import regions_of
+    from qsa_lab.canary.runner import DEFAULT_PAYLOADS, _available_payloads
 
     kw = _unwrap(cfg.kwargs)
     case = build_case(cfg)
@@ -133,7 +133,7 @@ def cells(cfg: Config) -> list:
 def run(cfg: Config, report_dir=None):
     """The marker's canary report, run once per session."""
     if cfg not in _runs:
-        from .runner import run_canary
+        from qsa_lab.canary.runner import run_canary
 
         kw = _unwrap(cfg.kwargs)
         case = build_case(cfg)
@@ -144,7 +144,7 @@ def run(cfg: Config, report_dir=None):
         if report_dir and report.leaks():
             from pathlib import Path
 
-            from .report import _slug, write_report
+            from qsa_lab.canary.report import _slug, write_report
 
             folder = Path(report_dir) / _slug(cfg.name)
             write_report(report, folder, force=True, fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel)
@@ -197,7 +197,7 @@ class Cell:
         msg = (f"{name} leaks {r.payload} from region {self.region} on the {self.plane.upper()} plane: {r.verdict}, "
                f"{what} ({r.nan} NaN, {r.inf} Inf, {r.finite_changed} finite changed; rows {w['rows'][:12]}, "
                f"heads {w['heads']}) [{report.case.describe()}]")
-        from .report import _slug
+        from qsa_lab.canary.report import _slug
 
         slug = _slug(f"{name}__{self.region}__{self.plane}__{self.payload}")
         if slug + ".safetensors" in replays:

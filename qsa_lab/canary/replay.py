@@ -18,9 +18,9 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     "outputs", "device"} for the saved call at `path` (kernel: a name or callable, default the saved one)."""
     import torch
 
-    from .kernels import kernel_name
-    from .report import _outputs, kernel_runner, load_call
-    from .runner import compare, resolve_devices
+    from qsa_lab.canary.kernels import kernel_name
+    from qsa_lab.canary.report import _outputs, kernel_runner, load_call
+    from qsa_lab.canary.runner import compare, resolve_devices
 
     control, poisoned, meta = load_call(path)
     name = meta["kernel"] if kernel is None else kernel

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from qsa_lab import __version__
 
 SCHEMA = "qsa_lab.canary-call/1"
 LEAKS = ("nan-leak", "inf-leak", "finite-leak")
@@ -35,8 +35,8 @@ MAX_STEPS = 24  # halving steps: enough for 2**24 slots
 
 def environment(kernels=()) -> dict:
     """Versions a maintainer asks for first: qsa_lab, Python, torch, CUDA, GPU, driver, libraries."""
-    from ..export import gpu_name
-    from .adapters import versions
+    from qsa_lab.plotting.export import gpu_name
+    from qsa_lab.canary.adapters import versions
 
     out = {"qsa_lab": __version__, "python": platform.python_version(), "torch": torch.__version__,
            "cuda": torch.version.cuda or "none", "gpu": gpu_name(), "driver": _driver()}
@@ -64,7 +64,7 @@ def _driver() -> str:
 # -- the smallest leaking call -------------------------------------------------------------------
 
 def _poisoned(case, slots: torch.Tensor, plane: str, payload: str, dims):
-    from .runner import PLANES, write_region
+    from qsa_lab.canary.runner import PLANES, write_region
 
     out = case.clone()
     write_region(out.kv_cache, slots, PLANES[plane], case.kv_dtype, payload, dims,
@@ -75,7 +75,7 @@ def _poisoned(case, slots: torch.Tensor, plane: str, payload: str, dims):
 def kernel_runner(kernel, backend=None, timeout: float = 600.0):
     """The canary's own way of calling a kernel (qsa_lab.canary.runner): built-ins and callables
     in this process, `module:function` / `file.py:function` in a worker process; loaded."""
-    from .runner import _runner
+    from qsa_lab.canary.runner import _runner
 
     reason = None if backend else "the qsa routes did not run in this report's canary run"
     runner = _runner(kernel, backend, reason, timeout)
@@ -85,8 +85,8 @@ def kernel_runner(kernel, backend=None, timeout: float = 600.0):
 
 def _outputs(runner, case, device) -> torch.Tensor:
     """One call of `runner` on `case` (fresh copies of its tensors); the output on the CPU."""
-    from .execution import INPUTS
-    from .runner import _meta
+    from qsa_lab.canary.execution import INPUTS
+    from qsa_lab.canary.runner import _meta
 
     t = case.tensors()
     out = runner.call({k: t[k].detach().cpu() for k in INPUTS}, _meta(case), device)
@@ -97,7 +97,7 @@ def _outputs(runner, case, device) -> torch.Tensor:
 
 def leaks_with(runner, case, slots, plane, payload, dims, device) -> tuple[str, dict, torch.Tensor]:
     """(verdict, counts, poisoned output) of one control + poisoned pair poisoning `slots`."""
-    from .runner import compare
+    from qsa_lab.canary.runner import compare
 
     control = _outputs(runner, _poisoned(case, slots, plane, "zero", dims), device)
     out = _outputs(runner, _poisoned(case, slots, plane, payload, dims), device)
@@ -108,7 +108,7 @@ def leaks_with(runner, case, slots, plane, payload, dims, device) -> tuple[str, 
 def smallest_leak(runner, case, region: str, plane: str, payload: str, dims=None, device="cpu"):
     """The fewest slots of `region` found whose poison still gives the same verdict: halve
     while one half alone does. -> (slots [pages, page_size] bool, verdict, counts)."""
-    from ..regions import region_slots
+    from qsa_lab.model.regions import region_slots
 
     full = region_slots(case, region)
     verdict, counts, _ = leaks_with(runner, case, full, plane, payload, dims, device)
@@ -169,8 +169,8 @@ def load_call(path) -> tuple:
 
     from safetensors import safe_open
 
-    from ..regions import AttentionSpec
-    from .case import load_case
+    from qsa_lab.model.regions import AttentionSpec
+    from qsa_lab.canary.case import load_case
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -243,7 +243,7 @@ def _figure(report, path: Path) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .figures import leak_matrix, plot_leak_matrix
+    from qsa_lab.canary.figures import leak_matrix, plot_leak_matrix
 
     fig = plot_leak_matrix(leak_matrix(report)).figure
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -252,7 +252,7 @@ def _figure(report, path: Path) -> str | None:
 
 
 def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progress) -> list:
-    from ..regions import region_slots
+    from qsa_lab.model.regions import region_slots
 
     leaking = [r for r in report.results if r.verdict in LEAKS]
     seen, calls, runners = set(), [], {}

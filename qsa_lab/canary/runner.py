@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
-from ..poison import PAYLOADS, int_list, payload_bits
-from ..procs import torch_threads
-from ..regions import REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of
-from .case import CanaryCase, as_canary_case, canary_case, load_case
-from .execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
-from .overlap import take_overlap
-from .execution import bits as _as_bits
-from .kernels import builtin_kernels, kernel_name, resolve_kernel
+from qsa_lab import __version__
+from qsa_lab.model.poison import PAYLOADS, int_list, payload_bits
+from qsa_lab.support.processes import torch_threads
+from qsa_lab.model.regions import (REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of)
+from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_case
+from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
+from qsa_lab.canary.overlap import take_overlap
+from qsa_lab.canary.execution import bits as _as_bits
+from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
 
 SCHEMA = "qsa_lab.canary/1"
 PLANES = {"k": 0, "v": 1}
@@ -145,7 +145,7 @@ class CanaryReport:
         return 3 if self.failures() else 1 if self.leaks() else 0
 
     def to_json(self) -> dict:
-        from ..export import gpu_name
+        from qsa_lab.plotting.export import gpu_name
 
         c = self.case
         return {"schema": SCHEMA, "backend": self.backend, "device": self.device, "gpu": gpu_name(),
@@ -234,7 +234,7 @@ def _choices(arg: str, given, allowed, default) -> tuple:
 def resolve_devices(backend: str, geometry, qsa: bool = True) -> tuple[torch.device, str | None, str | None]:
     """-> (device for the other kernels, qsa backend or None, why the qsa routes cannot run).
     Only `qsa` (some qsa: kernel requested) looks at qsa_lab's compiled kernels."""
-    from ..routes import BACKENDS, resolve_backend
+    from qsa_lab.routes.run import BACKENDS, resolve_backend
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -325,7 +325,7 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`),
         callables fn(PagedCall) -> [rows, q_heads, head_dim], or a dict {name: either};
         default every built-in kernel (then one that cannot run here is only listed as skipped).
-    regions: of the case's spec (qsa_lab.regions.regions_of; default all); payloads: of nan,
+    regions: of the case's spec (qsa_lab.model.regions.regions_of; default all); payloads: of nan,
         inf, max, zero (default nan, inf, max); planes: "k", "v".
     backend: "auto" | "emulate" | "cuda": the qsa routes' backend; the other kernels run on
         the GPU unless it is "emulate" (or none is visible).
@@ -402,7 +402,7 @@ def _runner(kernel, qsa_backend, qsa_reason, timeout):
 
 
 def _is_registered(name: str) -> bool:
-    from .kernels import THIRD_PARTY, registered
+    from qsa_lab.canary.kernels import THIRD_PARTY, registered
 
     return name in registered() or name.startswith(THIRD_PARTY)
 
@@ -498,7 +498,7 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
 def run_overlap(names, case, slots, regions, planes, payloads, dims, progress) -> dict:
     """In the second process (execution.Overlap): built-in kernels `names` on the CPU, as run_canary
     runs them -> {name: (results, skipped entries)}; progress(n) after each cell."""
-    from .kernels import TORCH_KERNELS
+    from qsa_lab.canary.kernels import TORCH_KERNELS
 
     class Bar:
         update = staticmethod(progress)

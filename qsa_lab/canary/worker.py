@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from ..procs import die_with_parent
+from qsa_lab.support.processes import die_with_parent
 
 
 def main() -> int:
@@ -23,7 +23,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
 
-    from .execution import Outcome, call_kernel, load_kernel, recv, send
+    from qsa_lab.canary.execution import Outcome, call_kernel, load_kernel, recv, send
 
     if sys.argv[1:] == ["--overlap"]:
         return _overlap(proto_in, proto_out)
@@ -58,8 +58,8 @@ def _overlap(proto_in, proto_out) -> int:
     from torch.nn.attention import flex_attention  # noqa: F401 - the slow imports, done ahead
     import torch._dynamo  # noqa: F401
 
-    from .overlap import recv, send
-    from .runner import run_overlap
+    from qsa_lab.canary.overlap import recv, send
+    from qsa_lab.canary.runner import run_overlap
 
     msg = recv(proto_in)
     if msg is None or msg[0] != "matrix":

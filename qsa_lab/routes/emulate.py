@@ -1,6 +1,6 @@
 """The kernels, emulated in PyTorch tile by tile.
 
-Same signatures as qsa_lab.kernels, so every CUDA result has this slower twin.
+Same signatures as qsa_lab.routes.compiled, so every CUDA result has this slower twin.
 
 grouped_forward follows the grouped page4 CTA of the real route: 32-token tiles of 8
 entries, panels decoded to fp16 values without scale, inactive M-tiles skipped, and
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..case import slot_values, token_values
-from ..plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
+from qsa_lab.model.case import slot_values, token_values
+from qsa_lab.model.plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
 
 VARIANTS = ("unfixed", "kernel_fix", "masked_load")
 MASKED_SCORE = -1e30   # the real route's "negative infinity" for unattended scores

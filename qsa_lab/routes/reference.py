@@ -5,10 +5,10 @@ import contextlib
 
 import torch
 
-from ..case import Case
-from ..plan import xqa_tokens
-from ..procs import torch_threads
-from .emulate import gather_tokens, xqa_from_tokens
+from qsa_lab.model.case import Case
+from qsa_lab.model.plan import xqa_tokens
+from qsa_lab.support.processes import torch_threads
+from qsa_lab.routes.emulate import gather_tokens, xqa_from_tokens
 
 
 def reference_forward(case: Case) -> torch.Tensor:

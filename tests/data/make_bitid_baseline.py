@@ -22,9 +22,10 @@ sys.path.insert(0, str(HERE.parent))
 from bitid_cases import bits, digest, make_case, nan_bits, small_specs  # noqa: E402
 
 from qsa_lab.canary import run_canary  # noqa: E402
-from qsa_lab.plan import pad_fix  # noqa: E402
-from qsa_lab.repro import REPRO_CASES, run_case  # noqa: E402
-from qsa_lab.routes import GROUPED, emulate, run_routes  # noqa: E402
+from qsa_lab.model.plan import pad_fix  # noqa: E402
+from qsa_lab.report.repro import REPRO_CASES, run_case  # noqa: E402
+from qsa_lab.routes.run import GROUPED, run_routes  # noqa: E402
+from qsa_lab.routes import emulate
 
 
 def lse_of(case, plan, variant):

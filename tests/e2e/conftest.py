@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from qsa_lab import package_data
+from qsa_lab.support import package_data
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path(os.environ.get("QSA_LAB_CHROMIUM", "/usr/bin/chromium"))

@@ -482,7 +482,7 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         assert files[".png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", files[".png"]
         assert files[".pdf"].read_bytes()[:5] == b"%PDF-", files[".pdf"]
         assert b"<svg" in files[".svg"].read_bytes()[:4000], files[".svg"]
-        from qsa_lab.export import read_png_meta
+        from qsa_lab.plotting.export import read_png_meta
 
         meta = read_png_meta(files[".png"])
         assert meta.get("backend") in ("emulate", "cuda") and "stale-tail" in meta.get("case", ""), meta

@@ -11,8 +11,8 @@ CELL_PX = 1000
 
 
 def test_repro_table_fits_the_cell(browser_context, results_dir):
-    from qsa_lab import figdata
-    from qsa_lab.repro import run_repro
+    from qsa_lab.analysis import figure_data as figdata
+    from qsa_lab.report.repro import run_repro
 
     table, _ = run_repro(backend="emulate", progress=False, repeat=True, geometry_overrides=dict(context=256, topk=16))
     html = figdata.repro_display(table).to_html()

@@ -1,7 +1,7 @@
 """The bench JSON's per-tile summary (no GPU needed): fix A beside the report's V100 figure
 and the performance targets, computed from a bench point's numbers."""
-from qsa_lab.kernels import BARRIERS_PER_TILE, VARIANTS
-from qsa_lab.kernels.bench import KERNEL_OF, REPORT_FIX_A_MS, fix_a_vs_report, targets
+from qsa_lab.routes.compiled import BARRIERS_PER_TILE, VARIANTS
+from qsa_lab.routes.bench import KERNEL_OF, REPORT_FIX_A_MS, fix_a_vs_report, targets
 
 
 def point(rows, context, unfixed_ms, xqa_ms, tiles=100, fix_a=1.2, fix_c=1.02):

@@ -14,11 +14,12 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from qsa_lab import kernels  # noqa: E402
-from qsa_lab.case import Geometry, build_case  # noqa: E402
-from qsa_lab.plan import pad_fix, plan_groups  # noqa: E402
-from qsa_lab.poison import ATTENDED_SITES, PAYLOAD_BITS, SITES, apply_poison  # noqa: E402
-from qsa_lab.routes import emulate, run_routes  # noqa: E402
+from qsa_lab.routes import compiled as kernels  # noqa: E402
+from qsa_lab.model.case import Geometry, build_case  # noqa: E402
+from qsa_lab.model.plan import pad_fix, plan_groups  # noqa: E402
+from qsa_lab.model.poison import ATTENDED_SITES, PAYLOAD_BITS, SITES, apply_poison  # noqa: E402
+from qsa_lab.routes import emulate  # noqa: E402
+from qsa_lab.routes.run import run_routes
 
 ATOL, RTOL = 4e-3, 1e-2          # CUDA vs emulation
 REF_ATOL, REF_RTOL = 1e-2, 2e-2  # fixed routes vs the float64 reference

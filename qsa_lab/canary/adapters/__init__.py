@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import flashinfer as _fi
-from . import vllm as _vllm
+from qsa_lab.canary.adapters import flashinfer as _fi
+from qsa_lab.canary.adapters import vllm as _vllm
 
 #: name -> (library, kernel)
 KERNELS: dict[str, tuple[str, Callable]] = {

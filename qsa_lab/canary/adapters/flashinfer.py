@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ..kernels import KernelSkipped
+from qsa_lab.canary.call import KernelSkipped
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
 FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}

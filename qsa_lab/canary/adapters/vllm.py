@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import KernelSkipped
+from qsa_lab.canary.call import KernelSkipped
 
 ENV = "QSA_LAB_VLLM_SRC"
 KERNEL_FILE = Path("vllm/v1/attention/ops/triton_unified_attention.py")

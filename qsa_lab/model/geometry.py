@@ -1,0 +1,103 @@
+"""The shape of a case (Geometry), its ranges, and the names of the poison and backend options.
+
+Plain Python, no torch: the command line checks its arguments (and prints its help) before
+the heavy libraries load. qsa_lab.model.case builds the tensors from a Geometry; qsa_lab.model.poison and
+qsa_lab.routes.run take the names defined here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+KV_DTYPES = ("e4m3", "e5m2", "fp16")
+LAYOUTS = ("contiguous", "scatter")
+GROUPINGS = ("consecutive", "request")
+SELECTIONS = ("indexer", "random")
+DEFAULT_OVERLAP = 0.8  # target mean overlap of neighbouring rows' indexer selections
+#: inclusive range of every integer Geometry field. The bounds keep each size far beyond the
+#: report's (19 rows, 8192 tokens, topk 512, page 32, 6 heads, dim 256) yet small enough that
+#: one field alone cannot ask for an absurd allocation; combinations are bounded by the memory
+#: estimate in qsa_lab.model.memory.
+#: poison sites, planes (plane name -> cache planes: 0 = K, 1 = V) and payloads (qsa_lab.model.poison)
+SITES = ("none", "zeros", "targeted", "random", "fp16-state", "stale-tail", "attended-k", "attended-v", "query")
+PLANES = {"k": (0,), "v": (1,), "kv": (0, 1)}
+PAYLOADS = ("nan", "inf", "max", "zero")
+BACKENDS = ("auto", "emulate", "cuda")  # qsa_lab.routes.run: the compiled kernels or the emulation
+RANGES = {
+    "rows": (1, 1 << 16),
+    "requests": (1, 1 << 12),
+    "context": (5, 1 << 20),
+    "topk": (1, 1 << 16),
+    "page_size": (4, 1024),
+    "q_heads": (1, 16),
+    "head_dim": (16, 1024),
+    "seed": (0, (1 << 63) - 1),   # torch.Generator.manual_seed takes 64 bits
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of a case. Defaults are the report's decode-like geometry."""
+
+    rows: int = 19
+    requests: int = 1
+    layout: str = "contiguous"
+    context: int = 8192
+    topk: int = 512
+    page_size: int = 32
+    q_heads: int = 6
+    head_dim: int = 256
+    kv_dtype: str = "e4m3"
+    seed: int = 0
+    group_rows: str = "consecutive"
+    selection: str = "indexer"
+    overlap: float = DEFAULT_OVERLAP
+
+    def __post_init__(self):
+        def need(ok, arg, what):
+            if not ok:
+                raise ValueError(f"{arg}: must be {what}, got {getattr(self, arg)!r}")
+
+        for name in RANGES:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name}: must be an int, got {type(v).__name__} {v!r}")
+            lo, hi = RANGES[name]
+            need(lo <= v <= hi, name, f"in {lo}..{hi}")
+        need(self.rows >= self.requests, "rows", f">= requests ({self.requests})")
+        need(self.layout in LAYOUTS, "layout", f"one of {LAYOUTS}")
+        need(self.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}")
+        need(self.group_rows in GROUPINGS, "group_rows", f"one of {GROUPINGS}")
+        need(self.selection in SELECTIONS, "selection", f"one of {SELECTIONS}")
+        need(isinstance(self.overlap, (int, float)) and not isinstance(self.overlap, bool)
+             and 0.0 <= self.overlap <= 1.0, "overlap", "a number in [0, 1] (mean neighbour overlap)")
+        need(self.page_size % 4 == 0, "page_size", "a multiple of 4 (one microblock is 4 tokens)")
+        need(self.head_dim % 16 == 0, "head_dim", "a multiple of 16 (one WMMA tile)")
+        rows_per_req = -(-self.rows // self.requests)
+        need(self.context - self.requests + 1 >= rows_per_req + 4, "context",
+             f">= rows per request + requests + 3 ({rows_per_req + self.requests + 3})")
+
+    @property
+    def m_tiles(self) -> int:
+        """16-row M-tiles of one group's 8*q_heads score rows."""
+        return -(-8 * self.q_heads // 16)
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **kw) -> "Geometry":
+        return dataclasses.replace(self, **kw)
+
+
+#: the report's two geometries (the CLI's presets `decode` and `causal3`)
+DECODE = Geometry()                                              # 19 rows, contiguous, decode-like
+# 24 rows, 3 requests, scatter, causal. The NaN count is 16 rows x 5 dims per M-tile that a padded
+# category activates; seed 63 is a seed whose plan pads 8 of the 9 M-tiles, as the report's did
+# (640). Most seeds pad all 9 (720): see the README.
+CAUSAL3_SEED = 63
+CAUSAL3 = Geometry(rows=24, requests=3, layout="scatter", seed=CAUSAL3_SEED)

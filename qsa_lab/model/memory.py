@@ -1,0 +1,123 @@
+"""How much memory and time a case will take, estimated from its Geometry before anything is
+allocated, and the budget a run must fit.
+
+The model counts the few tensors that dominate, each calibrated against the peak resident
+memory of real runs on the emulation (build + poison + every route):
+
+- the paged cache: [pages, 2, page_size, 1, head_dim] built in float32 and decoded again
+  when poisoned (grows with requests x context x head_dim);
+- each row's gathered K/V tokens for the reference (float64) and XQA (float32)
+  (grows with rows x min(topk, context/4) x 4 tokens x head_dim);
+- the grouped emulation's panels, processed in chunks of bounded size.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from qsa_lab.model.geometry import Geometry  # plain Python: the CLI checks budgets before torch loads
+
+# bytes per element, fitted to measured peaks (see tests/test_reliability.py for the check
+# that the estimate covers a real run) with a margin
+CACHE_BYTES_PER_ELEM = 48       # float32 build, fp8 encode temporaries, decoded copy for poison
+TOKEN_BYTES_PER_ELEM = 40       # gathered K and V per row: int64 codes, float32, float64 reference
+GROUPED_CHUNK_BYTES = 1 << 30   # the grouped emulation's chunk bound (routes.emulate._CHUNK_ELEMS x temporaries)
+BASE_BYTES = 256 << 20       # lazy imports, allocator arenas and thread pools of a first run
+# seconds per (row x attended token x head_dim x q_head) and per cached token x head_dim on
+# the CPU emulation: about 3x what a quiet 2-core machine took after the speed-ups (the report's
+# decode case 0.7 s, causal3 1.3 s, 76 rows 2.0 s, ctx 32768 2.3 s), a margin for a busy one;
+# only used to announce long runs
+SECONDS_PER_UNIT = 2.5e-8
+SECONDS_PER_CACHE_ELEM = 1.2e-7
+LONG_RUN_S = 2.0                # a run estimated longer shows its progress (on a terminal)
+DEFAULT_FRACTION = 0.5          # default budget: this share of the memory available now
+
+
+@dataclass(frozen=True)
+class Estimate:
+    bytes: int
+    seconds: float
+    driver: str       # the CLI argument(s) that drive the largest term
+
+    def describe(self) -> str:
+        return f"~{format_bytes(self.bytes)}, ~{self.seconds:.0f} s on the CPU emulation"
+
+
+def estimate(g: Geometry) -> Estimate:
+    """Peak memory (bytes) and CPU-emulation time (s) of build + poison + every route."""
+    pages = sum(-(-(g.context - r) // g.page_size) for r in range(g.requests)) + 1
+    cache = pages * 2 * g.page_size * g.head_dim * CACHE_BYTES_PER_ELEM
+    tokens = 4 * min(g.topk, g.context // 4)             # attended tokens per row, at most
+    gathered = g.rows * tokens * g.head_dim * TOKEN_BYTES_PER_ELEM
+    chunk = min(GROUPED_CHUNK_BYTES, -(-g.rows // 8) * 8 * (tokens + 64) * (g.head_dim + 8 * g.q_heads) * 8)
+    terms = {"--requests x --context x --head-dim (the paged cache)": cache,
+             "--rows x --topk x --head-dim (gathered tokens per row)": gathered,
+             "--topk x --head-dim (grouped panels)": chunk}
+    driver = max(terms, key=terms.get)
+    if g.page_size > 256 and cache == terms[driver]:
+        driver = "--page-size x --requests x --head-dim (the paged cache)"
+    total = BASE_BYTES + sum(terms.values())
+    seconds = (g.rows * tokens * g.head_dim * g.q_heads * SECONDS_PER_UNIT
+               + pages * g.page_size * g.head_dim * SECONDS_PER_CACHE_ELEM)
+    return Estimate(int(total), seconds, driver)
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable on Linux, else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def default_budget() -> int:
+    return int(available_memory() * DEFAULT_FRACTION)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4,
+          "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512M', '8G', '1.5GiB', '100000' -> bytes (ValueError otherwise)."""
+    m = re.fullmatch(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([A-Za-z]{0,3})\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 512M, 8G or 1.5GiB, got {text!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"expected a size > 0, got {text!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def require(g: Geometry, budget: int | None = None) -> Estimate:
+    """Raise MemoryBudgetError (a ValueError) when the estimate exceeds `budget` bytes
+    (default: DEFAULT_FRACTION of the memory available now)."""
+    est = estimate(g)
+    limit = default_budget() if budget is None else budget
+    if est.bytes > limit:
+        raise MemoryBudgetError(
+            f"{est.driver.split(' (')[0]}: this case needs an estimated {format_bytes(est.bytes)}, above the "
+            f"budget of {format_bytes(limit)} ({est.driver.split(' (')[1].rstrip(')')} dominates); "
+            "shrink it or raise --max-memory")
+    return est
+
+
+class MemoryBudgetError(ValueError):
+    """A case estimated above the memory budget."""

@@ -1,0 +1,183 @@
+"""A second Python process beside a command, started before the command imports torch: the
+length-prefixed pickles on its pipes, whether a core is idle for it, and ending it with its
+parent. Plain Python only (no torch): `qsa-lab canary --overlap` and `qsa-lab repro`'s figure
+process (qsa_lab.report.figure_worker) use it before their imports.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+def send(stream, obj) -> None:
+    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(blob)) + blob)
+    stream.flush()
+
+
+def recv(stream):
+    """From a blocking binary stream; None at EOF."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(stream.read(n))
+
+
+def reader(stream) -> tuple:
+    """The messages on a spawned process's stdout, read by a thread into a queue as they come;
+    None once it ended (or sent something unreadable). -> (queue, thread)"""
+    inbox = queue.Queue()
+
+    def read():
+        while True:
+            try:
+                msg = recv(stream)
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
+                msg = None
+            inbox.put(msg)
+            if msg is None:
+                return
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return inbox, thread
+
+
+def try_send(stream, obj) -> bool:
+    """send(), False where the process is gone (or `obj` does not pickle)."""
+    try:
+        send(stream, obj)
+        return True
+    except (OSError, ValueError, AttributeError, pickle.PicklingError):
+        return False
+
+
+def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:
+    """python -m module [args] with this qsa_lab first on its path; its stdin / stdout the
+    request / reply pipes."""
+    import qsa_lab
+
+    env = dict(os.environ)
+    root = str(Path(qsa_lab.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=stderr, env=env)
+
+
+def end(p: subprocess.Popen | None, wait: float = 2) -> None:
+    """End a spawned process: EOF on its stdin (a worker waiting for a request exits), killed
+    after `wait` seconds (at once with wait=0)."""
+    if p is None:
+        return
+    if p.poll() is None:
+        try:
+            p.stdin.close()
+            p.wait(timeout=wait)
+        except (OSError, subprocess.TimeoutExpired):
+            p.kill()
+            p.wait()
+    for s in (p.stdin, p.stdout):
+        try:
+            s.close()
+        except OSError:
+            pass
+
+
+def others_running() -> float:
+    """Processes running or waiting for a core now, this one not counted (Linux: /proc/loadavg;
+    elsewhere the load average of the last minute)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("inf")
+
+
+def idle_core(others: float | None = None) -> bool:
+    """Is a core free for a second process, beside this one and whatever else runs now
+    (`others`: default others_running())? On a busy machine it would only add its own imports
+    to the work."""
+    return (others_running() if others is None else others) <= _cores() - 2
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def worker_pipes() -> tuple:
+    """In a spawned process (spawn), first: its (request, reply) pipes as binary files, with
+    stdin and stdout moved to the null device (nothing it prints reaches the parent's output),
+    Ctrl-C ignored (the parent decides) and death with the parent (die_with_parent)."""
+    pipes = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    return pipes
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent goes away (a signal ends the command with
+    os._exit, which ends no child); elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def threads_set_by_user() -> bool:
+    """OMP_NUM_THREADS or MKL_NUM_THREADS is set: torch's thread count is the user's, left as it is."""
+    return bool(os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"))
+
+
+def fit_torch_threads(started: int = 0) -> int:
+    """Give torch's CPU ops at most one thread per core that no other running process holds, nor
+    the `started` second processes this command runs beside itself; at least 1, never more than
+    torch's own count. -> the count now in use. OMP_NUM_THREADS or MKL_NUM_THREADS set by the user
+    is left as it is. Why: a thread without a core of its own makes every op wait for it at the
+    op's end; on a 2-core machine at load 3, `qsa-lab diff decode` took 3.8-4.2 s with torch's 2
+    threads and 1.9-2.5 s with 1. Outputs do not depend on the count (no route splits a reduction
+    by thread)."""
+    import torch
+
+    if threads_set_by_user():
+        return torch.get_num_threads()
+    free = max(1, _cores() - max(others_running(), started))     # others: inf where unknown
+    n = int(min(torch.get_num_threads(), free))
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return n
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Torch's CPU ops on `n` threads inside; the previous count restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,315 @@
+"""Every notebook runs top to bottom headless (nbclient, CPU, emulation, small geometry) and
+finds what it claims; notebooks in git carry no outputs (issue 4, acceptance 1 and 3)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from qsa_lab.support import package_data
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NB_DIR = package_data.folder("notebooks")   # the checkout's, or an installed copy's
+NOTEBOOKS = package_data.notebooks()
+MARK = "QSA_LAB_KEY_RESULTS="
+CONCLUSION = "QSA_LAB_CONCLUSION="
+
+
+def run_notebook(path: Path, tmp_path: Path) -> dict:
+    """Execute `path` with one extra cell that prints the notebook's key_results as JSON."""
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(f"import json; print({MARK!r} + json.dumps(key_results, default=str)); "
+                                              f"print({CONCLUSION!r} + json.dumps(conclusion))"))
+    env = {"QSA_LAB_BACKEND": "emulate", "QSA_LAB_SMALL": "1", "QSA_LAB_FIGURES": str(tmp_path / "figures"),
+           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                         resources={"metadata": {"path": str(tmp_path)}})
+        client.execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    found = {}
+    for out in nb.cells[-1].outputs:
+        for line in out.get("text", "").splitlines():
+            for mark in (MARK, CONCLUSION):
+                if line.startswith(mark):
+                    found[mark] = json.loads(line[len(mark):])
+    assert MARK in found, f"{path.name}: no key_results printed"
+    check_conclusion(path, nb, found[CONCLUSION], found[MARK])
+    check_figures_shown(path, nb)
+    return {"results": found[MARK], "nb": nb, "conclusion": found[CONCLUSION]}
+
+
+#: a code cell that draws a figure (a plotting or canary-figure call, or a written PNG shown)
+DRAWS = re.compile(r"\b(plotting\.plot_\w+|small_multiples|cf\.plot_\w+|show_png)\(")
+
+
+def check_figures_shown(path: Path, nb) -> None:
+    """Each cell that draws shows its figure once, as an inline PNG: not lost, not shown twice
+    (the notebooks disconnect pyplot's after-cell redraw, and 06 shows the files it wrote)."""
+    drawing = [c for c in nb.cells if c.cell_type == "code" and DRAWS.search(c.source)]
+    assert drawing or path.name.startswith("03_"), f"{path.name}: no cell draws a figure"  # 03: in its widget
+    for c in drawing:
+        images = [o for o in c.outputs if "image/png" in o.get("data", {})]
+        assert len(images) == 1, f"{path.name}: {len(images)} images from the cell starting {c.source[:60]!r}"
+
+
+def _formats(value) -> set:
+    """Every way a number of key_results may be written in a conclusion."""
+    if isinstance(value, bool) or value is None:
+        return {str(value)}
+    if isinstance(value, str):
+        return set()
+    if isinstance(value, dict):
+        return set().union(*map(_formats, value.values())) if value else set()
+    if isinstance(value, (list, tuple)):
+        return set().union(*map(_formats, value)) if value else set()
+    out = {f"{value:.{n}f}" for n in range(4)} | {f"{100 * value:.{n}f}" for n in range(4)}
+    if float(value).is_integer():
+        out |= {str(int(value)), f"0x{int(value):02X}"}
+    return out
+
+
+NUMBER = re.compile(r"0x[0-9A-Fa-f]+|\d+(?:\.\d+)?")
+NAMES = re.compile(r"\b(?:sm_\d+|fp\d+|top-\d+|[EHV]\d+\w*|e\dm\d)\b")
+
+
+def check_conclusion(path: Path, nb, conclusion: str, key_results: dict):
+    """The notebook ends with its conclusion in words, then key_results; every number in the words
+    is one of key_results' values (so none is typed in by hand), and most of them are used."""
+    assert nb.cells[-3].cell_type == "code" and "conclusion = " in nb.cells[-3].source, path.name
+    assert "key_results = " in nb.cells[-2].source, path.name
+    shown = "".join(o.get("data", {}).get("text/markdown", "") for o in nb.cells[-3].outputs)
+    assert shown == conclusion and conclusion.startswith("**Conclusion.**"), path.name
+    allowed = _formats(key_results) | {"16"}            # the 16 rows of an M-tile are the kernel's shape
+    words = NAMES.sub(" ", conclusion)                 # sm_90, fp16, top-512, E4M3, H200, V100: names
+    numbers = NUMBER.findall(words)
+    assert len(numbers) >= 3, (path.name, conclusion)
+    stray = [n for n in numbers if n not in allowed]
+    assert not stray, f"{path.name}: numbers {stray} in the conclusion are not key_results values: {conclusion}"
+
+
+def _text(nb) -> str:
+    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_numbered_notebooks_present():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+
+
+HOW_TO_STRIP = ("strip it with `make strip` (python scripts/strip_outputs.py notebooks/NN_*.ipynb); "
+                "open the notebooks with `make lab`, which saves them without outputs")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{path.name}: a code cell carries outputs; {HOW_TO_STRIP}"
+            assert cell.execution_count is None, f"{path.name}: a code cell carries an execution count; {HOW_TO_STRIP}"
+    assert "widgets" not in nb.metadata, f"{path.name}: saved widget state in metadata; {HOW_TO_STRIP}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_thin(path):
+    """Notebooks ask and show: no function or class definitions, short code cells."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert "def " not in cell.source and "class " not in cell.source, path.name
+            assert len(cell.source.splitlines()) <= 12, f"{path.name}: long cell\n{cell.source}"
+    assert nb.cells[0].cell_type == "markdown" and "Question" in nb.cells[0].source
+
+
+def test_01_codes_and_rates(tmp_path):
+    r = run_notebook(NB_DIR / "01_e4m3_and_the_null_block.ipynb", tmp_path)["results"]
+    assert r["nan_codes"] == [0x7F, 0xFF]
+    assert 0.0030 < r["fp16_state_rate"] < 0.0048           # ~0.39 %
+    s = r["nan_bytes_by_site"]
+    assert "none" not in s and "zeros" not in s and s["targeted"] == 20 and s["random"] > 0
+
+
+def test_02_finds_report_fingerprint(tmp_path):
+    run = run_notebook(NB_DIR / "02_reproduce_the_grouped_nan.ipynb", tmp_path)
+    r = run["results"]
+    assert r["backend"] == "emulate" and "backend: emulate" in _text(run["nb"])
+    assert r["grouped_nan"] == 480
+    assert r["grouped_nan_dims"] == [102, 152, 168, 170, 230]
+    assert r["xqa_nan"] == 0
+    assert r["identical_across_rows"]
+    assert r["attributed_dims"] == [102, 152, 168, 170, 230] and r["attributed_to_padding"]
+    assert r["nan_groups"] * r["nan_m_tiles_per_group"] * 16 * r["n_dims"] == 480 and r["fixes_nan"] == 0
+    assert "480 NaN = 2 groups × 3 M-tiles × 16 rows × 5 dims" in run["conclusion"]
+
+
+def test_03_playground_runs_headless(tmp_path):
+    run = run_notebook(NB_DIR / "03_poison_playground.ipynb", tmp_path)
+    r = run["results"]
+    assert r["backend"] == "emulate" and r["nan_count"] == 480 and r["fix_nan"] == 0
+    assert {"grouped", "grouped+kernel_fix", "grouped+pad_fix"} <= set(r["routes"])
+    assert r["stale_pad_fix_nan"] > 0 and r["stale_kernel_fix_nan"] == 0          # the suggested experiments
+    assert r["attended_k_dropped"] > 0 and r["attended_k_grouped_nan"] < r["attended_k_reference_nan"]
+    assert "Experiments to try" in "".join(c.source for c in run["nb"].cells if c.cell_type == "markdown")
+
+
+def test_04_fixes_clean_and_stale_tail_finding(tmp_path):
+    run = run_notebook(NB_DIR / "04_confirm_the_fix.ipynb", tmp_path)
+    r = run["results"]
+    html = "\n".join(o.get("data", {}).get("text/html", "") for c in run["nb"].cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+    assert "fix A" in html and "fix C" in html and "report: grouped NaN" in html and ">ref<" in html
+    assert "expected ≠ ref" in html and "as expected" in html
+    from qsa_lab.report.repro import REPRO_CASES
+
+    assert r["as_expected"] == r["cases"] == len(REPRO_CASES)
+    assert "—" in html and ">nan<" not in html.lower() and "...</th>" not in html   # no NaN, no truncation
+    assert r["backend"] == "emulate"
+    assert r["fixed_nan_on_null_block_sites"] == 0
+    assert r["bit_identical"]
+    assert r["stale_pad_fix_nan"] > 0
+    assert r["stale_kernel_fix_nan"] == 0 and r["stale_masked_load_nan"] == 0
+    att = r["attended_k_nan"]   # a NaN key rows attend: NaN in XQA / reference, dropped by grouped
+    assert att["xqa"] == att["reference"] > 0 and att["grouped"] < att["xqa"]
+
+
+def test_05_reads_committed_timings(tmp_path):
+    run = run_notebook(NB_DIR / "05_fix_overhead.ipynb", tmp_path)
+    r = run["results"]
+    assert r["live"] is False and "backend:" in _text(run["nb"])
+    from qsa_lab.analysis.figure_data import BENCH_JSON, load_bench
+
+    df, meta = load_bench(BENCH_JSON)          # committed under data/
+    assert r["records"] == len(df) > 0 and r["gpu"] == meta["gpu"] == "NVIDIA H200"
+    nb = run["nb"]
+    assert nb.cells[0].cell_type == "markdown" and "earlier version" not in json.dumps(nb.cells, default=str)
+    first_output = next(c for c in nb.cells if c.cell_type == "code" and c.outputs)
+    assert "text/html" not in json.dumps(first_output.outputs)               # opens with the question, no frame
+    assert r["upstream_fix_a_ratio"] == [1.04, 1.045] and r["ours_fix_a_ratio"] == [1.063, 1.073]
+    assert round(r["speed_ratio"], 1) == 2.3 and round(r["report_v100_ratio"], 2) == 1.25
+    assert "×1.040–1.045" in run["conclusion"] and "2.3× faster" in run["conclusion"]
+
+
+JUPYTER_METADATA = {   # what JupyterLab writes into a notebook it opened and ran
+    "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+    "language_info": {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                      "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                      "pygments_lexer": "ipython3", "version": "3.11.2"},
+    "widgets": {"application/vnd.jupyter.widget-state+json": {"state": {}, "version_major": 2}}}
+
+
+def _as_jupyter_left_it(nb: dict) -> dict:
+    """`nb` after opening, running and autosave: metadata rewritten, outputs and UI state added."""
+    nb = json.loads(json.dumps(nb))
+    nb["metadata"] = json.loads(json.dumps(JUPYTER_METADATA))
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    cell.update(execution_count=3, outputs=[{"output_type": "stream", "name": "stdout", "text": ["backend: x\n"]}])
+    cell["metadata"].update(scrolled=True, execution={"iopub.status.busy": "2026-12-01T10:00:00Z"})
+    return nb
+
+
+def test_project_notebook_list_matches_the_folder():
+    import sys
+
+    sys.path.insert(0, str(NB_DIR.parent / "scripts"))
+    from strip_outputs import PROJECT_NOTEBOOKS
+
+    assert sorted(PROJECT_NOTEBOOKS) == [p.name for p in NOTEBOOKS]
+
+
+def test_make_strip_undoes_what_jupyter_rewrites(tmp_path):
+    import shutil
+    import subprocess
+
+    for name in ("01_e4m3_and_the_null_block.ipynb", "02_reproduce_the_grouped_nan-Copy1.ipynb"):
+        used = _as_jupyter_left_it(json.loads((NB_DIR / name.replace("-Copy1", "")).read_text()))
+        (tmp_path / name).write_text(json.dumps(used, indent=1))
+    copy = (tmp_path / "02_reproduce_the_grouped_nan-Copy1.ipynb").read_bytes()
+    script = NB_DIR.parent / "scripts" / "strip_outputs.py"
+    out = subprocess.run(["python3", str(script), *map(str, sorted(tmp_path.iterdir()))], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert (tmp_path / "01_e4m3_and_the_null_block.ipynb").read_bytes() == \
+        (NB_DIR / "01_e4m3_and_the_null_block.ipynb").read_bytes()           # git would show it unchanged
+    assert (tmp_path / "02_reproduce_the_grouped_nan-Copy1.ipynb").read_bytes() == copy and "kept" in out
+    shutil.rmtree(tmp_path)
+
+
+def test_make_lab_saves_project_notebooks_without_outputs(tmp_path):
+    """`make lab`'s Jupyter config: saving one of the project's notebooks after Jupyter rewrote its
+    metadata and added outputs writes the committed bytes again (git shows nothing modified);
+    a -Copy1 or a notebook of your own keeps its outputs; LAB_ARGS reach Jupyter; no
+    pre-save-hook override warning; --allow-root when run as root."""
+    import secrets
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    pytest.importorskip("jupyterlab")
+    repo = Path(__file__).resolve().parents[2]   # `make lab` of the checkout holding these tests
+    dry = subprocess.run(["make", "-n", "lab", "LAB_ARGS=--port 8899 --ip 0.0.0.0 --no-browser"], cwd=repo,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "--config=scripts/jupyter_lab_config.py" in dry and "--port 8899 --ip 0.0.0.0 --no-browser" in dry
+    assert ("--allow-root" in dry) == (os.geteuid() == 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token, root = secrets.token_hex(8), tmp_path / "nb"
+    root.mkdir()
+    project = ["01_e4m3_and_the_null_block.ipynb", "03_poison_playground.ipynb", "04_confirm_the_fix.ipynb"]
+    for name in project:
+        shutil.copy(NB_DIR / name, root / name)
+    env = dict(os.environ, **{k: str(tmp_path / k) for k in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR",
+                                                             "JUPYTER_RUNTIME_DIR")})
+    cmd = [sys.executable, "-m", "jupyter", "lab", f"--config={repo / 'scripts' / 'jupyter_lab_config.py'}",
+           "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}",
+           f"--ServerApp.root_dir={root}"] + (["--allow-root"] if os.geteuid() == 0 else [])
+    log = tmp_path / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/api"
+
+    def put(name, nb):
+        body = json.dumps({"type": "notebook", "format": "json", "content": nb}).encode()
+        req = urllib.request.Request(f"{base}/contents/{name}?token={token}", data=body, method="PUT",
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=60).close()
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/status?token={token}", timeout=2).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "jupyter lab did not start"
+                time.sleep(0.3)
+        for name in project:
+            with urllib.request.urlopen(f"{base}/contents/{name}?token={token}&content=1", timeout=60) as r:
+                model = json.loads(r.read())
+            put(name, _as_jupyter_left_it(model["content"]))
+            assert (root / name).read_bytes() == (NB_DIR / name).read_bytes(), f"{name}: a save changed it"
+        copy = _as_jupyter_left_it(json.loads((NB_DIR / "02_reproduce_the_grouped_nan.ipynb").read_text()))
+        for name in ("02_reproduce_the_grouped_nan-Copy1.ipynb", "03_mine.ipynb", "scratch.ipynb"):
+            put(name, copy)
+            kept = nbformat.read(root / name, as_version=4)
+            cell = next(c for c in kept.cells if c.cell_type == "code")
+            assert cell.outputs and cell.execution_count == 3, name              # yours: kept as saved
+            assert kept.metadata["kernelspec"]["display_name"] == "Python 3 (ipykernel)"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "Overriding existing pre_save_hook" not in log.read_text()

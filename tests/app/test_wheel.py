@@ -1,0 +1,193 @@
+"""A pip user's qsa_lab: build the sdist, build the wheel from that sdist, install the wheel into a
+fresh venv and run it from a folder outside the checkout. The kernel sources, the data and the
+notebooks must come with it, and the installed copy (not the checkout) must be what runs.
+
+The venv sees this test environment's packages (torch, numpy, ... through a .pth line, which does
+not load this environment's editable qsa_lab) and gets only the wheel installed, so it is made in
+seconds and without a network.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
+from run_once import once_per_run
+
+pytestmark = pytest.mark.wheel
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT = 1800  # a loaded 2-core machine: the repro alone takes minutes
+
+
+def _layout() -> dict[str, list[str]]:
+    """Every file the package must carry, by folder, as the checkout has them."""
+    return {"csrc": sorted(p.name for p in (REPO / "csrc").iterdir() if p.is_file()),
+            "data": sorted(p.name for p in (REPO / "data").iterdir() if p.is_file()),
+            "notebooks": sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")) + ["README.md"]}
+
+
+def doctor_rows(text: str) -> dict:
+    """`qsa-lab doctor`'s 'key  value' rows (the verdict line aside)."""
+    return {(line.split(None, 1) + [""])[0]: (line.split(None, 1) + [""])[1]
+            for line in text.splitlines() if line.strip() and not line.startswith("verdict")}
+
+
+def _run(cmd, cwd, **kw):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**env, **kw.pop("env", {})}, **kw)
+
+
+def _ok(res, what):
+    assert res.returncode == 0, f"{what} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+def _build(out: Path) -> tuple[Path, Path]:
+    hook = "import sys; from setuptools import build_meta as b; print(getattr(b, sys.argv[1])(sys.argv[2]))"
+    sdist = out / _ok(_run([sys.executable, "-c", hook, "build_sdist", out], REPO), "build_sdist").stdout.split()[-1]
+    with tarfile.open(sdist) as tar:
+        tar.extractall(out / "src", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    src = next((out / "src").iterdir())
+    wheel = out / _ok(_run([sys.executable, "-c", hook, "build_wheel", out], src), "build_wheel").stdout.split()[-1]
+    return sdist, wheel
+
+
+def _make_venv(root: Path, wheel: Path) -> Path:
+    _ok(_run([sys.executable, "-m", "venv", "--without-pip", root], root), "venv")
+    site = Path(_ok(_run([root / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         root), "purelib").stdout.strip())
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (site / "_qsa_lab_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    # -I: this test environment's editable qsa_lab is visible through the .pth and must not count
+    _ok(_run([root / "bin" / "python", "-m", "pip", "install", "-q", "-I", "--no-deps", "--no-index", wheel], root),
+        "pip install the wheel")
+    return root / "bin"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(sdist, wheel built from that sdist) through setuptools' PEP 517 hooks, as pip or build call them.
+    Built once per test run: pytest-xdist's workers share it (two builds in the checkout at
+    once would also race on its egg-info and sdist staging folder)."""
+    return once_per_run(tmp_path_factory, "wheel-dist", _build)
+
+
+@pytest.fixture(scope="module")
+def venv(built, tmp_path_factory):
+    """A fresh venv holding the wheel, made once per test run; returns its bin folder. The
+    tests only run its commands, each from a folder of its own."""
+    return once_per_run(tmp_path_factory, "wheel-venv", lambda root: _make_venv(root, built[1]))
+
+
+@pytest.fixture()
+def elsewhere(tmp_path):
+    """A working folder outside the checkout."""
+    assert REPO not in tmp_path.resolve().parents
+    return tmp_path
+
+
+def test_sdist_and_wheel_carry_csrc_data_and_notebooks(built):
+    sdist, wheel = built
+    with tarfile.open(sdist) as tar:
+        in_sdist = {Path(*Path(n).parts[1:]).as_posix() for n in tar.getnames()}
+    with zipfile.ZipFile(wheel) as z:
+        in_wheel = set(z.namelist())
+    for kind, names in _layout().items():
+        assert names, kind
+        for name in names:
+            assert f"{kind}/{name}" in in_sdist, f"sdist lacks {kind}/{name}"
+            assert f"qsa_lab/{kind}/{name}" in in_wheel, f"wheel lacks qsa_lab/{kind}/{name}"
+    for name in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py", "environment.yml"):
+        assert name in in_sdist, name
+    meta = next(n for n in in_wheel if n.endswith(".dist-info/METADATA"))
+    with zipfile.ZipFile(wheel) as z:
+        text = z.read(meta).decode()
+    from qsa_lab import __version__
+
+    assert f"\nVersion: {__version__}\n" in text and "License-Expression: Apache-2.0" in text
+
+
+def test_installed_copy_runs_the_readme_commands_from_elsewhere(venv, elsewhere):
+    where = _ok(_run([venv / "python", "-c", "import qsa_lab; print(qsa_lab.__file__)"], elsewhere), "import")
+    assert Path(where.stdout.strip()).is_relative_to(venv.parent), where.stdout   # the wheel's copy runs
+
+    doctor = _ok(_run([venv / "qsa-lab", "doctor"], elsewhere), "qsa-lab doctor").stdout
+    rows = doctor_rows(doctor)
+    assert rows["kernel_sources"].endswith("(installed)") and str(venv.parent) in rows["kernel_sources"]
+    assert doctor.strip().splitlines()[-1].startswith("verdict: ")
+
+    diff = _ok(_run([venv / "qsa-lab", "diff", "decode", "--poison", "targeted", "--json", "-"], elsewhere), "diff")
+    routes = json.loads(diff.stdout)["routes"]
+    assert routes["grouped"]["nan_count"] == 480 and routes["grouped"]["nan_dims"] == [102, 152, 168, 170, 230]
+    assert all(routes[r]["nan_count"] == 0 for r in routes if r != "grouped")
+
+    _ok(_run([venv / "qsa-lab", "repro", "--out", "results", "--quiet"], elsewhere), "qsa-lab repro")
+    table = json.loads((elsewhere / "results" / "repro.json").read_text())
+    report = [c["report_grouped_nan"] for c in table["cases"] if c.get("report_grouped_nan") is not None]
+    assert report, "the report's own numbers (data/report_verification.csv) are missing from the table"
+    assert any(p.suffix == ".png" for p in (elsewhere / "figures").iterdir())
+
+
+def test_installed_copy_resolves_every_kernel_source_and_notebook(venv, elsewhere):
+    code = ("import json; from qsa_lab import package_data as pd, kernels;"
+            "print(json.dumps({k: [str(pd.folder(k)), sorted(p.name for p in pd.folder(k).iterdir())] for k in pd.KINDS}"
+            " | {'missing': kernels.missing_sources(), 'kernels_csrc': str(kernels.CSRC), 'nb': [str(p) for p in pd.notebooks()]}))")
+    got = json.loads(_ok(_run([venv / "python", "-c", code], elsewhere), "resolver").stdout)
+    assert got["missing"] == [] and Path(got["kernels_csrc"]).is_relative_to(venv.parent)
+    for kind, names in _layout().items():
+        folder, listed = got[kind]
+        assert Path(folder).is_relative_to(venv.parent), (kind, folder)
+        assert set(names) <= set(listed), (kind, sorted(set(names) - set(listed)))
+        for name in names:  # the very bytes of the checkout
+            assert (Path(folder) / name).read_bytes() == (REPO / kind / name).read_bytes(), (kind, name)
+    assert [Path(p).name for p in got["nb"]] == _layout()["notebooks"][:-1]
+
+    copied = elsewhere / "nb"
+    _ok(_run([venv / "qsa-lab", "notebooks", copied], elsewhere), "qsa-lab notebooks")
+    assert sorted(p.name for p in copied.iterdir()) == sorted(_layout()["notebooks"])
+    again = _run([venv / "qsa-lab", "notebooks", copied], elsewhere)
+    assert again.returncode == 2 and "--force" in again.stderr    # never overwritten without --force
+
+
+def test_nvrtc_sm70_compile_of_the_installed_sources(venv, elsewhere, tmp_path_factory):
+    """The V100 proof (tests/test_nvrtc_sm70.py) holds for the installed copy of csrc/.
+
+    What the installed copy's compile (nvrtc.compile_ptx(nvrtc.instantiation_source(),
+    'compute_70', find_toolkit())) reads is its own qsa_lab/routes/nvrtc.py (the source and
+    the options), its own csrc/ (the -I folder: every header is found there) and the NVRTC
+    wheels that find_toolkit() locates. When its nvrtc.py and every csrc/ file are the
+    checkout's bytes and its toolkit is the same files, that compile is the checkout's one,
+    but for the -I folder's name, which no header reads (no __FILE__) and which changes only
+    the file names in the PTX's line info: so it is proven here by that identity and by the
+    checkout's compute_70 compile of the run (tests/test_ptx70.py's folder, made once: the
+    same source with ptx70's probe appended, see tests/test_nvrtc_sm70.py), instead of by
+    compiling again."""
+    toolkit = nvrtc_toolkit()  # skips without the NVRTC wheels (fails under CI=true)
+    from qsa_lab.routes import nvrtc, ptx70
+
+    code = ("import json, dataclasses; from qsa_lab.routes.compiled import nvrtc; tk = nvrtc.find_toolkit();"
+            "print(json.dumps({'csrc': str(nvrtc.CSRC), 'nvrtc_py': nvrtc.__file__, 'source': nvrtc.instantiation_source(),"
+            " 'toolkit': tk and {k: str(v) for k, v in dataclasses.asdict(tk).items()}}))")
+    got = json.loads(_ok(_run([venv / "python", "-c", code], elsewhere), "NVRTC").stdout.strip().splitlines()[-1])
+    csrc, nvrtc_py = Path(got["csrc"]), Path(got["nvrtc_py"])
+    assert csrc.is_relative_to(venv.parent) and nvrtc_py.is_relative_to(venv.parent), got
+    assert nvrtc_py.read_bytes() == (REPO / "qsa_lab" / "kernels" / "nvrtc.py").read_bytes()
+    assert got["source"] == nvrtc.instantiation_source()
+    def files(folder):
+        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    assert files(csrc) == files(REPO / "csrc") and all(p.is_file() for p in csrc.iterdir())
+    assert got["toolkit"] == {k: str(v) for k, v in dataclasses.asdict(toolkit).items()}
+    # the checkout's compile: generate raises on a failed compile or on instructions an SM70 lacks
+    folder = ptx70_folder(tmp_path_factory, toolkit)
+    text = (folder / ptx70.PTX_FILE).read_text()
+    assert "mma.sync" in text and nvrtc.forbidden_instructions(text) == []

@@ -1,0 +1,87 @@
+"""`qsa-lab canary`: the user kernels of test_canary.py through --kernels / --kernel, JSON, exit codes."""
+import json
+from pathlib import Path
+
+import pytest
+
+from qsa_lab.canary import SCHEMA, load_canary
+from qsa_lab.app.cli import main
+
+HERE = Path(__file__).resolve().parent
+FAST = ["--regions", "null-block", "--backend", "emulate"]
+
+
+def run(capsys, *argv):
+    rc = main(["canary", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_document_and_fail_on_leak(capsys):
+    rc, out, _ = run(capsys, "--kernels", "qsa:grouped,qsa:grouped+kernel_fix", "--payloads", "nan,inf", *FAST,
+                     "--json", "-", "--fail-on-leak")
+    doc = json.loads(out)
+    assert rc == 1
+    assert doc["schema"] == SCHEMA and doc["backend"] == "emulate" and doc["kv_dtype"] == "fp16"
+    assert doc["payload_bits"]["nan"] == "0x7E00" and doc["payload_bits"]["inf"] == "0x7C00"
+    assert len(doc["results"]) == 2 * 2 * 2
+    verdicts = {(r["kernel"], r["plane"], r["payload"]): r["verdict"] for r in doc["results"]}
+    assert verdicts[("qsa:grouped", "v", "nan")] == verdicts[("qsa:grouped", "v", "inf")] == "nan-leak"
+    assert {v for (k, _, _), v in verdicts.items() if k == "qsa:grouped+kernel_fix"} == {"clean"}
+    leak = next(r for r in doc["results"] if r["verdict"] != "clean")
+    assert set(leak) >= {"kernel", "region", "plane", "payload", "verdict", "nan", "inf", "finite_changed", "rows",
+                         "heads", "dims"}
+    assert leak["nan"] == len(leak["rows"]) * len(leak["heads"]) * len(leak["dims"])
+
+
+def test_clean_kernels_exit_0_with_fail_on_leak(capsys):
+    rc, out, _ = run(capsys, "--kernels", "qsa:xqa,qsa:grouped+kernel_fix", *FAST, "--fail-on-leak")
+    assert rc == 0 and "# 0 leaking of 12 checks (12 cells)" in out
+
+
+@pytest.mark.parametrize("spec", ["test_canary:finite_leak_kernel", str(HERE / "test_canary.py") + ":finite_leak_kernel"])
+def test_user_kernel_by_module_or_file(capsys, tmp_path, spec):
+    path = tmp_path / "c.json"
+    rc, out, _ = run(capsys, "--kernel", spec, *FAST, "--payloads", "nan,inf", "--json", str(path), "--fail-on-leak")
+    doc = load_canary(path)
+    got = {(r["plane"], r["payload"]): r["verdict"] for r in doc["results"]}
+    assert rc == 1 and got == {("k", "nan"): "clean", ("k", "inf"): "finite-leak", ("v", "nan"): "clean",
+                               ("v", "inf"): "finite-leak"}
+    assert "F" in out and f"# wrote {path}" in out
+
+
+def test_a_user_kernel_that_cannot_run_fails_the_run(capsys):
+    rc, out, err = run(capsys, "--kernel", "test_canary:broken_kernel", *FAST)
+    assert rc == 3 and "test_canary:broken_kernel: error at null-block / k,v / nan,inf,max" in out
+    assert "qsa-lab: canary: test_canary:broken_kernel: error in 6 cell(s)" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kernels", "qsa:nope"], "--kernels: unknown qsa route"),
+    (["--kernels", "torch:sdpa"], "--kernels: unknown torch kernel"),
+    (["--kernels", "not_a_module_xyz:fn"], "--kernels: 'not_a_module_xyz:fn': cannot import"),
+    (["--regions", "null-block,tail"], "--regions: unknown ['tail']"),
+    (["--payloads", "nan,snan"], "--payloads: unknown ['snan']"),
+    (["--backend", "gpu"], "--backend: invalid choice"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and err.startswith(f"qsa-lab: error: {message}") and len(err.strip().splitlines()) == 1
+
+
+def test_json_is_not_overwritten_without_force(capsys, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("keep")
+    rc, _, err = run(capsys, "--kernels", "qsa:xqa", *FAST, "--json", str(path))
+    assert rc == 2 and "exists (add --force" in err and path.read_text() == "keep"
+    rc, _, _ = run(capsys, "--kernels", "qsa:xqa", *FAST, "--json", str(path), "--force")
+    assert rc == 0 and load_canary(path)["schema"] == SCHEMA
+
+
+def test_cuda_backend_without_a_gpu_is_a_usage_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    rc, _, err = run(capsys, "--kernels", "qsa:xqa", "--backend", "cuda")
+    assert rc == 2 and err.startswith("qsa-lab: error: --backend: 'cuda' needs a CUDA GPU")

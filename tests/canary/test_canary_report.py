@@ -1,0 +1,210 @@
+"""The leak report (--report DIR), its replayable calls, and the pytest plugin, on the CPU with
+the torch / qsa kernels and two hand-written kernels (tests/data/canary_kernels.py)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from run_once import once_per_run
+from qsa_lab.canary import run_canary
+from qsa_lab.canary.case import canary_case
+from qsa_lab.canary.report import load_call, write_report
+
+pytest_plugins = ["pytester"]
+DATA = Path(__file__).parents[1] / "data"
+LEAKY = f"{DATA / 'canary_kernels.py'}:leaky"
+MASKED = f"{DATA / 'canary_kernels.py'}:masked"
+GQA = dict(q_heads=8, kv_heads=2, head_dim=32, requests=3, context=40, query_len=2)
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+
+
+def run(*args, timeout=900):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def in_process(capsys, module, *argv):
+    """`python -m module *argv` called in this process (its main(argv), exit code as returned):
+    what the command prints and returns, without a second torch import."""
+    from importlib import import_module
+
+    capsys.readouterr()
+    code = import_module(module).main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([module, *argv], code, out, err)
+
+
+@pytest.fixture(scope="module")
+def window_report(tmp_path_factory):
+    def build(folder):
+        case = canary_case("fp16", attend="window:8", **GQA)
+        report = run_canary([LEAKY, MASKED], case=case, backend="emulate", payloads=["nan", "max"])
+        write_report(report, folder / "report")
+        return report, folder / "report"
+    return once_per_run(tmp_path_factory, "window-report", build)
+
+
+def test_report_has_figure_versions_case_spec_and_every_non_clean_cell(window_report):
+    report, out = window_report
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert (out / "leak_matrix.png").stat().st_size > 1000 and "![leak matrix](leak_matrix.png)" in md
+    for text in ("| torch |", "| gpu |", "| driver |", "| cuda |", "attend window:8", "Hkv 2", "D 32"):
+        assert text in md, text
+    leaks = report.leaks()
+    assert leaks and all(r.kernel == LEAKY for r in leaks)
+    for r in leaks:
+        assert f"| {LEAKY} | {r.region} | {r.plane} | {r.payload} | {r.verdict} | {r.nan} | {r.inf} |" in md
+    assert "<table>" in page and "leak_matrix.png" in page and "python -m qsa_lab.canary.replay" in page
+    assert json.loads((out / "canary.json").read_text())["schema"] == "qsa_lab.canary/1"
+
+
+def test_each_leaking_cell_gets_its_smallest_call_one_poisoned_slot(window_report):
+    report, out = window_report
+    files = sorted((out / "calls").glob("*.safetensors"))
+    assert len(files) == len(report.leaks())
+    for f in files:
+        with safe_open(str(f), framework="pt") as g:
+            meta, slots = g.metadata(), g.get_tensor("poisoned_slots")
+        assert int(slots.sum()) == 1, f"{f.name}: one NaN V slot is enough to leak through 0 * V"
+        control, poisoned, _ = load_call(f)
+        assert meta["kernel"] == LEAKY and meta["plane"] == "v"
+        assert (control.kv_cache != poisoned.kv_cache).any() and control.spec.kind == "window"
+        assert f"python -m qsa_lab.canary.replay {f}" in (out / "report.md").read_text()
+
+
+def test_the_replay_command_recreates_the_nan_and_a_masked_kernel_is_clean(window_report, capsys):
+    _, out = window_report
+    call = next((out / "calls").glob("*out-of-window__v__nan.safetensors"))
+    leaked = run("-m", "qsa_lab.canary.replay", str(call))    # the command the report prints, in a fresh process
+    assert leaked.returncode == 1, leaked.stderr
+    assert "control 0 NaN; poisoned" in leaked.stdout and "verdict nan-leak" in leaked.stdout
+    nan = int(leaked.stdout.split("poisoned ")[1].split(" NaN")[0])
+    assert nan > 0
+    fixed = in_process(capsys, "qsa_lab.canary.replay", str(call), "--kernel", MASKED)
+    assert fixed.returncode == 0 and "poisoned 0 NaN, 0 Inf, 0 finite changed" in fixed.stdout, fixed.stdout
+    bad = in_process(capsys, "qsa_lab.canary.replay", str(out / "canary.json"))
+    assert bad.returncode == 2 and "replay: error: path:" in bad.stderr
+
+
+def test_cli_report_on_a_qsa_route_writes_replayable_calls(tmp_path, capsys):
+    out = tmp_path / "grouped"
+    r = in_process(capsys, "qsa_lab.app.cli", "canary", "--kernels", "qsa:grouped", "--backend", "emulate",
+                   "--payloads", "nan", "--report", str(out))
+    assert r.returncode == 1, r.stderr                       # the canary's exit code for a leak
+    md = (out / "report.md").read_text()
+    assert "qsa:grouped" in md and "nan-leak" in md
+    call = sorted((out / "calls").glob("qsa_grouped__*__v__nan.safetensors"))
+    assert call, sorted(p.name for p in (out / "calls").iterdir())
+    replay = in_process(capsys, "qsa_lab.canary.replay", str(call[0]), "--backend", "emulate")
+    assert replay.returncode == 1 and "verdict nan-leak" in replay.stdout, replay.stdout + replay.stderr
+    again = in_process(capsys, "qsa_lab.app.cli", "canary", "--kernels", "qsa:grouped", "--backend", "emulate",
+                       "--report", str(out))
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith(
+        "qsa-lab: error: --report:") and "--force" in again.stderr
+
+
+def test_a_clean_kernel_gets_a_report_without_calls(tmp_path):
+    report = run_canary([MASKED], case=canary_case("fp16", attend="window:8", **GQA), backend="emulate",
+                        payloads=["nan"])
+    write_report(report, tmp_path / "r")
+    assert "None: every check ran clean." in (tmp_path / "r" / "report.md").read_text()
+    assert not (tmp_path / "r" / "calls").exists()
+
+
+# -- the pytest plugin ------------------------------------------------------------------------------
+
+PLUGIN_TEST = f'''
+import importlib.util
+import pytest
+
+spec = importlib.util.spec_from_file_location("canary_kernels", {str(DATA / "canary_kernels.py")!r})
+kernels = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kernels)
+GEOMETRY = dict(attend="window:8", kv_heads=2, q_heads=8, head_dim=32, requests=3, context=40, query_len=2,
+                payloads=["nan", "max"], backend="emulate")
+
+
+@pytest.mark.qsa_canary(kernels.leaky, **GEOMETRY)
+def test_leaky(qsa_canary_cell):
+    qsa_canary_cell.check()
+
+
+@pytest.mark.qsa_canary(kernels.masked, **GEOMETRY)
+def test_masked(qsa_canary_cell):
+    qsa_canary_cell.check()
+
+
+@pytest.mark.qsa_canary("flashinfer:decode", **GEOMETRY)
+def test_flashinfer(qsa_canary_cell):
+    qsa_canary_cell.check()
+'''
+
+
+def test_pytest_plugin_one_test_per_cell_and_leaks_fail_naming_the_cell(pytester, tmp_path):
+    pytester.makepyfile(test_kernels=PLUGIN_TEST)
+    result = pytester.runpytest("-p", "qsa_lab.canary.pytest_plugin", "-rfs", "--qsa-canary-report",
+                                str(tmp_path / "reports"))
+    regions = ("null-block", "stale-tail", "stale-microblock", "free-pages", "out-of-window")
+    cells = [f"{r}-{pl}-{p}" for r in regions for pl in ("k", "v") for p in ("nan", "max")]
+    out = result.stdout.str()
+    outcomes = result.parseoutcomes()
+    leaking = ["stale-tail-v-nan", "stale-microblock-v-nan", "out-of-window-v-nan"]
+    assert outcomes.get("failed") == len(leaking), out
+    for c in leaking:
+        assert f"FAILED test_kernels.py::test_leaky[{c}]" in out
+    region = "out-of-window"
+    assert (f"leaks nan from region {region} on the V plane: nan-leak" in out
+            and "output(s) NaN" in out and "replay: python -m qsa_lab.canary.replay" in out), out
+    # the masked kernel passes wherever the cell ran, the absent library skips with its reason
+    assert "flashinfer is not installed" in out
+    assert outcomes.get("passed", 0) >= len(cells) - len(leaking)
+
+
+def test_pytest_plugin_collects_ids_per_region_plane_payload(pytester):
+    pytester.makepyfile(test_kernels=PLUGIN_TEST)
+    result = pytester.runpytest("-p", "qsa_lab.canary.pytest_plugin", "--collect-only", "-q", "-k", "masked")
+    ids = [line for line in result.stdout.lines if "test_masked[" in line]
+    assert len(ids) == 5 * 2 * 2 and any("out-of-window-v-max" in i for i in ids), result.stdout.str()
+
+
+def test_pytest_plugin_refuses_a_marker_without_a_kernel(pytester):
+    pytester.makepyfile(test_bad='''
+import pytest
+
+@pytest.mark.qsa_canary(attend="dense")
+def test_x(qsa_canary_cell):
+    qsa_canary_cell.check()
+''')
+    result = pytester.runpytest("-p", "qsa_lab.canary.pytest_plugin")
+    assert result.ret != 0 and "qsa_canary marker: give exactly one kernel" in result.stdout.str() + result.stderr.str()
+
+
+QSA_PLUGIN_TEST = '''
+import pytest
+
+
+@pytest.mark.qsa_canary("qsa:grouped", backend="emulate", payloads=["nan"])
+def test_grouped(qsa_canary_cell):
+    qsa_canary_cell.check()
+
+
+@pytest.mark.qsa_canary("qsa:grouped+both_fixes", backend="emulate", payloads=["nan"])
+def test_fixed(qsa_canary_cell):
+    qsa_canary_cell.check()
+'''
+
+
+def test_pytest_plugin_on_the_qsa_routes_fails_exactly_the_grouped_leaks(pytester):
+    pytester.makepyfile(test_routes=QSA_PLUGIN_TEST)
+    result = pytester.runpytest("-p", "qsa_lab.canary.pytest_plugin", "-rfs")
+    out = result.stdout.str()
+    leaking = ("null-block", "stale-tail", "stale-microblock")
+    assert result.parseoutcomes().get("failed") == len(leaking), out
+    for region in leaking:
+        assert f"FAILED test_routes.py::test_grouped[{region}-v-nan]" in out
+        assert f"qsa:grouped leaks nan from region {region} on the V plane: nan-leak" in out
+    assert "test_fixed" not in out.split("short test summary")[1].split("SKIPPED")[0]
+    assert "n/a (the call's inputs reference no byte of this region)" in out      # free pages: skipped, not passed

@@ -1,0 +1,520 @@
+"""Figure functions draw what their data says (NaN where the data has NaN, in NAN_COLOR),
+return their Axes, and the exporter writes PNG/SVG/PDF with metadata without overwriting."""
+from __future__ import annotations
+
+import os
+import signal
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.colors as mcolors  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+import qsa_lab as q  # noqa: E402
+from qsa_lab.analysis import figure_data as figdata  # noqa: E402
+from qsa_lab.model import fp8
+from qsa_lab.model.poison import SITES
+from qsa_lab.plotting import plots as plotting
+from qsa_lab.plotting.export import export_figure, read_png_meta  # noqa: E402
+
+SMALL = q.Geometry(context=512, topk=32)
+
+
+@pytest.fixture(scope="module")
+def result():
+    return q.run_routes(q.apply_poison(q.build_case(SMALL), "targeted"), backend="emulate")
+
+
+def new_ax():
+    return Figure(figsize=(8, 4)).add_subplot()
+
+
+def nan_rgba():
+    return np.array(mcolors.to_rgba(plotting.NAN_COLOR))
+
+
+def image_nan_columns(ax):
+    """Columns of the Axes' first image whose every pixel... any pixel is NAN_COLOR."""
+    im = ax.get_images()[0]
+    rgba = im.to_rgba(im.get_array())
+    is_nan = np.all(np.isclose(rgba, nan_rgba(), atol=1e-3), axis=-1)
+    return sorted(set(np.nonzero(is_nan)[1].tolist())), is_nan
+
+
+def test_nan_map_marks_exactly_the_nan_cells(result):
+    data = figdata.nan_map(result, "grouped")
+    ax = plotting.plot_nan_map(data, ax=new_ax())
+    cols, is_nan = image_nan_columns(ax)
+    assert cols == [102, 152, 168, 170, 230]
+    assert np.array_equal(is_nan, np.isnan(data["values"]))
+    assert data["values"].shape[0] == 19 * 6 and is_nan.sum() == 480
+    assert "backend emulate" in ax.get_title() and ax.get_xlabel() == "head dim"
+    assert len(ax.get_xticks()) >= 8                     # readable ticks at 256 dims: every 32
+
+
+def test_nan_map_of_fixed_route_is_clean(result):
+    ax = plotting.plot_nan_map(figdata.nan_map(result, "grouped+kernel_fix"), ax=new_ax())
+    assert image_nan_columns(ax)[0] == []
+
+
+def test_route_comparison_marks_only_grouped(result):
+    data = figdata.route_nans(result)
+    ax = plotting.plot_route_comparison(data, ax=new_ax())
+    _, is_nan = image_nan_columns(ax)
+    assert [r for r, row in zip(data["routes"], is_nan) if row.any()] == ["grouped"]
+
+
+def test_page_bytes_and_attribution(result):
+    d = figdata.page_bytes(result.case, "v")
+    assert d["nan_bytes"] == 20 and d["nan_dims"] == [102, 152, 168, 170, 230]
+    ax = plotting.plot_page_bytes(d, ax=new_ax())
+    assert image_nan_columns(ax)[0] == [102, 152, 168, 170, 230]
+    ax = plotting.plot_attribution(figdata.attribution_map(result), ax=new_ax())
+    assert "identical" in ax.get_title() and "shaded" not in ax.get_title() and "▲" in ax.get_title()
+    marks = ax.collections[-1].get_offsets()[:, 0].tolist()       # the ▲ under each output NaN dim
+    assert marks == [102, 152, 168, 170, 230]
+
+
+def test_page_byte_maps_every_site():
+    maps = figdata.page_byte_maps(sites=SITES)
+    assert [m["site"] for m in maps] == list(SITES)
+    by = {m["site"]: m for m in maps}
+    assert by["zeros"]["nan_bytes"] == 0 and by["none"]["nan_bytes"] == 0 and by["targeted"]["nan_bytes"] == 20
+    assert by["stale-tail"]["page"] != 0 and by["stale-tail"]["nan_bytes"] > 0
+
+
+def test_code_table_marks_nan_codes():
+    ax = plotting.plot_code_table(fp8.code_table("e4m3"), ax=new_ax())
+    _, is_nan = image_nan_columns(ax)
+    assert sorted((np.nonzero(is_nan.flatten())[0]).tolist()) == [0x7F, 0xFF]
+    assert sum(t.get_text() == "NaN" for t in ax.texts) == 2
+
+
+def test_byte_rates_and_plan(result):
+    rates = figdata.fp16_state_rates(n=1 << 16)
+    ax = plotting.plot_byte_nan_rates(rates, ax=new_ax())
+    assert len(ax.patches) == 6 and "%" in ax.get_ylabel()
+    table = figdata.plan_table(result.plan)
+    assert int(table.padded.sum()) == int(result.plan.padding().sum())
+    ax = plotting.plot_plan(table, ax=new_ax())
+    assert str(int(table.padded.sum())) in ax.get_title()
+
+
+def test_repro_table_and_bench_figures():
+    import pandas as pd
+
+    from qsa_lab.report.repro import REPRO_CASES, run_repro
+
+    table, _ = run_repro(backend="emulate", cases=REPRO_CASES[:1], progress=False, repeat=False,
+                         geometry_overrides=dict(context=512, topk=32))
+    ax = plotting.plot_repro_table(table, ax=new_ax())
+    cells = ax.tables[0].get_celld()
+    header = [cells[0, j].get_text().get_text() for j in range(max(j for _, j in cells) + 1)]
+    assert header[2] == "reference" and "expected to differ" in header and "as expected" in header
+    row = {h: cells[1, j] for j, h in enumerate(header)}
+    assert row["grouped"].get_text().get_text() == "480" and row["expected to differ"].get_text().get_text() == "grp"
+    # the unfixed route differs as predicted (yellow), the fixes equal the reference (green)
+    assert mcolors.to_hex(row["grouped"].get_facecolor()) == plotting.EXPECTED_DIFF_COLOR
+    assert mcolors.to_hex(row["fix A"].get_facecolor()) == plotting.SAME_COLOR
+    assert row["as expected"].get_text().get_text() == "yes"
+    df, meta = figdata.bench_frame([{"variant": "grouped", "context": 8192, "rows": 16, "median_ms": 0.19,
+                                     "ratio_to_unfixed": 1.0},
+                                    {"variant": "grouped+kernel_fix", "context": 8192, "rows": 16,
+                                     "median_ms": 0.23, "ratio_to_unfixed": 1.23}], "test")
+    ax = plotting.plot_bench((df, {**meta, "gpu": "Tesla V100"}), ax=new_ax())
+    assert len(ax.patches) == 2 and "Tesla V100" in ax.get_title()
+    assert isinstance(df, pd.DataFrame)
+
+
+def test_export_metadata_and_no_silent_overwrite(tmp_path):
+    fig = Figure()
+    fig.add_subplot().plot([0, 1])
+    meta = {"case": "rows 19 test", "backend": "emulate"}
+    first = export_figure(fig, "demo", meta, out_dir=tmp_path)
+    assert [p.name for p in first] == ["demo.png", "demo.svg", "demo.pdf"]
+    m = read_png_meta(first[0])
+    assert m["case"] == "rows 19 test" and m["backend"] == "emulate" and m["gpu"] and \
+        m["qsa_lab_version"] == q.__version__
+    assert "rows 19 test" in first[1].read_text() and b"rows 19 test" in first[2].read_bytes()
+    assert export_figure(fig, "demo", meta, out_dir=tmp_path) == first     # the same bytes: no copy
+    assert len(list(tmp_path.iterdir())) == 3
+    assert len(m["git_commit"]) >= 40 and len(m["csrc_sha256"]) == 16    # which code drew it
+    fig.axes[0].plot([1, 0])
+    second = export_figure(fig, "demo", meta, out_dir=tmp_path)       # a different figure: numbered
+    assert [p.name for p in second] == ["demo-1.png", "demo-1.svg", "demo-1.pdf"]
+    before = first[0].stat().st_mtime_ns
+    third = export_figure(fig, "demo", meta, out_dir=tmp_path, overwrite=True)
+    assert third == first and first[0].stat().st_mtime_ns >= before
+    with pytest.raises(ValueError, match="name"):
+        export_figure(fig, "../evil", meta, out_dir=tmp_path)
+
+
+def test_export_lays_out_once_and_gives_the_figure_back(tmp_path):
+    fig = Figure(figsize=(4, 3), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot([0, 1])
+    ax.set_ylabel("a long label that moves the axes")
+    engine = fig.get_layout_engine()
+    export_figure(fig, "laid", out_dir=tmp_path)
+    assert fig.get_layout_engine() is engine     # the caller's figure keeps its layout engine
+    fresh = Figure(figsize=(4, 3))
+    fresh.add_subplot().plot([0, 1])
+    assert ax.get_position().bounds != fresh.axes[0].get_position().bounds   # and was laid out
+
+
+def test_write_repro_figures(tmp_path, request):
+    from qsa_lab.report import figures, figure_worker as figworker
+    from qsa_lab.report.figures import write_repro_figures
+    from qsa_lab.report.repro import REPRO_CASES, run_repro
+
+    drawer = figworker.start()          # the second process `qsa-lab repro` starts, rendering beside this test
+    figworker.request("emulate")
+    figworker._SPARE = None             # taken by this test, not by write_repro_figures
+    request.addfinalizer(drawer.close)
+    cases = [c for c in REPRO_CASES if c.report_key == "rows19-targeted" or c.poison.get("site") == "stale-tail"]
+    table, results = run_repro(backend="emulate", cases=cases, progress=False, repeat=False,
+                               geometry_overrides=dict(context=512, topk=32))
+    figs = tmp_path / "figs"
+    paths = write_repro_figures(results, figs, table=table)
+    stems = {p.stem for p in paths}
+    assert {"01_e4m3_code_table", "01_fp16_byte_nan_rates", "01_page0_byte_maps", "02_plan", "02_nan_maps",
+            "02_attribution", "02_routes", "03_playground_default", "04_repro_table",
+            "04_stale_tail_routes", "05_fix_cost"} <= stems
+    assert all(p.exists() for p in paths) and len(paths) == 3 * len(stems)
+    meta = read_png_meta(figs / "05_fix_cost.png")
+    assert "committed NVIDIA H200 run, data/bench_h200.json" in meta["timings_from"] and meta["git_commit"]
+    # the second process renders 01, 03, 05 and 04: the one-process bytes
+    drawer.hand([s for s in figures.figure_specs(results, table, "emulate") if s.name in figures.HANDED])
+    answers, want = [], set(figures.INDEPENDENT + figures.HANDED)
+    while want - {m[1].name for m in answers}:
+        m = drawer.inbox.get(timeout=600)
+        assert m is not None and m[0] in ("figure", "done"), m
+        answers += [m] if m[0] == "figure" else []
+    one = {p.name: p.read_bytes() for p in paths}
+    assert all(blob == one[f"{m[1].name}.{f}"] for m in answers for f, blob in m[1].blobs.items())
+    # a second run into the same folder writes those answers, rendering only the others here, and
+    # leaves no numbered copies: every figure the same bytes as the first run's
+    figworker._SPARE = _fake_drawer(tmp_path, answers, stay=True)   # gives those answers back
+    here = []
+    render = figures.render_spec
+    figures.render_spec = lambda spec: here.append(spec.name) or render(spec)
+    try:
+        again = write_repro_figures(results, figs, table=table)
+    finally:
+        figures.render_spec = render
+    assert sorted(here) == sorted(stems - want) and figworker._SPARE is None
+    assert again == paths
+    assert sorted(p.name for p in figs.iterdir()) == sorted(p.name for p in paths)
+    assert {p.name: p.read_bytes() for p in paths} == one
+
+
+def overlapping_texts(fig) -> list:
+    """Pairs of visible texts of `fig` whose boxes overlap (each legend counts as one box)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.legend import Legend
+    from matplotlib.text import Text
+
+    FigureCanvasAgg(fig).draw()
+    r = fig.canvas.get_renderer()
+    legends = fig.findobj(Legend)
+    inside = {id(t) for lg in legends for t in lg.findobj(Text)}
+    ticks, drawn = set(), set()   # tick labels exist beyond the view limits too; only drawn ones count
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                ticks |= {id(tick.label1), id(tick.label2)}
+            for tick in axis._update_ticks():
+                drawn |= {id(tick.label1), id(tick.label2)}
+    boxes = [(t.get_text(), t.get_window_extent(r)) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and id(t) not in inside
+             and (id(t) not in ticks or id(t) in drawn)]
+    boxes += [("<legend>", lg.get_window_extent(r)) for lg in legends]
+    return [(a, b) for i, (a, x) in enumerate(boxes) for b, y in boxes[i + 1:]
+            if x.overlaps(y) and x.width and y.width]
+
+
+def test_fix_cost_figure_says_what_it_asks_and_labels_do_not_overlap():
+    from qsa_lab.report.figures import fix_cost_figure
+
+    fig, meta = fix_cost_figure()
+    assert overlapping_texts(fig) == []
+    per_tile, ratio, upstream = fig.axes[:3]
+    labels = [t.get_text() for t in per_tile.get_yticklabels()]
+    assert labels == ["unfixed", "fix A (kernel)", "fix B (pad)", "fix A+B", "fix C (masked load)"][::-1] or \
+        labels == ["unfixed", "fix A (kernel)", "fix B (pad)", "fix A+B", "fix C (masked load)"]
+    texts = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert "×1.055" in texts and "(+0.19)" in texts and "3.49 µs" in texts         # ratio and µs per tile
+    assert any(abs(line.get_xdata()[0] - 1.246) < 1e-9 for line in ratio.lines)    # the report's V100 ratio
+    assert "×1.25" in texts and "V100" in texts
+    assert "×1.040 (+0.32 µs)" in texts and "×1.073 (+0.25 µs)" in texts            # upstream beside ours
+    assert "committed NVIDIA H200 run" in fig._suptitle.get_text() and "H200" in meta["timings_from"]
+    for ax in fig.axes:                          # horizontal bars: no rotated label anywhere
+        assert all(t.get_rotation() == 0 for t in ax.get_xticklabels() + ax.get_yticklabels() + ax.texts)
+
+
+def test_bench_sweep_figure_is_readable():
+    df, meta = figdata.load_bench()
+    ax = plotting.plot_bench((df, meta), ax=Figure(figsize=(10, 4.5)).add_subplot())
+    assert ax.get_yscale() == "log" and not ax.texts and overlapping_texts(ax.figure) == []
+
+
+def test_page_byte_maps_show_the_page_each_site_writes():
+    maps = figdata.page_byte_maps()
+    assert [m["site"] for m in maps] == list(figdata.BYTE_MAP_SITES) and all(m["nan_bytes"] for m in maps)
+    by = {m["site"]: m for m in maps}
+    assert by["targeted"]["page"] == 0 and by["targeted"]["nan_bytes"] == 20        # 5 dims x 4 tokens
+    assert by["attended-k"]["plane"] == "k" and by["attended-k"]["page"] != 0
+    assert "most-attended" in by["attended-v"]["what"] and "null block" not in by["attended-v"]["what"]
+    fig = Figure(figsize=(15, 7.5), layout="constrained")
+    for d, ax in zip(maps, fig.subplots(3, 2).flat):
+        plotting.plot_page_bytes(d, ax=ax)
+    assert all(ax.get_title().startswith(f"site {m['site']}: page {m['page']} (") for m, ax in zip(maps, fig.axes))
+    assert fig.get_size_inches()[1] * 150 < 1200                                    # not 3120 px tall
+
+
+def test_nan_map_has_a_colour_bar_and_dim_ticks_fit_small_heads(result):
+    ax = plotting.plot_nan_map(figdata.nan_map(result, "grouped"), ax=Figure(figsize=(11, 5)).add_subplot())
+    cbar = [a for a in ax.child_axes if "|output|" in a.get_ylabel()]
+    assert cbar and ax.get_legend() is not None
+    ax = Figure().add_subplot()
+    plotting._dim_axis(ax, 16)
+    assert list(ax.get_xticks()) == list(range(16))                                 # not just 0 and 8
+
+
+def _label_boxes(ax):
+    """Window extents of the NaN-dim labels (minor tick labels of the top secondary axis)."""
+    fig = ax.figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    r = fig.canvas.get_renderer()
+    top = [c for c in ax.child_axes]
+    assert top, "no secondary axis with NaN dims"
+    labels = [t for t in top[0].xaxis.get_ticklabels(minor=True) if t.get_text()]
+    return labels, [t.get_window_extent(r) for t in labels]
+
+
+@pytest.mark.parametrize("dims", [[102, 152, 168, 170, 230], list(range(0, 256, 3)),
+                                  [0, 1, 2, 3, 50, 52, 54, 56, 58, 60, 255]])
+def test_nan_dim_labels_never_overlap(dims):
+    values = np.zeros((96, 256), dtype=np.float32)
+    values[:, dims] = np.nan
+    data = {"values": values, "groups": 2, "q_heads": 6, "m_tiles": 3, "xqa_rows": [], "route": "grouped",
+            "nan_count": int(np.isnan(values).sum()), "title": "test"}
+    ax = plotting.plot_nan_map(data, ax=Figure(figsize=(12, 5)).add_subplot())
+    labels, boxes = _label_boxes(ax)
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            assert not boxes[i].overlaps(boxes[j]), (labels[i].get_text(), labels[j].get_text())
+    named = set()
+    for t in labels:  # every NaN dim is named by some label, singly, in a list or in a range
+        text = t.get_text()
+        if "(" in text:
+            lo, hi = map(int, text.split(" ")[0].split("-"))
+            named |= {d for d in dims if lo <= d <= hi}
+        else:
+            named |= set(map(int, text.split(",")))
+    assert named == set(dims)
+    if dims[:5] == [102, 152, 168, 170, 230]:
+        assert "168,170" in [t.get_text() for t in labels]   # the report's close pair shares a label
+
+
+def test_plan_draws_no_bar_for_zero_on_log_scale():
+    import pandas as pd
+
+    table = pd.DataFrame({"group": [0, 0, 1, 1], "category": [1, 2, 1, 2], "real": [40, 0, 12, 30],
+                          "padded": [0, 7, 4, 0]})
+    table.attrs["m_tiles"] = 2
+    ax = plotting.plot_plan(table, ax=new_ax())
+    heights = [p.get_height() for p in ax.patches if np.isfinite(p.get_height())]
+    assert sorted(heights) == [4, 7, 12, 30, 40]          # the three zeros drew nothing
+    assert sum(t.get_text() == "0" for t in ax.texts) == 3  # but are still labelled
+
+
+FAKE_WORKER = ("import sys; sys.stdin.buffer.read(8); sys.stdout.buffer.write(open(sys.argv[1], 'rb').read()); "
+               "sys.stdout.flush(); sys.argv[2:] and sys.stdin.buffer.read()")
+
+
+def _fake_drawer(tmp_path, messages, stay=False):
+    """A figworker.Drawer whose process answers the request with `messages`, then exits (or,
+    with stay, waits for the end of its input); returned once its answer has been read."""
+    import subprocess
+    import sys
+    import time
+
+    from qsa_lab.report import figure_worker as figworker
+    from qsa_lab.support import processes as procs
+
+    with open(tmp_path / "answer", "wb") as f:
+        for m in messages:
+            procs.send(f, m)
+    d = figworker.Drawer(subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(tmp_path / "answer")]
+                                          + ["stay"] * stay, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+    d.request("emulate")
+    if not stay:
+        d.reader.join(60)
+    deadline = time.monotonic() + 60
+    while d.inbox.qsize() < len(messages) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return d
+
+
+def test_the_second_process_answers_are_used_only_from_this_code_and_whole(tmp_path):
+    from qsa_lab.plotting.export import Rendered, full_meta
+    from qsa_lab.report.figures import Spec
+
+    meta = full_meta({"case": "c", "backend": "emulate"})
+    a, b = (Rendered(n, meta, {"png": n.encode(), "svg": b"", "pdf": b""}) for n in ("a", "b"))
+    other = Rendered("b", {**meta, "git_commit": "0" * 40}, b.blobs)
+    specs = [Spec("a", plotting.plot_plan), Spec("b", plotting.plot_plan)]
+    rendered = []
+
+    def here(spec):
+        rendered.append(spec.name)
+        return ("here", spec.name)
+
+    d = _fake_drawer(tmp_path, [("figure", a), ("figure", b), ("done",)])
+    assert d.collect(specs, here) == {"a": a, "b": b} and rendered == [] and d.proc is None
+    for answer in ([],                                            # ended before answering
+                   [("figure", a)],                                # ended part-way
+                   [("figure", a), ("error", "Traceback ...")],    # failed part-way
+                   [("figure", a), ("figure", other), ("done",)],  # drawn by another commit
+                   [("figure", "not a figure"), ("done",)]):
+        rendered.clear()
+        d = _fake_drawer(tmp_path, answer)
+        assert d.collect(specs, here) == {"a": ("here", "a"), "b": ("here", "b")}, answer    # every one here
+        assert sorted(rendered) == ["a", "b"] and d.proc is None
+    # a slow process: this one renders, from the last one back, what it has not answered yet
+    rendered.clear()
+    d = _fake_drawer(tmp_path, [("figure", a)], stay=True)
+    assert d.collect(specs + [Spec("c", plotting.plot_plan)], here) == {"a": a, "b": ("here", "b"),
+                                                                        "c": ("here", "c")}
+    assert rendered == ["c", "b"] and d.proc is None
+
+
+def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, monkeypatch):
+    """A second process that failed: every figure rendered here, the bytes export_figure writes."""
+    from qsa_lab.report import figures, figure_worker as figworker
+
+    def tiny(name):
+        fig = Figure(figsize=(2, 2))
+        fig.add_subplot().plot([0, len(name)])
+        return fig, {"case": name, "backend": "none"}
+
+    names = ["01_e4m3_code_table", "02_plan", "04_repro_table", "05_fix_cost"]
+    monkeypatch.setattr(figures, "figure_specs", lambda results, table, backend: [
+        figures.Spec(n, lambda n=n: tiny(n)) for n in names])
+    figworker._SPARE = _fake_drawer(tmp_path, [("error", "Traceback ...")])
+    figworker._SPARE.backend = "none"
+    paths = figures.write_repro_figures([], tmp_path / "figs")
+    assert figworker._SPARE is None and [p.name for p in paths[::3]] == [f"{n}.png" for n in names]
+    for n, p in zip(names, paths[::3]):
+        assert p.read_bytes() == export_figure(tiny(n)[0], n, tiny(n)[1], out_dir=tmp_path / "direct")[0].read_bytes()
+
+
+@pytest.mark.parametrize("argv,idle,started", [([], True, True), ([], False, False),
+                                               (["--no-figures"], True, False), (["--backend", "cuda"], True, False)])
+def test_repro_starts_the_second_process_only_for_figures_and_an_idle_core(monkeypatch, tmp_path, argv, idle,
+                                                                            started):
+    from qsa_lab.app import cli
+    from qsa_lab.report import figure_worker as figworker
+    from qsa_lab.support import processes as procs
+
+    monkeypatch.setattr(procs, "idle_core", lambda others=None: idle)
+    seen = []
+    monkeypatch.setattr(cli, "_repro", lambda args, out, files: seen.append(figworker._SPARE) or 0)
+    assert cli.main(["repro", "--out", str(tmp_path / "r"), "--figures", str(tmp_path / "f"), *argv]) == 0
+    assert (seen[0] is not None) == started and figworker._SPARE is None    # ended with the command
+    if started:
+        assert seen[0].proc is None
+
+
+SIGNAL_WRAPPER = r'''
+import runpy, sys, time
+import qsa_lab.report.figure_worker as fw, qsa_lab.support.outputs as outputs, qsa_lab.support.processes as procs
+mode, argv = sys.argv[1], sys.argv[2:]
+procs.idle_core = lambda others=None: True        # a core to spare, whatever the test machine runs
+start = fw.start
+def started():
+    d = start()
+    sys.stderr.write(f"PID {d.proc.pid}\n")
+    return d
+fw.start = started
+
+def mark(text):
+    sys.stderr.write(f"MARK {text}\n")
+    sys.stderr.flush()
+
+import qsa_lab.report.repro as repro        # one small case (the full table takes minutes)
+real = repro.run_repro
+def small(backend="auto", progress=True):
+    kw = dict(cases=repro.REPRO_CASES[:1], progress=False, repeat=False,
+              geometry_overrides=dict(context=256, topk=16, head_dim=32))
+    if mode == "compute":            # the second process is rendering: the signal comes now
+        mark("computing")
+        while True:
+            real(backend=backend, **kw)
+    done = real(backend=backend, **kw)
+    if mode == "write":              # three figures: one of the second process's, one handed to it, one of this
+        import qsa_lab.report.figures as figures        # process's (all of them take seconds to render)
+        specs, few = figures.figure_specs, ("01_fp16_byte_nan_rates", "02_attribution", "04_repro_table")
+        figures.figure_specs = lambda *a: [s for s in specs(*a) if s.name in few]
+    return done
+repro.run_repro = small
+if mode == "write":                  # a figure's temporary file, written whole, waits to be published
+    def publish(tmp, path, force, arg):
+        mark(f"writing {tmp}")
+        while True:
+            time.sleep(0.05)
+    outputs._publish = publish
+sys.argv = ["qsa-lab", *argv]
+runpy.run_module("qsa_lab", run_name="__main__", alter_sys=True)
+'''
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("mode,signum,code,line", [
+    ("compute", signal.SIGINT, 130, "qsa-lab: interrupted"),
+    ("compute", signal.SIGTERM, 143, "qsa-lab: terminated (SIGTERM)"),
+    ("write", signal.SIGTERM, 143, "qsa-lab: terminated (SIGTERM)")])
+def test_a_signal_ends_repro_and_its_second_process_and_publishes_nothing(tmp_path, mode, signum, code, line):
+    import subprocess
+    import sys
+    import time
+
+    def default_signals():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    p = subprocess.Popen([sys.executable, "-c", SIGNAL_WRAPPER, mode, "repro", "--backend", "emulate", "--out",
+                          "results", "--figures", "figures", "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    try:
+        pid = None
+        for ln in iter(p.stderr.readline, ""):
+            pid = int(ln.split()[1]) if ln.startswith("PID") else pid
+            if ln.startswith("MARK"):
+                break
+        assert pid is not None and p.poll() is None, "no second process, or no marker"
+        p.send_signal(signum)
+        out, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert (p.returncode, err.splitlines()) == (code, [line]), err
+    deadline = time.monotonic() + 60
+    while not _ended(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ended(pid), "the second process outlived the command"
+    left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file())
+    assert not any(".tmp" in f or f.startswith("results") for f in left), left
