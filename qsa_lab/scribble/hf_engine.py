@@ -157,11 +157,18 @@ class _Run:
                 if self.record_attention:
                     self.attention.append({})
             self.hooks.before_step(view)
+            if view.pool.is_cuda:
+                # the fills ran on this thread's stream; the forward runs on transformers' compute stream,
+                # which does not wait for it: finish them first
+                torch.cuda.current_stream(view.pool.device).synchronize()
         except Exception:
             self.hook_error = self.hook_error or traceback.format_exc(limit=4)
             raise
         result = call()
         try:
+            stream = bp.inputs_and_outputs.compute_stream
+            if stream is not None:      # synchronous batching has synchronised already; be explicit
+                stream.synchronize()
             self.hooks.after_step(view)
         except Exception:
             self.hook_error = self.hook_error or traceback.format_exc(limit=4)

@@ -173,3 +173,15 @@ def test_rows_that_leave_the_region_get_their_own_bytes_back():
     s.before_step(view([2, 3]))
     assert pool[1].tolist() == [2.0, 3.0] and pool[2:4].isnan().all()       # row 1 restored, row 3 filled
     assert s.filled_rows == 4 and s.strays == []
+
+
+@pytest.mark.parametrize("name", ["mistral-swa", "qwen2-hybrid"])
+def test_sliding_window_ring_leaves_no_out_of_window_slot_and_reads_nothing_unowned(name):
+    """transformers' sliding layers are a ring (slot = position % window): the slot of the token that
+    leaves the window is the one the step overwrites, so out-of-window is empty (n/a), not clean."""
+    report = scribble(engine(name=name, wl="reuse"), payloads=("nan",), localise_leaks=False)
+    read = cells(report)
+    assert read[("out-of-window", "nan")].verdict == "n/a"
+    for region in ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-trash"):
+        assert read[(region, "nan")].verdict == "clean" and read[(region, "nan")].slots > 0, region
+    assert report.exit_code() == 0
