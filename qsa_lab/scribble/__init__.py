@@ -23,7 +23,7 @@ _NAMES = {
     "tiny_model": ".models", "local_model": ".models", "workload": ".models", "WORKLOADS": ".models",
     "MODELS": ".models",
     "scribble": ".check", "Scribbler": ".check", "ScribbleReport": ".check", "compare": ".check",
-    "localise": ".check",
+    "localise": ".check", "verdict_grid": ".figures",
 }
 __all__ = list(_NAMES)
 

@@ -185,3 +185,17 @@ def test_sliding_window_ring_leaves_no_out_of_window_slot_and_reads_nothing_unow
     for region in ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-trash"):
         assert read[(region, "nan")].verdict == "clean" and read[(region, "nan")].slots > 0, region
     assert report.exit_code() == 0
+
+
+def test_verdict_grid_draws_every_region_and_column():
+    import matplotlib
+    matplotlib.use("Agg")
+    from qsa_lab.scribble.check import Cell, ScribbleReport
+    from qsa_lab.scribble.figures import verdict_grid
+    report = ScribbleReport("e", "gather", False, "m", {}, [
+        Cell("read", "read-trash", "nan", "nan-leak"), Cell("read", "free-blocks", "nan", "clean"),
+        Cell("write", "read-trash", "-", "stray-write")])
+    ax = verdict_grid(report)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["free-blocks", "read-trash"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["nan", "write"]
+    assert sorted(t.get_text() for t in ax.texts) == ["", "clean", "nan-leak", "stray-write"]
