@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         return 3
     import torch
 
-    from qsa_lab.scribble.cli import machine_facts
+    from qsa_lab.scribble.versions import machine_facts
     from qsa_lab.scribble.hf_engine import TransformersEngine
     from qsa_lab.scribble.models import tiny_model, workload
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         say("scribble_gpu: torch sees no CUDA device")
         return 3
     from qsa_lab.scribble.check import scribble
-    from qsa_lab.scribble.cli import machine_facts
+    from qsa_lab.scribble.versions import machine_facts
     from qsa_lab.scribble.hf_engine import TransformersEngine
     from qsa_lab.scribble.models import tiny_model, workload
 

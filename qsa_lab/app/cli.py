@@ -327,6 +327,12 @@ def _add_canary_parser(sub, parents=()):
     cli.add_parser(sub, parents).set_defaults(func=cmd_canary)
 
 
+def _add_scribble_parser(sub, parents=()):
+    from qsa_lab.app import scribble
+
+    scribble.add_parser(sub, parents)
+
+
 def build_parser():
     """One subparser per command; each sets `func`, so a new command is one add_parser +
     set_defaults. --debug is accepted before or after the command."""
@@ -384,6 +390,7 @@ def build_parser():
     lab.add_argument("--no-browser", action="store_true", help="do not open a browser (default: open one)")
     lab.set_defaults(func=cmd_lab)
     _add_canary_parser(sub, parents=[common])
+    _add_scribble_parser(sub, parents=[common])
     return p
 
 

@@ -36,13 +36,10 @@ from qsa_lab.canary.overlap import take_overlap
 from qsa_lab.canary.execution import bits as _as_bits
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
 
+from qsa_lab.canary.verdicts import CHECKED, DEFAULT_PAYLOADS, FAILURES, LEAKS, VERDICTS  # noqa: F401 - named here too
+
 SCHEMA = "qsa_lab.canary/1"
 PLANES = {"k": 0, "v": 1}
-DEFAULT_PAYLOADS = ("nan", "inf", "max")
-LEAKS = ("nan-leak", "inf-leak", "finite-leak")
-FAILURES = ("error", "unstable-control", "input-modified")
-VERDICTS = ("clean",) + LEAKS + FAILURES + ("n/a",)
-CHECKED = ("clean",) + LEAKS        # verdicts that are a leak check that ran
 #: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its
 #: padding entries (default), only each request's used pages (page_table()), or tables of its
 #: own that pad with the null block (the qsa grouped routes' plan)

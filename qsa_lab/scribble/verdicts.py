@@ -1,14 +1,12 @@
 """The scribble's vocabulary: regions, payloads, verdicts. Torch-free, so `--help` stays fast.
 
-The canary's names are borrowed here and only here (one place to repoint when the package moves):
-payload names from the geometry module, verdict names from the canary runner (loaded on first use,
-because the runner imports torch).
+The canary's names are borrowed here and only here: payload names from the geometry module,
+verdict names from the canary's verdicts (both plain Python).
 """
 from __future__ import annotations
 
-import importlib
-
-from ..geometry import PAYLOADS as _CANARY_PAYLOADS
+from qsa_lab.canary.verdicts import LEAKS, VERDICTS as _CANARY_VERDICTS  # noqa: F401 - LEAKS: the scribble names it too
+from qsa_lab.model.geometry import PAYLOADS as _CANARY_PAYLOADS
 
 SCHEMA = "qsa_lab.scribble/1"
 
@@ -28,18 +26,4 @@ PAYLOADS = tuple(p for p in _CANARY_PAYLOADS if p != "zero")
 STRAY = "stray-write"
 CHECKS = ("read", "write")
 
-
-def canary_verdicts() -> tuple[tuple, tuple]:
-    """(VERDICTS, LEAKS) of the canary, plus nothing: the scribble adds STRAY to the list it prints."""
-    runner = importlib.import_module("..canary.runner", __package__)
-    return runner.VERDICTS, runner.LEAKS
-
-
-def __getattr__(name):
-    # VERDICTS and LEAKS load the canary runner (torch) only when a caller needs them
-    if name in ("VERDICTS", "LEAKS"):
-        verdicts, leaks = canary_verdicts()
-        value = verdicts + (STRAY,) if name == "VERDICTS" else leaks
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+VERDICTS = _CANARY_VERDICTS + (STRAY,)

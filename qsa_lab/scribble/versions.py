@@ -41,3 +41,18 @@ def require_supported(version: str | None = None) -> None:
     line = refusal(version)
     if line is not None:
         raise UnsupportedVersion(line)
+
+
+def machine_facts() -> dict:
+    """Versions and the machine, for a report or a benchmark (imports torch)."""
+    import platform
+
+    import torch
+
+    from qsa_lab import __version__
+
+    facts = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version(),
+             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+             "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    facts["qsa_lab"] = __version__
+    return facts

@@ -134,19 +134,19 @@ def test_two_clean_runs_that_differ_are_unstable_control():
 
 
 def test_unsupported_transformers_version_is_one_line_and_no_verdict(monkeypatch, capsys):
-    from qsa_lab.scribble import cli
+    from qsa_lab.app.cli import main
     line = versions.refusal("5.17.0")
     assert line is not None and "\n" not in line and "5.17.0" in line and "5.24.0" in line
     monkeypatch.setattr(versions, "transformers_version", lambda: "5.17.0")
     with pytest.raises(versions.UnsupportedVersion, match="5.17.0"):
         TransformersEngine(tiny_model(), workload("issue32"))
-    assert cli.main(["--regions", "read-trash", "--payloads", "nan"]) == 3
+    assert main(["scribble", "--regions", "read-trash", "--payloads", "nan"]) == 3
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.startswith("qsa-lab: error: transformers: version 5.17.0")
+    assert out == "" and err.count("\n") == 1 and err.startswith("qsa-lab: failed: transformers: version 5.17.0")
 
 
 def test_bad_arguments_are_one_line_without_torch():
-    code = ("import sys; from qsa_lab.scribble import cli; rc = cli.main(['--payloads', 'zero']); "
+    code = ("import sys; from qsa_lab.app.cli import main; rc = main(['scribble', '--payloads', 'zero']); "
             "print(rc, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "False"]
