@@ -204,7 +204,7 @@ def _repro(args, out, files: dict) -> int:
 
     print(format_table(table))
     print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
-    doc = json.dumps({"schema": "qsa_lab.report.repro/1", "backend": backend,
+    doc = json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
                       "cases": json.loads(table.to_json(orient="records"))}, indent=2) + "\n"
     written = list(files.values())
     # everything is written before repro.csv / repro.json are published: a run that fails part-way
