@@ -413,7 +413,7 @@ def figdata_geometry():
 
 def on_config(config):
     # the notebooks run on the CPU emulation, and write their figures out of the checkout
-    os.environ.setdefault("QSA_LAB_BACKEND", "emulate")
+    os.environ["QSA_LAB_BACKEND"] = "emulate"
     os.environ.setdefault("QSA_LAB_FIGURES", tempfile.mkdtemp(prefix="qsa_docs_figures_"))
     os.environ.setdefault("MPLBACKEND", "Agg")
     return config
