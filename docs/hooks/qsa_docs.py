@@ -12,7 +12,7 @@ committed measurements, so nothing in them is copied by hand:
 and writes the figures the pages show (`assets/nan_map.png`: the report's case through the
 unfixed grouped route) with the package's own plotting code.
 
-The three names below are the one place the docs point at the code's layout.
+The constants below are the one place the docs point at the code's layout.
 """
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ CLI_MODULE = "qsa_lab.cli"
 DOCTOR_MODULE = "qsa_lab.doctor"
 #: where the measured logs and JSON live, relative to the repository root
 EVIDENCE_DIR = "data"
+#: the figure data and the plotting code the site's figures are drawn with
+FIGDATA_MODULE = "qsa_lab.figdata"
+PLOTTING_MODULE = "qsa_lab.plotting"
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!-- qsa:(\w+)(?: ([^>]*?))? -->")
@@ -173,20 +176,21 @@ def perf_cpu(name: str = "bench_cpu.json") -> str:
     rows = []
     for row in doc["rows"].values():
         cur, base = row["current"], row["base"]
-        keys = [k for k in cur["samples"][0] if k.endswith("_s")]
-        for k in keys:
+        for k in (k for k in cur["samples"][0] if k.endswith("_s")):
+            now = cur.get("median", {}).get(k, _med(cur["samples"], k))      # the file's own median
+            then = base.get("median", {}).get(k, _med(base["samples"], k))
+            ratio = (row.get("ratio_to_base") or {}).get(k, now / then)
             target = (row.get("targets_s") or {}).get(k)
-            rows.append((row["what"] + ("" if k == "wall_s" else f": {k.removesuffix('_s').replace('_', ' ')}"),
-                         f"{_med(cur['samples'], k):.2f} s", f"{_med(base['samples'], k):.2f} s",
-                         f"×{_med(cur['samples'], k) / _med(base['samples'], k):.2f}", row["reps"],
+            part = "" if k == "wall_s" else f": {k.removesuffix('_s').replace('_', ' ')}"
+            rows.append((row["what"] + part, f"{now:.2f} s", f"{then:.2f} s", f"×{ratio:.2f}", row["reps"],
                          f"{target:g} s" if target else "-",
                          f"{_load(row['load_before'])} → {_load(row['load_after'])}"))
-    head = (f"Measured {doc['started'][:10]} on {m['cpu']}, {m['cpu_count']} cores, torch {m['torch']} "
-            f"({m['torch_threads']} threads), Python {m['python']}; commit `{doc['commits']['current'][:7]}` beside "
-            f"the base `{doc['commits']['base'][:7]}` in the same session. {doc.get('note', '')} "
-            f"Method: {doc.get('method', '')}. Source: `{EVIDENCE_DIR}/{name}`.")
-    return head + "\n\n" + table(("what", "median", "base", "ratio", "reps", "target", "load (1 min) before → after"),
-                                 rows)
+    head = (f"Measured {doc['started'][:10]} ({doc['started'][11:16]}–{doc['finished'][11:16]} UTC) on {m['cpu']}, "
+            f"{m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads), Python {m['python']}; commit "
+            f"`{doc['commits']['current'][:7]}` beside the base `{doc['commits']['base'][:7]}` in the same session. "
+            f"Note: {doc.get('note', '')}. Method: {doc.get('method', '')}. Source: `{EVIDENCE_DIR}/{name}`.")
+    return head + "\n\n" + table(("what", "median", "base", "ratio", "reps", "target",
+                                  "load (1 min) before → after"), rows)
 
 
 _FIX = {"unfixed": "grouped", "kernel_fix": "grouped+kernel_fix (A)", "pad_fix": "grouped+pad_fix (B)",
@@ -373,8 +377,9 @@ def expand(markdown: str) -> str:
             return cli_reference()
         if kind == "doctor":
             return doctor_table()
-        if kind == "perf":
-            return PERF[arg]()
+        if kind == "perf":                       # perf KIND [FILE]
+            kind, _, name = arg.partition(" ")
+            return PERF[kind](name) if name else PERF[kind]()
         if kind == "log":
             return log_section(arg)
         raise ValueError(f"docs: unknown marker qsa:{kind}")
@@ -392,21 +397,16 @@ def nan_map_png() -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from qsa_lab import apply_poison, build_case, figdata, plotting, run_routes
+    from qsa_lab import Geometry, apply_poison, build_case, run_routes
 
-    case = apply_poison(build_case(figdata_geometry()), "targeted", dims=[102, 152, 168, 170, 230])
+    figdata, plotting = importlib.import_module(FIGDATA_MODULE), importlib.import_module(PLOTTING_MODULE)
+    case = apply_poison(build_case(Geometry(rows=19)), "targeted", dims=[102, 152, 168, 170, 230])
     result = run_routes(case, backend="emulate")
     ax = plotting.plot_nan_map(figdata.nan_map(result, "grouped"))
     buf = io.BytesIO()
     ax.figure.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
     plt.close(ax.figure)
     return buf.getvalue()
-
-
-def figdata_geometry():
-    from qsa_lab import Geometry
-
-    return Geometry(rows=19)
 
 
 # ------------------------------------------------------------------ MkDocs events
