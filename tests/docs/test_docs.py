@@ -164,6 +164,9 @@ def _dotted_names() -> list[tuple[str, str]]:
         for span in _inline_spans(text):
             for m in re.finditer(r"(?<![\w/])(qsa_lab(?:\.\w+)+)(?![\w/-])", span):
                 names.append((page.name, m.group(1)))
+        for _, body in _fences(text):                    # python -m qsa_lab.x, imports, plugin names
+            for m in re.finditer(r"(?:-m |-p |from |import |\")(qsa_lab(?:\.\w+)+)", body):
+                names.append((page.name, m.group(1)))
     return names
 
 
