@@ -83,13 +83,15 @@ def _helps(parser) -> dict[str, str]:
 
 
 def _option_cell(action: argparse.Action) -> str:
+    """`--opt` and what it takes: its choices, or its metavar in italics (a `|` inside a code span
+    would print its escaping backslash in a Markdown table)."""
     names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.metavar or action.dest}`"
     if action.nargs == 0:
         return names
     if action.choices:
-        return f"{names} `{'|'.join(map(str, action.choices))}`"
+        return f"{names} " + " / ".join(f"`{c}`" for c in action.choices)
     metavar = action.metavar or action.dest.upper()
-    return f"{names} `{metavar}`"
+    return f"{names} *{metavar}*"
 
 
 def options(parser: argparse.ArgumentParser) -> set[str]:
