@@ -274,13 +274,18 @@ def thirdparty(name: str = "canary_thirdparty_h200.json") -> str:
     m = doc["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m.items() if isinstance(v, (str, int, float)) and k not in ("platform", "vllm", "loadavg"))
     cells: dict[tuple, dict] = {}
+    order = {}
     for run in doc["runs"]:
         key = (run["kernel"], run["attend"])
         col = f"{run['kv_dtype']}, {'decode' if run['query_len'] == 1 else str(run['query_len']) + '-row chunk'}"
-        leaks = sorted({f"{r['plane'].upper()} {r['verdict']}: {r['region']}({r['payload']})"
-                        for r in run.get("results", []) if r["verdict"] not in ("clean", "n/a")})
-        cells.setdefault(key, {})[col] = "; ".join(leaks) if leaks else _md_escape(run["summary"])[:90]
-    cols = sorted({c for v in cells.values() for c in v})
+        order[col] = (run["query_len"], run["kv_dtype"] != "fp16")
+        leaks: dict[tuple, list] = {}
+        for r in run.get("results", []):
+            if r["verdict"] not in ("clean", "n/a"):
+                leaks.setdefault((r["plane"].upper(), r["verdict"], r["region"]), []).append(r["payload"])
+        text = "; ".join(f"{p} {v}: {reg} ({', '.join(pay)})" for (p, v, reg), pay in sorted(leaks.items()))
+        cells.setdefault(key, {})[col] = text or run["summary"]
+    cols = sorted(order, key=order.get)
     rows = [(f"`{k}`", f"`{a}`", *(v.get(c, "-") for c in cols)) for (k, a), v in cells.items()]
     load = m.get("loadavg")
     head = (f"{doc['label']}; {versions}; load {load if load is not None else 'not recorded'}; committed "
