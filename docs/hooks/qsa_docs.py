@@ -17,6 +17,7 @@ The constants below are the one place the docs point at the code's layout.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import io
 import json
@@ -269,6 +270,50 @@ def _canary_counts(name: str = "canary_h200.json") -> str:
             f"Source: `{EVIDENCE_DIR}/{name}`.")
 
 
+def _kernel_summary(doc: dict) -> dict[str, str]:
+    """kernel -> its non-clean cells grouped by plane and verdict ('V nan-leak: null-block (nan, inf)'),
+    'clean' / 'n/a only', or the reason it was not run."""
+    by: dict[str, dict] = {k: {} for k in doc["kernels"]}
+    verdicts: dict[str, set] = {k: set() for k in doc["kernels"]}
+    for r in doc["results"]:
+        verdicts[r["kernel"]].add(r["verdict"])
+        if r["verdict"] not in ("clean", "n/a"):
+            key = (r["plane"].upper(), r["verdict"])
+            by[r["kernel"]].setdefault(key, {}).setdefault(r["region"], []).append(r["payload"])
+    skipped = {s["kernel"]: s["reason"] for s in doc.get("skipped", []) if s.get("kernel") and not s.get("region")}
+    out = {}
+    for k in doc["kernels"]:
+        if by[k]:
+            out[k] = "; ".join(f"{p} {v}: " + ", ".join(f"{reg} ({', '.join(dict.fromkeys(pay))})"
+                                                        for reg, pay in regions.items())
+                               for (p, v), regions in sorted(by[k].items()))
+        elif verdicts[k]:
+            out[k] = "clean" if "clean" in verdicts[k] else "n/a only"
+        else:
+            out[k] = "not run: " + skipped.get(k, "no cell")
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_canary() -> dict:
+    from qsa_lab.canary import run_canary
+
+    return run_canary(backend="emulate").to_json()
+
+
+def canary_matrix(name: str = "canary_h200.json") -> str:
+    """The built-in kernels' verdicts: run now on this machine's CPU, beside the committed GPU run."""
+    here = _cpu_canary()
+    gpu = json.loads(evidence(name).read_text())
+    cpu_s, gpu_s = _kernel_summary(here), _kernel_summary(gpu)
+    kernels = list(dict.fromkeys([*gpu["kernels"], *here["kernels"]]))
+    rows = [(f"`{k}`", cpu_s.get(k, "-"), gpu_s.get(k, "-")) for k in kernels]
+    head = (f"The canary's default case ({here['kv_dtype']} pool, every region × K/V × nan, inf, max). CPU: run while "
+            f"this site was built (torch {here['torch']}, qsa routes on the emulation). GPU: {gpu['gpu']}, torch "
+            f"{gpu['torch']}, compiled kernels, committed {_committed(name)} (`{EVIDENCE_DIR}/{name}`).")
+    return head + "\n\n" + table(("kernel", "CPU (this build)", gpu["gpu"]), rows)
+
+
 def thirdparty(name: str = "canary_thirdparty_h200.json") -> str:
     doc = json.loads(evidence(name).read_text())
     m = doc["machine"]
@@ -310,7 +355,7 @@ def tile_rig(name: str = "tile_rig_h200.txt") -> str:
     return head + "\n\n" + table(("copy", "µs per tile", "saved against the whole tile"), rows)
 
 
-PERF = {"tile-rig": tile_rig, "cpu": perf_cpu, "h200": perf_h200, "upstream": perf_upstream, "playground": perf_playground,
+PERF = {"tile-rig": tile_rig, "canary-matrix": canary_matrix, "cpu": perf_cpu, "h200": perf_h200, "upstream": perf_upstream, "playground": perf_playground,
         "emulate": perf_emulate, "canary-counts": _canary_counts, "thirdparty": thirdparty}
 
 
