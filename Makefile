@@ -19,7 +19,7 @@ STAMP := $(ENV_DIR)/.qsa_lab-setup
 # TORCH_FALLBACK, TORCH_CUDA12, TORCH_CUDA12_INDEX (empty: PyPI) reach scripts/choose_torch.py
 # from the command line or the environment as they are; unset, it uses its own defaults
 
-.PHONY: setup demo test test-fast lab strip doctor wheel clean
+.PHONY: setup demo test test-fast lab strip doctor wheel docs clean
 
 setup: $(STAMP)
 
@@ -69,5 +69,11 @@ doctor: setup
 wheel: setup
 	rm -rf dist && $(PY) -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
 
+# docs: the documentation site in site/ (mkdocs.yml; warnings are errors; the notebooks are
+# executed on the CPU emulation, the CLI reference and the tables are generated while it builds)
+docs: setup
+	$(PY) -m pip install -q --group docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf build dist results figures .pytest_cache
+	rm -rf build dist results figures site .pytest_cache
