@@ -13,7 +13,8 @@ from qsa_lab.analysis.bench_data import (BENCH_JSON, FIX_LABELS, UPSTREAM_JSON, 
 from qsa_lab.model.case import Case, Geometry, build_case, kv_values
 from qsa_lab.model.plan import GROUP, GroupedPlan
 from qsa_lab.model.poison import DIM_SITES, SITES, apply_poison, stale_tokens
-from qsa_lab.routes.run import ROUTES, RunResult
+from qsa_lab.routes.labels import ROUTES
+from qsa_lab.routes.run import RunResult
 
 PLANE_INDEX = {"k": 0, "v": 1}
 
