@@ -5,10 +5,10 @@ from here. Plain Python, no torch: the command line checks names before torch lo
     reference              float64 attention over each row's attended tokens
     xqa                    the row-wise XQA page4 route (never reads the null block)
     grouped                the grouped page4 route as upstream shipped it (the bug)
-    grouped+kernel_fix     fix A: the kernel zeroes every panel row no query attends (upstream)
-    grouped+pad_fix        fix B: the planner's padding repointed at a real microblock (upstream)
-    grouped+both_fixes     fixes A and B together (upstream's default)
-    grouped+masked_load    fix C: the panel loader never reads an unattended row (this project's own)
+    grouped+kernel_fix     (A) the kernel zeroes every panel row no query attends (upstream)
+    grouped+pad_fix        (B) the planner's padding repointed at a real microblock (upstream)
+    grouped+both_fixes     (A+B) kernel_fix and pad_fix together (upstream's default)
+    grouped+masked_load    (C) the panel loader never reads an unattended row (this project's own)
 
 The letters A, B, C are an abbreviation shown beside a name (`label`), never a name of their own.
 Earlier spellings (fix A, fixA, the bench's `both`, ...) are not names: `renamed_route` and
@@ -72,9 +72,9 @@ def heading(route: str) -> str:
     return fix_label(fix) if fix else route
 
 
-def key(routes=ROUTES) -> str:
-    """What SHORT's headings stand for: 'ref = reference, ..., A = grouped+kernel_fix, ...'."""
-    return ", ".join(f"{SHORT[r]} = {r}" if SHORT[r] != r else r for r in routes)
+def short_key(routes=ROUTES) -> str:
+    """What SHORT's abbreviations stand for: 'ref = reference, grp = grouped, A = grouped+kernel_fix, ...'."""
+    return ", ".join(f"{SHORT[r]} = {r}" for r in routes if SHORT[r] != r)
 
 
 def slug(names) -> str:
@@ -98,9 +98,15 @@ def renamed_route(name: str) -> str | None:
     return f"grouped+{fix}" if fix and f"grouped+{fix}" != name else None
 
 
-def check_renamed(name: str, argument: str, route: bool = True, prefix: str = "") -> None:
-    """ValueError '<argument>: <prefix+name> is now called <prefix+new name>' when `name` is an earlier
-    spelling of a route (route=True) or of a fix; nothing for any other name."""
+def was_renamed(name: str, route: bool = True, prefix: str = "") -> str | None:
+    """"'<prefix+name>' is now called '<prefix+new name>'" when `name` is an earlier spelling of a
+    route (route=True) or of a fix; None for any other name."""
     new = renamed_route(name) if route else renamed_fix(name)
-    if new:
-        raise ValueError(f"{argument}: {prefix + name!r} is now called {prefix + new!r}")
+    return f"{prefix + name!r} is now called {prefix + new!r}" if new else None
+
+
+def check_renamed(name: str, argument: str, route: bool = True, prefix: str = "") -> None:
+    """ValueError '<argument>: ... is now called ...' (was_renamed) for an earlier spelling."""
+    message = was_renamed(name, route, prefix)
+    if message:
+        raise ValueError(f"{argument}: {message}")
