@@ -228,7 +228,7 @@ def format_table(table, width: int = 120) -> str:
         name = name if len(name) <= case_w else name[:case_w - 1] + "…"
         lines.append(f"{i + 1:>2} {name:<{case_w}}{cells}{rep:>7} {worst:>12}  {got:<14} "
                      f"{'yes' if r.get('as_expected') else 'NO'}")
-    lines += _wrap(f"# NaN elements per route ({short_key(routes)}; the reference in float64);", width, "# ")
+    lines += _wrap(f"# NaN elements per route ({short_key(routes)}; the reference in float64);", width, "# ", ", ")
     lines += ["# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes",
               "# the mechanism predicts differ. report: the report's grouped NaN count (=dims: its words",
               "# 'matches poisoned dims'). Expected, by case (predicted to differ in brackets):"]
@@ -238,11 +238,14 @@ def format_table(table, width: int = 120) -> str:
     return "\n".join(lines)
 
 
-def _wrap(text: str, width: int, indent: str) -> list[str]:
-    """text as lines of at most `width` characters, cut at spaces; the lines after the first indented."""
+def _wrap(text: str, width: int, indent: str, sep: str = " ") -> list[str]:
+    """text as lines of at most `width` characters, cut after a `sep` (kept but for its spaces), else
+    at a space; the lines after the first indented."""
     lines = []
     while len(text) > width:
-        cut = text.rfind(" ", 0, width)
-        lines.append(text[:cut])
-        text = indent + text[cut + 1:]
+        cut = text.rfind(sep, len(indent), width - len(sep.rstrip()) + 1)
+        if cut < 0:
+            sep, cut = " ", text.rfind(" ", 0, width + 1)
+        lines.append(text[:cut + len(sep.rstrip())])
+        text = indent + text[cut + len(sep):]
     return lines + [text]
