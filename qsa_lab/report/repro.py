@@ -43,7 +43,7 @@ REPRO_CASES = [
     ReproCase("fp16 recurrent state on page 0", DECODE, {"site": "fp16-state"}, None,
               "~0.39% NaN bytes; unfixed NaN, fixes clean", ("grouped",)),
     ReproCase("stale tail bytes (beyond the report)", CAUSAL3, {"site": "stale-tail", "dims": list(REPORT_DIMS)}, None,
-              "unfixed AND pad-fix NaN; kernel fix and masked load clean", ("grouped", "grouped+pad_fix")),
+              "unfixed AND pad_fix NaN; kernel_fix and masked_load clean", ("grouped", "grouped+pad_fix")),
     ReproCase("control: K plane only", DECODE, {"site": "targeted", "plane": "k", "dims": list(REPORT_DIMS)},
               None, "clean everywhere (select masking discards K)"),
     ReproCase("control: fp16 KV", DECODE.replace(kv_dtype="fp16"), {"site": "targeted", "dims": list(REPORT_DIMS)},

@@ -111,6 +111,9 @@ def test_fix_cost_figure_labels_from_labels():
 
     from qsa_lab.report.figures import fix_cost_figure
 
+    from qsa_lab.plotting.plots import FIX_COLORS
+
+    assert list(FIX_COLORS) == ["unfixed", *FIXES]
     fig, _ = fix_cost_figure()
     ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert ticks == [fix_label(v) for v in ("unfixed", *FIXES)]
