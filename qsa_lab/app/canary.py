@@ -37,6 +37,18 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _kernel_list(text: str) -> list[str]:
+    """_name_list, refusing an earlier spelling of a qsa route with its name now (labels.was_renamed)."""
+    from qsa_lab.routes.labels import was_renamed
+
+    names = _name_list(text)
+    for name in names:
+        message = name.startswith("qsa:") and was_renamed(name[4:], prefix="qsa:")
+        if message:
+            raise argparse.ArgumentTypeError(message)
+    return names
+
+
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -58,7 +70,7 @@ def add_parser(sub, parents=()):
                                    "inf-leak, finite-leak, error, unstable-control, input-modified or n/a. "
                                    "Exit 0 clean, 1 a leak, 3 a kernel failed, 2 bad input.")
     k = c.add_argument_group("kernels and matrix")
-    k.add_argument("--kernels", type=_name_list, metavar="K,..",
+    k.add_argument("--kernels", type=_kernel_list, metavar="K,..",
                    help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
                         "flashinfer:decode|decode-tc|prefill|prefill-fa2, vllm:unified|unified-3d (README "
                         "'Third-party kernels'), or module:function / file.py:function (default: every built-in "

@@ -368,7 +368,7 @@ def build_parser():
     b = sub.add_parser("bench", parents=[common], help="GPU timings of every route and fix",
                        description="Times every route and fix on the visible CUDA GPU (CUDA events, CUDA graphs, "
                                    "L2 flushed, medians): the report's geometry (16 rows, ctx 8192, top-512, E4M3; "
-                                   "µs per tile, ratio to unfixed, fix A beside the report's V100 ratio) and a "
+                                   "µs per tile, ratio to unfixed, kernel_fix (A) beside the report's V100 ratio) and a "
                                    "sweep of contexts x rows. Needs a GPU; the committed H200 run is "
                                    "data/bench_h200.json (notebook 05 and `make demo` draw it without one).")
     b.add_argument("--json", metavar="PATH", help="write the timings as JSON, schema qsa_lab.bench/1 (default: none)")

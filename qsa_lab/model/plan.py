@@ -1,4 +1,4 @@
-"""The grouped page4 planner, its pad-fix (fix B), and XQA's token lists.
+"""The grouped page4 planner, its pad_fix (B), and XQA's token lists.
 
 Everything is torch ops on the case's device. Shapes:
     attended microblocks per row: microblock [rows, topk+1] int64 (-1 unused),

@@ -421,7 +421,7 @@ class Mutation:
 
 MUTATIONS = (
     Mutation("mask", "qsa::kE4M3", "qsa::kKernelFix", 0x11111111, 0x11111110,
-             "fix A's unattended-row mask drops query 0: rows only query 0 attends are zeroed"),
+             "kernel_fix's unattended-row mask drops query 0: rows only query 0 attends are zeroed"),
     Mutation("nan", "qsa::kE4M3", "qsa::kUnfixed", 0x7E007E00, 0x3C003C00,
              "the E4M3 decoder turns NaN codes into 1.0 instead of the route's NaN 0x7E00"),
 )

@@ -52,7 +52,7 @@ def run_notebook(path: Path, tmp_path: Path) -> dict:
 
 
 #: a code cell that draws a figure (a plotting or canary-figure call, or a written PNG shown)
-DRAWS = re.compile(r"\b(plotting\.plot_\w+|small_multiples|cf\.plot_\w+|show_png)\(")
+DRAWS = re.compile(r"\b(plots\.plot_\w+|small_multiples|cf\.plot_\w+|show_png)\(")
 
 
 def check_figures_shown(path: Path, nb) -> None:
@@ -169,7 +169,8 @@ def test_04_fixes_clean_and_stale_tail_finding(tmp_path):
     r = run["results"]
     html = "\n".join(o.get("data", {}).get("text/html", "") for c in run["nb"].cells if c.cell_type == "code"
                      for o in c.get("outputs", []))
-    assert "fix A" in html and "fix C" in html and "report: grouped NaN" in html and ">ref<" in html
+    assert ">A<" in html and ">C<" in html and "report: grouped NaN" in html and ">ref<" in html
+    assert "A = grouped+kernel_fix" in html and "fix A" not in html   # the letters beside the names
     assert "expected ≠ ref" in html and "as expected" in html
     from qsa_lab.report.repro import REPRO_CASES
 
