@@ -4,12 +4,13 @@ and `KernelSkipped`, which a kernel raises when it cannot run here. Built-in ker
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from qsa_lab.canary.case import CanaryCase, as_canary_case
+from qsa_lab.canary.case import CanaryCase, as_canary_case, validate
 from qsa_lab.model import fp8
 from qsa_lab.model.regions import attended_tokens
 
@@ -74,6 +75,10 @@ class PagedCall(CanaryCase):
         if key not in self.memo:
             self.memo[key] = make()
         return self.memo[key]
+
+    def with_spec(self, spec) -> "PagedCall":
+        """The call under another spec, with a memo of its own (the cached masks would be stale)."""
+        return validate(dataclasses.replace(self, spec=spec, memo={}))
 
     @property
     def case(self) -> CanaryCase:

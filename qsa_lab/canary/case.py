@@ -106,8 +106,7 @@ class CanaryCase(PagedTensors):
     @classmethod
     def from_case(cls, case: Case, spec=None) -> "CanaryCase":
         """A qsa_lab Case (one KV head) as a canary case, the same tensors; spec default sparse."""
-        return case.view(cls, kv_dtype=case.kv_format, spec=spec, sm_scale=case.sm_scale,
-                         source=getattr(case, "source", "built"), poison={})
+        return case.view(cls, kv_dtype=case.kv_format, spec=spec, sm_scale=case.sm_scale)
 
     def geometry_dict(self) -> dict:
         base = self.geometry.to_dict() if self.geometry is not None else {}

@@ -99,3 +99,11 @@ def test_every_view_is_checked_by_the_same_rules():
     for check, view in ((validate_case, case), (validate, CanaryCase.from_case(case))):
         with pytest.raises(TypeError, match="^kv_cache: expected a torch.Tensor, got list"):
             check(dataclasses.replace(view, kv_cache=[1]))
+
+
+def test_a_call_under_another_spec_gets_its_own_memo():
+    call = PagedCall.from_case(canary_case(), memo={})
+    dense = call.attend()
+    window = call.with_spec("window:2")
+    assert type(window) is PagedCall and window.memo is not call.memo
+    assert not torch.equal(window.attend(), dense) and torch.equal(call.attend(), dense)
