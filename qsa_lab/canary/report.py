@@ -183,10 +183,8 @@ def load_call(path) -> tuple:
     spec = meta["attend"]
     if spec.startswith("mask"):
         spec = AttentionSpec("mask", mask=extra["attend_mask"])
-    control = load_case(path, attend=spec)
-    control = dataclasses.replace(control, k_scale=float(meta["k_scale"]), v_scale=float(meta["v_scale"]),
-                                  sm_scale=float(meta["sm_scale"]), mla=json.loads(meta["mla"]),
-                                  v_head_dim=json.loads(meta["v_head_dim"]))
+    control = load_case(path, attend=spec)   # scales and sm_scale from the metadata; MLA is the call file's own
+    control = dataclasses.replace(control, mla=json.loads(meta["mla"]), v_head_dim=json.loads(meta["v_head_dim"]))
     poisoned = dataclasses.replace(control.clone(), kv_cache=extra["kv_cache_poisoned"].contiguous())
     return control, poisoned, meta
 
