@@ -18,7 +18,6 @@ import torch
 from qsa_lab.model import fp8
 from qsa_lab.model.geometry import (DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS, Geometry)  # noqa: F401
 from qsa_lab.model.paged import PagedTensors, check_pages, check_selection, check_tensors, check_token_to_req, need
-from qsa_lab.model.paged import visible_tokens  # noqa: F401 - qsa_lab.model.plan reads it from here
 
 SINK_BLOCKS = 4      # leading blocks every row keeps (attention sink)
 WINDOW_BLOCKS = 128  # trailing complete blocks every row keeps (local window; topk // 4 if fewer)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from qsa_lab.model.case import Case, visible_tokens
+from qsa_lab.model.case import Case
+from qsa_lab.model.paged import visible_tokens
 
 GROUP = 8            # query rows per CTA
 TILE_ENTRIES = 8     # microblocks per 32-token tile
