@@ -172,13 +172,15 @@ def load_call(path) -> tuple:
     from qsa_lab.model.regions import AttentionSpec
     from qsa_lab.canary.case import load_case
 
+    if not Path(path).is_file():   # a FIFO or a device would block the read
+        raise ValueError(f"path: {path} is not a regular file")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             extra = {k: f.get_tensor(k) for k in ("kv_cache_poisoned", "attend_mask") if k in f.keys()}
     except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
         raise ValueError(f"path: {path} is not a safetensors file ({type(e).__name__})") from None
-    if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra:
+    if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra or not {"attend", "mla", "v_head_dim"} <= set(meta):
         raise ValueError(f"path: {path} is not a {SCHEMA} call file (written by --report)")
     spec = meta["attend"]
     if spec.startswith("mask"):
