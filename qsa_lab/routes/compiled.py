@@ -234,9 +234,9 @@ def status() -> dict:
         "nvidia_smi": smi,
     }
     try:
-        from qsa_lab.routes.nvrtc import find_toolkit
+        from qsa_lab.support.machine import NVRTC_HINT, find_nvrtc
 
-        info["nvrtc_sm70_check"] = "available" if find_toolkit() else "wheels missing (pip install 'qsa_lab[nvrtc]')"
+        info["nvrtc_sm70_check"] = "available" if find_nvrtc() else f"wheels missing ({NVRTC_HINT})"
     except Exception as exc:  # doctor must never fail
         info["nvrtc_sm70_check"] = f"unavailable ({exc})"
     return info

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
 from run_once import once_per_run
 
 pytestmark = pytest.mark.wheel
@@ -157,37 +156,3 @@ def test_installed_copy_resolves_every_kernel_source_and_notebook(venv, elsewher
     assert sorted(p.name for p in copied.iterdir()) == sorted(_layout()["notebooks"])
     again = _run([venv / "qsa-lab", "notebooks", copied], elsewhere)
     assert again.returncode == 2 and "--force" in again.stderr    # never overwritten without --force
-
-
-def test_nvrtc_sm70_compile_of_the_installed_sources(venv, elsewhere, tmp_path_factory):
-    """The V100 proof (tests/test_nvrtc_sm70.py) holds for the installed copy of csrc/.
-
-    What the installed copy's compile (nvrtc.compile_ptx(nvrtc.instantiation_source(),
-    'compute_70', find_toolkit())) reads is its own qsa_lab/routes/nvrtc.py (the source and
-    the options), its own csrc/ (the -I folder: every header is found there) and the NVRTC
-    wheels that find_toolkit() locates. When its nvrtc.py and every csrc/ file are the
-    checkout's bytes and its toolkit is the same files, that compile is the checkout's one,
-    but for the -I folder's name, which no header reads (no __FILE__) and which changes only
-    the file names in the PTX's line info: so it is proven here by that identity and by the
-    checkout's compute_70 compile of the run (tests/test_ptx70.py's folder, made once: the
-    same source with ptx70's probe appended, see tests/test_nvrtc_sm70.py), instead of by
-    compiling again."""
-    toolkit = nvrtc_toolkit()  # skips without the NVRTC wheels (fails under CI=true)
-    from qsa_lab.routes import nvrtc, ptx70
-
-    code = ("import json, dataclasses; from qsa_lab.routes.compiled import nvrtc; tk = nvrtc.find_toolkit();"
-            "print(json.dumps({'csrc': str(nvrtc.CSRC), 'nvrtc_py': nvrtc.__file__, 'source': nvrtc.instantiation_source(),"
-            " 'toolkit': tk and {k: str(v) for k, v in dataclasses.asdict(tk).items()}}))")
-    got = json.loads(_ok(_run([venv / "python", "-c", code], elsewhere), "NVRTC").stdout.strip().splitlines()[-1])
-    csrc, nvrtc_py = Path(got["csrc"]), Path(got["nvrtc_py"])
-    assert csrc.is_relative_to(venv.parent) and nvrtc_py.is_relative_to(venv.parent), got
-    assert nvrtc_py.read_bytes() == (REPO / "qsa_lab" / "kernels" / "nvrtc.py").read_bytes()
-    assert got["source"] == nvrtc.instantiation_source()
-    def files(folder):
-        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
-    assert files(csrc) == files(REPO / "csrc") and all(p.is_file() for p in csrc.iterdir())
-    assert got["toolkit"] == {k: str(v) for k, v in dataclasses.asdict(toolkit).items()}
-    # the checkout's compile: generate raises on a failed compile or on instructions an SM70 lacks
-    folder = ptx70_folder(tmp_path_factory, toolkit)
-    text = (folder / ptx70.PTX_FILE).read_text()
-    assert "mma.sync" in text and nvrtc.forbidden_instructions(text) == []
