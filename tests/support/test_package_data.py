@@ -23,6 +23,19 @@ def test_a_checkout_reads_its_top_level_folders():
     assert kernels.CSRC == REPO / "csrc" and kernels.missing_sources() == []
 
 
+def test_pyproject_lists_every_package_and_maps_the_top_level_folders():
+    """pyproject.toml lists the packages (find cannot take the mapped folders too): every folder of
+    qsa_lab/ with an __init__.py, plus csrc/, data/ and notebooks/ as qsa_lab.<kind>; tools/ never."""
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    bundled = {f"qsa_lab.{kind}": kind for kind in package_data.KINDS}
+    assert conf["package-dir"] == bundled
+    assert sorted(conf["packages"]) == sorted(find_packages(str(REPO), include=["qsa_lab", "qsa_lab.*"]) + list(bundled))
+
+
 def test_data_holds_only_what_the_package_reads_and_evidence_the_rest():
     """data/ ships in every wheel: each file there is a string literal of the package or its
     notebooks (a file they open); measured logs and JSON live in evidence/. Each folder's README gives every file's provenance."""
