@@ -13,8 +13,8 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 MIN_CAPABILITY = (7, 0)          # the kernels use sm_70 tensor-core instructions
 #: the last CUDA major whose nvcc can still target each old architecture (CUDA 13 dropped
@@ -137,8 +137,7 @@ def describe_smi(smi: dict | None) -> str | None:
 NVRTC_HINT = "in a checkout: pip install --group nvrtc, then python tools/nvrtc_sm70.py"
 
 
-@dataclass
-class NvrtcToolkit:
+class NvrtcToolkit(NamedTuple):   # not a dataclass: set-up loads this module by path, outside sys.modules
     nvrtc: Path            # libnvrtc.so.12
     builtins: Path         # libnvrtc-builtins.so.12.*
     include_dirs: list     # cuda_runtime/include (cuda_fp16.h, mma.h), cuda_nvcc/include (crt/mma.h)

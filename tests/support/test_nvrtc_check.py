@@ -40,3 +40,14 @@ def test_a_missing_wheel_is_none_and_doctor_says_how_to_get_it(tmp_path, monkeyp
     monkeypatch.setattr(machine, "_package_dir", lambda name: None if name == "nvidia.cuda_runtime" else dirs[name])
     assert machine.find_nvrtc() is None
     assert "--group nvrtc" in machine.NVRTC_HINT and "tools/nvrtc_sm70.py" in machine.NVRTC_HINT
+
+
+def test_set_up_can_still_load_machine_by_path():
+    """scripts/choose_torch.py loads machine.py by path, outside sys.modules, before any torch or
+    package is importable: the toolkit record must not need its module registered (a dataclass does)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_machine_by_path", Path(machine.__file__))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.NvrtcToolkit._fields == ("nvrtc", "builtins", "include_dirs", "ptxas")
