@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 # no thread): the processes qsa_lab owns, the `qsa-lab` program and its second processes, end with
 # os._exit once their work is flushed, which skips the interpreter's teardown and its last garbage
 # collections (qsa_lab.app.cli._leave; tests/support/test_exit.py).
+
 # The names below are imported on first use (PEP 562; `qsa_lab.build_case` imports torch then):
 # `import qsa_lab.app.cli` and `qsa-lab --help` stay free of torch, and `python -m qsa_lab` / `qsa-lab`
 # install their signal handling (qsa_lab.support.signals) before the seconds-long torch import.
