@@ -3,7 +3,7 @@ at a production geometry: head_dim 128, 8 query heads over 2 KV heads (GQA 4:1),
 pages, fp16 and e4m3 pools, under the dense, window, window+sink and sparse specs, decode (one
 row per request) and a 4-row prefill chunk. Writes one JSON document and a Markdown table.
 
-    python benchmarks/canary_thirdparty.py --json data/canary_thirdparty_h200.json \
+    python benchmarks/canary_thirdparty.py --json evidence/canary_thirdparty_h200.json \
         [--vllm-src PATH] [--jobs 12] [--kernels flashinfer:decode,...] [--kv-dtypes fp16,e4m3]
 
 Each (kernel, kv dtype) runs in its own worker process, several at once (--jobs): FlashInfer
