@@ -216,20 +216,49 @@ def _overlaps(kernels: list) -> bool:
     return mixed and idle_core()
 
 
+def kernel_source(spec: str) -> str | None:
+    """The file a user's kernel `file.py:function` or `module:function` is read from (found on
+    sys.path as the worker would, nothing imported); None for a built-in name or a module not found."""
+    from pathlib import Path
+
+    name = spec.rpartition(":")[0]
+    if not name or spec.startswith(("qsa:", "torch:", "flashinfer:", "vllm:")):
+        return None
+    if name.endswith(".py"):
+        return name
+    parts = name.split(".")
+    for entry in ["", *sys.path]:   # the worker finds modules in the current folder too
+        base = Path(entry or ".", *parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return str(candidate)
+    return None
+
+
 def run(args) -> int:
     from qsa_lab.app.args import UsageError, check_outputs as _outputs
 
     geometry = {n: getattr(args, n) for n in GEOMETRY if getattr(args, n, None) is not None}
+    for flag, value in (("--case", args.case), ("--report", args.report)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag}: empty path")
     if args.case and (geometry or args.kv_dtype):   # the case file holds its own pool and its dtype
         given = [*geometry, *(["kv_dtype"] if args.kv_dtype else [])]
         raise UsageError(f"--case: takes no geometry option (got {', '.join(FLAGS[n] for n in given)})")
     kernel_files = {}
-    for spec in args.kernel or []:
-        path = spec.rpartition(":")[0]
-        if path.endswith(".py"):
-            kernel_files[f"--kernel {spec}"] = path
+    for flag, specs in (("--kernels", args.kernels), ("--kernel", args.kernel)):
+        for spec in specs or []:
+            source = kernel_source(spec)
+            if source is not None:
+                kernel_files[f"{flag} {spec}"] = source
     inputs = {**kernel_files, **({"--case": args.case} if args.case else {})}
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, inputs)
+    if args.report:
+        from qsa_lab.app.args import blame
+        from qsa_lab.support.outputs import check_not_inside
+
+        with blame({}, "--report"):
+            check_not_inside(args.report, inputs, "--report")
     kernels = (args.kernels or []) + (args.kernel or [])
     if args.backend != "cuda" and _overlaps(kernels):
         from qsa_lab.canary.overlap import start_overlap

@@ -16,14 +16,59 @@ through here, so they share one set of rules:
 - A symlink at the path counts as an existing file: refused without `force`, and with
   `force` the link itself is replaced by the new file, never written through (a link must
   not redirect a write somewhere the user did not name).
+- `undone_on_failure()` records every file and folder this process creates inside the block
+  (by `writing`, `check_folder(create=True)`, `writing_folder`); when the block fails it removes
+  exactly those, and only while each is still the one it made (same inode): a path that
+  appeared during the run, another run's result above all, is never touched.
+- `writing_folder(path)` hands the caller a temporary folder beside `path` to fill and renames
+  it into place once complete: a reader never sees half a folder, and a failed or interrupted
+  run leaves nothing (Ctrl-C, SIGTERM, SIGHUP: qsa_lab.support.signals removes it). Nothing is
+  ever written through a symlink: a link at `path` is refused, naming it.
+- `check_not_inside(folder, inputs)`: no output folder may equal or contain an input.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 from pathlib import Path
+
+_ledgers: list[list] = []   # the open undone_on_failure blocks: [(path, (st_dev, st_ino))]
+
+
+def _record(path) -> None:
+    """A file or folder this process just created: every open undone_on_failure block owns it."""
+    if _ledgers:
+        st = os.lstat(path)
+        for made in _ledgers:
+            made.append((os.fspath(path), (st.st_dev, st.st_ino)))
+
+
+@contextlib.contextmanager
+def undone_on_failure():
+    """Inside: every path created through this module is recorded. On an exception those paths
+    are removed, newest first (a folder only when empty), each only while it is still the very
+    file or folder this process made; then the exception goes on. A file replaced with force
+    stays (its old bytes cannot come back), and nothing that appeared meanwhile is touched."""
+    made: list = []
+    _ledgers.append(made)
+    try:
+        yield made
+    except BaseException:
+        for path, ident in reversed(made):
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) != ident:
+                    continue            # not ours any more: someone else's now
+                if stat.S_ISDIR(st.st_mode):
+                    os.rmdir(path)      # only when empty: what others put in it stays
+                else:
+                    os.unlink(path)
+        raise
+    finally:
+        _ledgers.remove(made)
 
 
 def _show(path) -> str:
@@ -70,10 +115,13 @@ def check_folder(path, arg: str, create: bool = False, parents: bool = False) ->
             raise ValueError(f"{arg}: cannot write in folder {_show(folder)}")
         return folder
     if parents and create:
+        missing = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"{arg}: cannot create {_show(folder)}: {e.strerror}") from None
+        for p in reversed(missing):
+            _record(p)
         return folder
     parent = folder.parent
     if not parent.is_dir():
@@ -81,7 +129,11 @@ def check_folder(path, arg: str, create: bool = False, parents: bool = False) ->
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{arg}: cannot create {_show(folder)}: folder {_show(parent)} is not writable")
     if create:
-        folder.mkdir(exist_ok=True)
+        try:
+            folder.mkdir()
+            _record(folder)
+        except FileExistsError:
+            pass
     return folder
 
 
@@ -125,7 +177,10 @@ def _publish(tmp: Path, path: Path, force: bool, arg: str) -> None:
     if force:
         if path.is_dir() and not path.is_symlink():
             raise ValueError(f"{arg}: {_show(path)} became a folder during the run")
+        existed = os.path.lexists(path)
         os.replace(tmp, path)      # replaces a symlink itself, never its target
+        if not existed:
+            _record(path)
         return
     try:
         os.link(tmp, path)         # atomic and exclusive: fails if anything is there now
@@ -137,6 +192,7 @@ def _publish(tmp: Path, path: Path, force: bool, arg: str) -> None:
         with open(path, "xb") as dst, open(tmp, "rb") as src:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
+    _record(path)
     tmp.unlink()
 
 
@@ -170,3 +226,89 @@ def write_bytes(path, data: bytes, arg: str = "path", force: bool = False) -> Pa
 
 def write_text(path, text: str, arg: str = "path", force: bool = False) -> Path:
     return write_bytes(path, text.encode("utf-8"), arg, force)
+
+
+def check_not_inside(folder, inputs: dict, arg: str) -> None:
+    """{name: path}: refuse an output folder that is, or holds, one of the inputs."""
+    if folder is None:
+        return
+    top = os.path.realpath(os.fspath(folder))
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        real = os.path.realpath(os.fspath(path))
+        if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{arg}: {_show(folder)} holds the input {name} {_show(path)}; "
+                             "write the output somewhere else")
+
+
+def check_no_links(folder, names, arg: str) -> None:
+    """Refuse, naming it, an entry `names` of `folder` that is a symlink: a write must never
+    follow one out of the folder it was given."""
+    for name in names:
+        p = Path(folder) / name
+        if p.is_symlink():
+            raise ValueError(f"{arg}: {_show(p)} is a symlink; refusing to write through it (remove the link)")
+
+
+def _rmtree(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def writing_folder(path, arg: str = "path", force: bool = False):
+    """Yield a new empty folder beside `path` (`.NAME.XXXX.tmp`) to fill; once the block ends
+    without an error, rename it into place as `path`. Then:
+
+    - `path` absent: the folder appears whole, in one rename;
+    - `path` an existing folder: refused (FileExistsError) unless `force`, which swaps the new
+      folder in and only then removes the old one (its files were asked to be replaced);
+    - `path` a symlink, a file or a special file: refused before the block runs (ValueError);
+      a folder that appeared during the run is kept and the new one dropped without `force`.
+
+    On an error or a signal inside the block the temporary folder is removed: nothing is left.
+    The folder is made with mode 0o777 & ~umask, like any folder a program creates."""
+    from qsa_lab.support import signals
+
+    if path is None or (isinstance(path, str) and not path.strip()):
+        raise ValueError(f"{arg}: empty path")
+    path = Path(os.fspath(path))      # a trailing '/' names the same folder
+    st = _lstat(path, arg)
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{arg}: {_show(path)} is a symlink; refusing to write through it (remove the link)")
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{arg}: {_show(path)} exists and is not a folder")
+    if st is not None and not force:
+        raise FileExistsError(f"{arg}: {_show(path)} exists (add --force to replace it)")
+    check_folder(path.parent, arg)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    signals.track_folder(tmp)   # a signal from here on removes it
+    try:
+        os.mkdir(tmp, 0o777)
+        yield tmp
+        _publish_folder(tmp, path, force, arg)
+    finally:
+        _rmtree(tmp)
+        signals.untrack_folder(tmp)
+
+
+def _publish_folder(tmp: Path, path: Path, force: bool, arg: str) -> None:
+    st = _lstat(path, arg)
+    if st is None:
+        try:
+            os.rename(tmp, path)   # fails on a non-empty folder or a file that appeared meanwhile
+        except OSError as e:
+            raise FileExistsError(f"{arg}: {_show(path)} appeared during the run; kept it ({e.strerror})") from None
+        _record(path)
+        return
+    if not force or not stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+        raise FileExistsError(f"{arg}: {_show(path)} appeared during the run; kept it")
+    old = path.with_name(f".{path.name}.{secrets.token_hex(4)}.old")
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.rename(old, path)       # put the old folder back: the run failed, nothing changed
+        raise
+    _rmtree(old)
