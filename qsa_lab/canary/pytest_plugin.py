@@ -160,8 +160,10 @@ def run(cfg: Config, report_dir=None, force: bool = False):
             except (ValueError, FileExistsError) as e:
                 kept = f"no report written: {e}"
             else:
+                from qsa_lab.canary.report import _replay_command
+
                 for f in sorted((folder / "calls").glob("*.safetensors")):
-                    replays[f.name] = f"python -m qsa_lab.canary.replay {f}"
+                    replays[f.name] = _replay_command(f, report.kernels[0])
         _runs[cfg] = (report, replays, kept)
     return _runs[cfg]
 
@@ -193,7 +195,8 @@ class Cell:
         def skip(text):   # only while some other cell of the marker ran a check: never green on nothing
             if report.checks(name) == 0:
                 pytest.fail(f"{text}; and no cell of this marker ran a leak check (every one n/a or "
-                            "skipped): the gate would pass on nothing", pytrace=False)
+                            "skipped): the gate would pass on nothing (skip the test where the kernel cannot "
+                            "run, e.g. pytest.mark.skipif)", pytrace=False)
             pytest.skip(text)
 
         if r is None:

@@ -198,12 +198,19 @@ def _slug(text: str) -> str:
 
 
 def _replay_command(path: Path, kernel: str) -> str:
-    """The replay line; a kernel given as a Python callable has no name the replay can load."""
+    """The replay line. Replay runs a kernel that is not built in only when it is named on the
+    command line (a call file is data), so the line names it; a kernel given as a Python callable
+    has no name the replay can load."""
     import re as _re
+    import shlex
 
-    cmd = f"python -m qsa_lab.canary.replay {path}"
-    loadable = _re.fullmatch(r"[\w.]+:[\w.]+|.+\.py:\w+|(qsa|torch|flashinfer|vllm):[\w+.-]+", kernel)
-    return cmd if loadable else cmd + " --kernel MODULE:FUNCTION"
+    from qsa_lab.canary.replay import is_builtin
+
+    cmd = f"python -m qsa_lab.canary.replay {shlex.quote(str(path))}"
+    if is_builtin(kernel):
+        return cmd
+    loadable = _re.fullmatch(r"[\w.]+:[\w.]+|.+\.py:\w+", kernel)
+    return cmd + (f" --kernel {shlex.quote(kernel)}" if loadable else " --kernel MODULE:FUNCTION")
 
 
 def check_report_dir(out_dir, force: bool = False) -> Path:

@@ -211,10 +211,14 @@ def _slots(case, tokens: torch.Tensor) -> torch.Tensor:
     return out.view(pages, ps)
 
 
-def attended_slots(case) -> torch.Tensor:
-    """[pages, page_size] bool: slots that at least one query row attends."""
+def attended_slots(case, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[pages, page_size] bool: slots that at least one query row attends (of `rows`, a [rows]
+    bool mask, when given)."""
     phys = physical_tokens(case)[case.token_to_req.detach().cpu().long()]
-    return _slots(case, torch.where(attended_tokens(case), phys, -1))
+    att = attended_tokens(case)
+    if rows is not None:
+        att = att & rows.cpu().view(-1, 1)
+    return _slots(case, torch.where(att, phys, -1))
 
 
 def _request_positions(case, start: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:

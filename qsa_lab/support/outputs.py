@@ -39,11 +39,18 @@ _ledgers: list[list] = []   # the open undone_on_failure blocks: [(path, (st_dev
 
 
 def _record(path) -> None:
-    """A file or folder this process just created: every open undone_on_failure block owns it."""
+    """A file or folder this process just created: every open undone_on_failure block owns it.
+    An open descriptor keeps its inode allocated, so no later file can reuse the inode number
+    (tmpfs reuses one at once): (dev, inode) then tells it apart from anything made meanwhile."""
     if _ledgers:
-        st = os.lstat(path)
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0))
         for made in _ledgers:
-            made.append((os.fspath(path), (st.st_dev, st.st_ino)))
+            made.append((os.fspath(path), fd))
+
+
+def _same(fd: int, path) -> bool:
+    a, b = os.fstat(fd), os.lstat(path)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 @contextlib.contextmanager
@@ -52,23 +59,24 @@ def undone_on_failure():
     are removed, newest first (a folder only when empty), each only while it is still the very
     file or folder this process made; then the exception goes on. A file replaced with force
     stays (its old bytes cannot come back), and nothing that appeared meanwhile is touched."""
-    made: list = []
+    made: list = []    # (path, an open descriptor of what was made there)
     _ledgers.append(made)
     try:
-        yield made
+        yield
     except BaseException:
-        for path, ident in reversed(made):
+        for path, fd in reversed(made):
             with contextlib.suppress(OSError):
-                st = os.lstat(path)
-                if (st.st_dev, st.st_ino) != ident:
+                if not _same(fd, path):
                     continue            # not ours any more: someone else's now
-                if stat.S_ISDIR(st.st_mode):
+                if os.path.isdir(path) and not os.path.islink(path):
                     os.rmdir(path)      # only when empty: what others put in it stays
                 else:
                     os.unlink(path)
         raise
     finally:
         _ledgers.remove(made)
+        for fd in {fd for _, fd in made} - {fd for m in _ledgers for _, fd in m}:
+            os.close(fd)
 
 
 def _show(path) -> str:
@@ -192,8 +200,8 @@ def _publish(tmp: Path, path: Path, force: bool, arg: str) -> None:
         with open(path, "xb") as dst, open(tmp, "rb") as src:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
-    _record(path)
     tmp.unlink()
+    _record(path)       # after the unlink: it changes the file's link count, and so its change time
 
 
 @contextlib.contextmanager
