@@ -33,7 +33,7 @@ _HEAD = Template('''"""$title
 Standalone: needs only torch, safetensors and $library (written by qsa_lab's canary leak
 report; qsa_lab itself is not needed).
 
-    python $script [CALL_FILE] [--device cuda]
+    python $script [CALL_FILE] [--device cuda]$usage
 
 Loads the saved call (default ../calls/$call_name beside this script): the control pool and a
 poisoned pool that differs from it only in $slots token slot(s) holding $payload on the
@@ -54,6 +54,7 @@ ARGS = $args    # what the canary's adapter passed, for this call
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("call", nargs="?", default=str(Path(__file__).resolve().parent.parent / "calls" / "$call_name"))
 p.add_argument("--device", default="cuda", help="where to run (default cuda)")
+$options
 opts = p.parse_args()
 
 
@@ -104,11 +105,10 @@ else:  # custom_mask: each request's query rows x its seq_len tokens, row-major,
     how = {"custom_mask": torch.cat([attend[qo[r]:qo[r + 1], :seq[r]].reshape(-1) for r in range(len(seq))])}
 try:
     if ARGS["wrapper"] == "decode":
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
-                                                                use_tensor_cores=ARGS["tensor_cores"])
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=opts.tensor_cores)
         wrapper.plan(indptr, indices, last_page_len, *sizes, **dtypes, **how)
     else:
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=ARGS["backend"])
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=opts.backend)
         wrapper.plan(qo_indptr, indptr, indices, last_page_len, *sizes, **dtypes, **how)
     scales = ARGS["scales"]
     control = wrapper.run(q, pool(t["kv_cache"]), **scales)
@@ -117,7 +117,8 @@ try:
         torch.cuda.synchronize()
 except Exception as e:  # noqa: BLE001 - a module that does not compile or launch is not a leak
     cannot_run(f"flashinfer {ARGS['wrapper']} plan / run", e)
-library = f"flashinfer {getattr(flashinfer, '__version__', '?')}"
+library = (f"flashinfer {getattr(flashinfer, '__version__', '?')}, " +
+           (f"tensor cores {opts.tensor_cores}" if ARGS["wrapper"] == "decode" else f"backend {opts.backend}"))
 '''
 
 _VLLM = '''
@@ -191,6 +192,14 @@ sys.exit(0)
 '''
 
 
+# the one knob each FlashInfer wrapper offers a maintainer: the same call on another backend
+_USAGE = {"decode": " [--tensor-cores | --no-tensor-cores]", "prefill": " [--backend fa2|fa3|auto]"}
+_OPTIONS = {"decode": 'p.add_argument("--tensor-cores", action=argparse.BooleanOptionalAction, '
+                      'default=ARGS["tensor_cores"], help="use_tensor_cores (default: as the canary ran)")',
+            "prefill": 'p.add_argument("--backend", default=ARGS["backend"], help="prefill backend (default: as the '
+                       'canary ran)")'}
+
+
 def library_args(kernel: str, case) -> dict | None:
     """The library arguments the adapter of `kernel` passes for `case` (None: no generator, or
     the adapter would not run this case)."""
@@ -230,7 +239,8 @@ def script_text(kernel: str, case, call_name: str, cell: dict) -> str | None:
         title=f"{kernel}: {cell['payload']} on the {cell['plane'].upper()} plane of {cell['region']} slots "
               "reaches the output", library=library, script=f"repro/{Path(call_name).stem}.py",
         call_name=call_name, slots=cell["slots"], payload=cell["payload"], plane=cell["plane"].upper(),
-        region=cell["region"], attend=case.spec, api=f"    {args['api']}", args=repr(args))
+        region=cell["region"], attend=case.spec, api=f"    {args['api']}", args=repr(args),
+        usage=_USAGE.get(args.get("wrapper"), ""), options=_OPTIONS.get(args.get("wrapper"), ""))
     return head + (_FLASHINFER if library == "flashinfer" else _VLLM) + _TAIL
 
 
