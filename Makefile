@@ -23,11 +23,13 @@ STAMP := $(ENV_DIR)/.qsa_lab-setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py scripts/choose_torch.py
+# the package (editable) with its `lab` and `scribble` extras, and the `test` dependency group of pyproject.toml
+# (PEP 735: `pip install --group` needs pip >= 25.1, installed first)
+$(STAMP): pyproject.toml scripts/choose_torch.py
 	@if [ -z "$$CONDA_PREFIX" ] && [ ! -x .venv/bin/python ]; then echo "creating .venv"; python3 -m venv .venv; fi
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	@$(PY) scripts/choose_torch.py
-	$(PY) -m pip install -q -e ".[lab,test]"
+	$(PY) -m pip install -q -e ".[lab,scribble]" --group test
 	@# bytecode for the package's modules now: an editable install has none, and where
 	@# PYTHONDONTWRITEBYTECODE is set every qsa-lab process would compile them again (~0.1 s)
 	$(PY) -m compileall -q qsa_lab

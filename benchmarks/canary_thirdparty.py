@@ -6,7 +6,7 @@ and 31 tokens hold 3, 2 and 2 pages, so two block-table rows end in a padding en
 the null block: vLLM's padded-table path; FlashInfer reads a page list, so its null-block cells
 are n/a there). Writes one JSON document and a Markdown table.
 
-    python benchmarks/canary_thirdparty.py --json data/canary_thirdparty_h200.json \
+    python benchmarks/canary_thirdparty.py --json evidence/canary_thirdparty_h200.json \
         [--vllm-src PATH] [--jobs 12] [--kernels flashinfer:decode,...] [--kv-dtypes fp16,e4m3]
 
 Each (kernel, kv dtype) runs in its own worker process, several at once (--jobs): FlashInfer

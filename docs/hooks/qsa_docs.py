@@ -32,8 +32,9 @@ from pathlib import Path
 CLI_MODULE = "qsa_lab.app.cli"
 #: the module holding the pure verdict(info) of `qsa-lab doctor`
 DOCTOR_MODULE = "qsa_lab.support.machine"
-#: where the measured logs and JSON live, relative to the repository root
-EVIDENCE_DIR = "data"
+#: where the measured logs and JSON live, relative to the repository root: evidence/, and data/ for
+#: the measurements the package itself reads (the H200 bench, upstream's fix cost, the canary matrix)
+EVIDENCE_DIRS = ("evidence", "data")
 #: the figure data and the plotting code the site's figures are drawn with
 FIGDATA_MODULE = "qsa_lab.analysis.figure_data"
 PLOTTING_MODULE = "qsa_lab.plotting.plots"
@@ -44,15 +45,20 @@ EVIDENCE = re.compile(r"\[\[evidence:([\w./-]+)\]\]")
 
 
 def evidence(name: str) -> Path:
-    path = REPO / EVIDENCE_DIR / name
-    if not path.is_file():
-        raise FileNotFoundError(f"docs: evidence file {EVIDENCE_DIR}/{name} is missing")
-    return path
+    for folder in EVIDENCE_DIRS:
+        if (REPO / folder / name).is_file():
+            return REPO / folder / name
+    raise FileNotFoundError(f"docs: evidence file {name} is in none of {', '.join(EVIDENCE_DIRS)}")
+
+
+def _where(name: str) -> str:
+    """'evidence/bench_cpu.json' or 'data/bench_h200.json': the committed path of an evidence file."""
+    return evidence(name).relative_to(REPO).as_posix()
 
 
 def _committed(name: str) -> str:
     """The date of the commit that last changed an evidence file (its measurement's date)."""
-    out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", f"{EVIDENCE_DIR}/{name}"], cwd=REPO,
+    out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", _where(name)], cwd=REPO,
                          capture_output=True, text=True)
     return out.stdout.strip() or "not committed yet"
 
@@ -191,7 +197,7 @@ def perf_cpu(name: str = "bench_cpu.json") -> str:
     head = (f"Measured {doc['started'][:10]} ({doc['started'][11:16]}–{doc['finished'][11:16]} UTC) on {m['cpu']}, "
             f"{m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads), Python {m['python']}; commit "
             f"`{doc['commits']['current'][:7]}` beside the base `{doc['commits']['base'][:7]}` in the same session. "
-            f"Note: {doc.get('note', '')}. Method: {doc.get('method', '')}. Source: `{EVIDENCE_DIR}/{name}`.")
+            f"Note: {doc.get('note', '')}. Method: {doc.get('method', '')}. Source: `{_where(name)}`.")
     return head + "\n\n" + table(("what", "median", "base", "ratio", "reps", "target",
                                   "load (1 min) before → after"), rows)
 
@@ -212,7 +218,7 @@ def perf_h200(name: str = "bench_h200.json") -> str:
     head = (f"{doc['gpu']} (sm {doc['capability']}, {doc['sm_count']} SMs), torch {doc['torch']}, CUDA {doc['cuda']}; "
             f"committed {_committed(name)}; machine load not recorded (a lent GPU, one job). Method: {doc['method']}. "
             f"Case: {g['rows']} rows, context {g['context']}, top-{g['topk']}, {g['kv_dtype']}, {g['selection']} "
-            f"selections, {rg['tiles_per_group_mean']} tiles per group, L2 flushed. Source: `{EVIDENCE_DIR}/{name}`.")
+            f"selections, {rg['tiles_per_group_mean']} tiles per group, L2 flushed. Source: `{_where(name)}`.")
     out = head + "\n\n" + table(("route", "ms", "µs per tile", "× unfixed", "barriers per tile"), rows)
     sweep = [(s["geometry"]["rows"], s["geometry"]["context"], f"{s['ms']['unfixed']:.3f}",
               f"{s['us_per_tile']['unfixed']:.2f}", f"×{s['ratio_to_unfixed']['kernel_fix']:.3f}",
@@ -234,7 +240,7 @@ def perf_upstream(name: str = "upstream_fix_cost_h200.json") -> str:
             for r in doc["rows"]]
     head = (f"{doc['what']}: {doc['gpu']}, committed {_committed(name)}. Upstream: {up['repo']} `{up['file']}` "
             f"@{up['unfixed_commit']}, kernel_fix (A) @{up['fix_a_commit']} ({up['fix_a_source']}; {up['built']}). "
-            f"Method: {doc['method']}. Checks: {doc['checks']} Source: `{EVIDENCE_DIR}/{name}`.")
+            f"Method: {doc['method']}. Checks: {doc['checks']} Source: `{_where(name)}`.")
     return head + "\n\n" + table(("rows", "upstream µs/tile", "upstream kernel_fix (A)", "qsa_lab µs/tile",
                                   "qsa_lab kernel_fix (A)"), rows)
 
@@ -245,7 +251,7 @@ def perf_playground(name: str = "bench_playground_cpu.json") -> str:
              f"{v['limit_s']} s") for p, v in doc["presets"].items()]
     head = (f"Playground redraws on the emulation: {doc['machine']}, {doc['cpus']} cores, torch {doc['torch']} "
             f"({doc['torch_threads']} threads), committed {_committed(name)}, load (1 min) {doc['load_avg_1min_start']} "
-            f"at start, {doc['load_avg_1min_end']} at the end; {doc['repeat']} repeats. Source: `{EVIDENCE_DIR}/{name}`.")
+            f"at start, {doc['load_avg_1min_end']} at the end; {doc['repeat']} repeats. Source: `{_where(name)}`.")
     return head + "\n\n" + table(("preset", "first draw", "median redraw", "slowest kind of change (median)",
                                   "limit"), rows)
 
@@ -256,7 +262,7 @@ def perf_emulate(name: str = "bench_emulate_cpu.json") -> str:
     head = (f"The default `diff` case ({g['rows']} rows, context {g['context']}, top-{g['topk']}, {g['kv_dtype']}) "
             f"through all 7 routes on the emulation, in process: {doc['machine']}, torch {doc['torch']} "
             f"({doc['torch_threads']} threads), committed {_committed(name)}, load not recorded. Method: {doc['method']} "
-            f"({doc['reps']} reps). Source: `{EVIDENCE_DIR}/{name}`.")
+            f"({doc['reps']} reps). Source: `{_where(name)}`.")
     return head + "\n\n" + table(("step", "median"), [(k, f"{v:.3f} s") for k, v in doc["median_s"].items()])
 
 
@@ -267,7 +273,7 @@ def _canary_counts(name: str = "canary_h200.json") -> str:
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
     cells = ", ".join(f"{v} {k}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
     return (f"{len(doc['results'])} cells on {doc['gpu']} (torch {doc['torch']}, committed {_committed(name)}): {cells}. "
-            f"Source: `{EVIDENCE_DIR}/{name}`.")
+            f"Source: `{_where(name)}`.")
 
 
 def _kernel_summary(doc: dict) -> dict[str, str]:
@@ -310,7 +316,7 @@ def canary_matrix(name: str = "canary_h200.json") -> str:
     rows = [(f"`{k}`", cpu_s.get(k, "-"), gpu_s.get(k, "-")) for k in kernels]
     head = (f"The canary's default case ({here['kv_dtype']} pool, every region × K/V × nan, inf, max). CPU: run while "
             f"this site was built (torch {here['torch']}, qsa routes on the emulation). GPU: {gpu['gpu']}, torch "
-            f"{gpu['torch']}, compiled kernels, committed {_committed(name)} (`{EVIDENCE_DIR}/{name}`).")
+            f"{gpu['torch']}, compiled kernels, committed {_committed(name)} (`{_where(name)}`).")
     return head + "\n\n" + table(("kernel", "CPU (this build)", gpu["gpu"]), rows)
 
 
@@ -334,7 +340,7 @@ def thirdparty(name: str = "canary_thirdparty_h200.json") -> str:
     rows = [(f"`{k}`", f"`{a}`", *(v.get(c, "-") for c in cols)) for (k, a), v in cells.items()]
     load = m.get("loadavg")
     head = (f"{doc['label']}; {versions}; load {load if load is not None else 'not recorded'}; committed "
-            f"{_committed(name)}. Source: `{EVIDENCE_DIR}/{name}`.")
+            f"{_committed(name)}. Source: `{_where(name)}`.")
     return head + "\n\n" + table(("kernel", "spec", *cols), rows)
 
 
@@ -351,7 +357,7 @@ def tile_rig(name: str = "tile_rig_h200.txt") -> str:
     rows = [("the whole tile (csrc/)", f"{base:.2f}", "-")]
     rows += [(k.replace("_", " "), f"{v:.2f}", f"{base - v:.2f}") for k, v in parts.items()]
     head = (f"{text.splitlines()[0].lstrip('# ')}; committed {_committed(name)}. The unfixed grouped kernel, L2 "
-            f"flushed, µs per 32-token tile. Source: `{EVIDENCE_DIR}/{name}`.")
+            f"flushed, µs per 32-token tile. Source: `{_where(name)}`.")
     return head + "\n\n" + table(("copy", "µs per tile", "saved against the whole tile"), rows)
 
 
@@ -368,7 +374,7 @@ def log_section(spec: str) -> str:
     try:
         start = lines.index(m.group(2))
     except ValueError:
-        raise ValueError(f"docs: {m.group(2)!r} is not a line of {EVIDENCE_DIR}/{m.group(1)}") from None
+        raise ValueError(f"docs: {m.group(2)!r} is not a line of {_where(m.group(1))}") from None
     body = []
     for line in lines[start + 1:]:
         if line.startswith(("==", "# ")):

@@ -38,7 +38,7 @@ EXT_NAME = "qsa_lab_kernels"
 CUDA_FLAGS = ("-O3", "-lineinfo", "-Xptxas=-warn-spills")
 STALE_LOCK_S = 600  # a torch build lock older than this was left by a killed build
 # what a first build costs, announced before it starts: 92.6 s on an H200 (sm_90, nvcc 13.0,
-# 16 cores; data/gpu_check_h200.log, "build wall"); fewer cores take longer
+# 16 cores; evidence/gpu_check_h200.log, "build wall"); fewer cores take longer
 BUILD_ESTIMATE = "about 1.5 minutes on an H200, longer with fewer cores"
 
 KV_FORMATS = {"e4m3": 0, "e5m2": 1, "fp16": 2}
@@ -237,9 +237,9 @@ def status() -> dict:
         "nvidia_smi": smi,
     }
     try:
-        from qsa_lab.routes.nvrtc import find_toolkit
+        from qsa_lab.support.machine import NVRTC_HINT, find_nvrtc
 
-        info["nvrtc_sm70_check"] = "available" if find_toolkit() else "wheels missing (pip install 'qsa_lab[nvrtc]')"
+        info["nvrtc_sm70_check"] = "available" if find_nvrtc() else f"wheels missing ({NVRTC_HINT})"
     except Exception as exc:  # doctor must never fail
         info["nvrtc_sm70_check"] = f"unavailable ({exc})"
     return info

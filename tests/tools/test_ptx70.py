@@ -1,8 +1,8 @@
-"""The CPU half of the compute_70 run check (qsa_lab.routes.ptx70, benchmarks/ptx70_check.py):
+"""The CPU half of the compute_70 run check (tools/ptx70.py, tools/ptx70_check.py):
 PTX of every entry point with NVRTC's own lowered names, ctypes mirrors of the parameter
 structs equal to the PTX's parameter sizes, the binding's launch mirrored, stale folders
-refused, broken PTX actually broken. The GPU half runs in benchmarks/ptx70_check.py check.
-Needs the `nvrtc` extra, like tests/test_nvrtc_sm70.py.
+refused, broken PTX actually broken. The GPU half runs in tools/ptx70_check.py check.
+Needs the `nvrtc` dependency group, like test_nvrtc_sm70.py.
 """
 import ctypes
 import importlib.util
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from qsa_lab.routes import compiled as kernels
+import nvrtc_sm70
+import ptx70
 from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
-from qsa_lab.routes import nvrtc, ptx70
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
 
@@ -32,7 +33,7 @@ def built(folder):
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("ptx70_check", ptx70.ROOT / "benchmarks" / "ptx70_check.py")
+    spec = importlib.util.spec_from_file_location("ptx70_check", ptx70.ROOT / "tools" / "ptx70_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -42,10 +43,10 @@ def test_every_entry_point_is_in_the_ptx_under_nvrtcs_name(built):
     manifest, ptx = built
     entries = manifest["entry_points"]
     grouped = [e for e in entries if e["kind"] == "grouped"]
-    assert len(grouped) == len(nvrtc.FORMATS) * len(nvrtc.VARIANTS)
-    assert sum(e["kind"] == "xqa_partition" for e in entries) == len(nvrtc.FORMATS)
+    assert len(grouped) == len(nvrtc_sm70.FORMATS) * len(nvrtc_sm70.VARIANTS)
+    assert sum(e["kind"] == "xqa_partition" for e in entries) == len(nvrtc_sm70.FORMATS)
     per_format = manifest["features"]["reduce_per_format"]
-    assert sum(e["kind"] == "xqa_reduce" for e in entries) == (len(nvrtc.FORMATS) if per_format else 1)
+    assert sum(e["kind"] == "xqa_reduce" for e in entries) == (len(nvrtc_sm70.FORMATS) if per_format else 1)
     assert len({e["lowered"] for e in entries}) == len(entries)
     for e in entries:
         assert re.search(rf"^\.(?:visible|weak) \.entry {re.escape(e['lowered'])}\(", ptx, re.M), e["label"]
@@ -54,7 +55,7 @@ def test_every_entry_point_is_in_the_ptx_under_nvrtcs_name(built):
         if e["variant"]:
             assert e["variant"] in kernels.VARIANTS  # the extension can run each variant the PTX has
     assert manifest["arch"] == "compute_70" and re.search(r"^\.target sm_70\b", ptx, re.M)
-    assert manifest["formats"] == list(nvrtc.FORMATS) and manifest["variants"] == list(nvrtc.VARIANTS)
+    assert manifest["formats"] == list(nvrtc_sm70.FORMATS) and manifest["variants"] == list(nvrtc_sm70.VARIANTS)
 
 
 def test_names_follow_the_enumerators():
@@ -66,7 +67,7 @@ def test_names_follow_the_enumerators():
 
 def test_ctypes_mirrors_equal_the_ptx_parameter_sizes(built):
     manifest, ptx = built
-    header = ptx70.header_text(ptx70.ROOT / "csrc", nvrtc)
+    header = ptx70.header_text(ptx70.ROOT / "csrc", nvrtc_sm70)
     for e in manifest["entry_points"]:
         info = ptx70.entry_params(ptx, e["lowered"])
         if e["params"] is None:
@@ -83,8 +84,8 @@ def test_ctypes_mirrors_equal_the_ptx_parameter_sizes(built):
 
 def test_a_struct_change_is_caught(built):
     manifest, ptx = built
-    header = ptx70.header_text(ptx70.ROOT / "csrc", nvrtc)
-    eps = ptx70.expected_entry_points(ptx70.ROOT / "csrc", nvrtc)
+    header = ptx70.header_text(ptx70.ROOT / "csrc", nvrtc_sm70)
+    eps = ptx70.expected_entry_points(ptx70.ROOT / "csrc", nvrtc_sm70)
     lowered = {e["expression"]: e["lowered"] for e in manifest["entry_points"]}
     ptx70.mirror_structs(header, ptx, eps, lowered)  # the real header passes
     grown = header.replace("float v_scale;\n};", "float v_scale;\n  int extra;\n};", 1)
@@ -179,9 +180,9 @@ def test_constants_come_from_the_headers(built):
             assert e["maxntid"] == c["grouped_threads" if e["kind"] == "grouped" else "xqa_threads"], e["label"]
     assert c["grouped_threads"] % 32 == 0 and set(c["xqa_partition"]) == set(kernels.KV_FORMATS)
     assert set(c["xqa_partial_bytes"].values()) <= {2, 4}
-    n = 2 + 2 * len(nvrtc.FORMATS)
+    n = 2 + 2 * len(nvrtc_sm70.FORMATS)
     swapped = re.sub(rf"({ptx70.CONSTANTS}\[{4 * n}\] = \{{)[^}}]*", r"\g<1>0, 2", ptx)
-    assert swapped != ptx and ptx70.ptx_constants(swapped, nvrtc.FORMATS)["grouped_threads"] == 512
+    assert swapped != ptx and ptx70.ptx_constants(swapped, nvrtc_sm70.FORMATS)["grouped_threads"] == 512
 
 
 @pytest.mark.parametrize("mutation", ptx70.MUTATIONS, ids=lambda m: m.name)
@@ -220,8 +221,8 @@ _ENTRIES = re.compile(r"^\.(?:visible|weak) \.entry ", re.M)
 
 def copy_checkout(dst):
     shutil.copytree(ptx70.ROOT / "csrc", dst / "csrc")
-    (dst / "qsa_lab" / "kernels").mkdir(parents=True)
-    shutil.copy(ptx70.ROOT / "qsa_lab" / "kernels" / "nvrtc.py", dst / "qsa_lab" / "kernels" / "nvrtc.py")
+    (dst / "tools").mkdir(parents=True)
+    shutil.copy(ptx70.ROOT / "tools" / "nvrtc_sm70.py", dst / "tools" / "nvrtc_sm70.py")
 
 
 def test_stale_folders_are_refused(folder, tmp_path):

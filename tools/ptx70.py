@@ -1,6 +1,6 @@
 """Run the compute_70 PTX of ``csrc/`` on a newer GPU, through the CUDA driver.
 
-The NVRTC check (``nvrtc.py``) proves that the device headers *compile* for a V100;
+The NVRTC check (``nvrtc_sm70.py``) proves that the device headers *compile* for a V100;
 this module proves the same code *runs*: the driver of any newer GPU JIT-compiles
 compute_70 PTX, so loading it executes exactly the instructions a V100 build uses
 (no sm_80+ features), with the V100 shared-memory opt-in and the binding's launch
@@ -8,7 +8,7 @@ configuration.
 
 Two halves, two machines:
 
-- ``generate(out, root)`` (no GPU; needs the ``nvrtc`` wheels): compile every entry
+- ``generate(out, root)`` (no GPU; needs the ``nvrtc`` dependency group): compile every entry
   point of ``root/csrc`` for compute_70 with NVRTC, ask NVRTC for each one's mangled
   name (name expressions, never spelled by hand), and write the PTX plus a manifest
   (csrc hashes, NVRTC version, lowered names, parameter sizes, launch constants).
@@ -22,7 +22,8 @@ Nothing about the kernels' arguments is assumed: ``GroupedParams`` / ``XqaParams
 read from the header into ``ctypes`` structures, whose size must equal the PTX's
 ``.param .align A .b8 <entry>_param_0[SIZE]``, and whose field names must equal the
 fields ``bindings.cu`` assigns; any difference refuses to run instead of passing a
-misread struct to a kernel. ``benchmarks/ptx70_check.py`` drives both halves.
+misread struct to a kernel. ``tools/ptx70_check.py`` drives both halves. Developer tooling: it
+works on a checkout and is not part of the wheel.
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qsa_lab.support.package_data import checkout
+import nvrtc_sm70   # beside this file: tools/ is on sys.path (python tools/ptx70_check.py, pytest's pythonpath)
+from qsa_lab.support.machine import find_nvrtc
 
-#: the checkout this tooling works on (None in an installed copy, which has no tests/ or benchmarks/)
-ROOT = checkout()
+#: the checkout this tooling sits in and works on by default
+ROOT = Path(__file__).resolve().parents[1]
 ARCH = "compute_70"
 PTX_FILE = "qsa_lab_compute70.ptx"
 MANIFEST_FILE = "manifest.json"
@@ -59,24 +61,14 @@ class StaleError(RuntimeError):
 
 # ---------------------------------------------------------------- entry points
 
-def _checkout(root) -> Path:
-    if root is None:
-        raise ValueError("root: the PTX tooling works on a checkout of qsa_lab (this copy is installed); "
-                         "pass the checkout's folder")
-    return Path(root)
-
-
 def nvrtc_module(root: Path = ROOT):
-    """`root`'s own qsa_lab/routes/nvrtc.py (FORMATS, VARIANTS, instantiation_source),
+    """`root`'s own tools/nvrtc_sm70.py (FORMATS, VARIANTS, instantiation_source),
     loaded by path so that a PTX for another checkout uses that checkout's lists."""
-    root = _checkout(root)
-    path = Path(root) / "qsa_lab" / "routes" / "nvrtc.py"
+    path = Path(root) / "tools" / "nvrtc_sm70.py"
     if not path.is_file():
-        raise ValueError(f"root: {root} holds no qsa_lab/routes/nvrtc.py")
-    if path.resolve() == Path(__file__).with_name("nvrtc.py").resolve():
-        from qsa_lab.routes import nvrtc
-
-        return nvrtc
+        raise ValueError(f"root: {root} holds no tools/nvrtc_sm70.py (not a qsa_lab checkout)")
+    if path.resolve() == Path(nvrtc_sm70.__file__).resolve():
+        return nvrtc_sm70
     name = f"_qsa_lab_nvrtc_{sha256(str(path.resolve()).encode())[:12]}"
     if name not in sys.modules:  # dataclasses look their module up in sys.modules
         spec = importlib.util.spec_from_file_location(name, path)
@@ -190,10 +182,8 @@ class Compiled:
 
 def compile_entry_points(source: str, expressions, include_dir: Path, toolkit, arch: str = ARCH) -> Compiled:
     """NVRTC `source` for `arch`, returning each name expression's lowered (mangled) name."""
-    from qsa_lab.routes import nvrtc
-
-    res = nvrtc.compile_ptx(source, arch, toolkit, name_expressions=tuple(expressions), include_dir=include_dir,
-                            program="qsa_lab_ptx70.cu")
+    res = nvrtc_sm70.compile_ptx(source, arch, toolkit, name_expressions=tuple(expressions),
+                                 include_dir=include_dir, program="qsa_lab_ptx70.cu")
     if not res.ok:
         raise RuntimeError(f"NVRTC {arch} failed:\n{res.log}")
     return Compiled(res.ptx, res.log, res.lowered, res.version, res.options)
@@ -314,7 +304,7 @@ def fill(cls: type, values: dict):
     missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
     if missing or extra:
         raise StaleError(f"{cls.__name__}: the header's fields and the launch mirror differ "
-                         f"(header only: {missing}, mirror only: {extra}); update qsa_lab/routes/ptx70.py")
+                         f"(header only: {missing}, mirror only: {extra}); update tools/ptx70.py")
     return cls(**{k: values[k] for k in names})
 
 
@@ -501,11 +491,11 @@ def mirror_structs(header: str, ptx: str, eps, lowered: dict) -> dict:
 
 def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) -> dict:
     """Compile every entry point of root/csrc for compute_70; write PTX + manifest to `out`."""
-    root, out = _checkout(root), Path(out)
+    root, out = Path(root), Path(out)
     nv = nvrtc_module(root)
-    toolkit = toolkit or nv.find_toolkit()
+    toolkit = toolkit or find_nvrtc()
     if toolkit is None:
-        raise RuntimeError("NVRTC wheels missing: pip install -r requirements-nvrtc.txt")
+        raise RuntimeError("NVRTC wheels missing: pip install --group nvrtc")
     files = [out / PTX_FILE, out / MANIFEST_FILE]
     if not force and any(f.exists() for f in files):
         raise FileExistsError(f"out: {out} already holds a PTX or manifest (pass force=True / --force to replace)")
@@ -555,7 +545,7 @@ def generate(out: Path, root: Path = ROOT, toolkit=None, force: bool = False) ->
 def read_folder(folder: Path, root: Path = ROOT) -> tuple[dict, str]:
     """(manifest, ptx) of `folder`, refused (StaleError) unless it was generated from the
     very csrc/ and nvrtc lists of `root` and the struct mirror still matches its PTX."""
-    folder, root = Path(folder), _checkout(root)
+    folder, root = Path(folder), Path(root)
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
         ptx = (folder / PTX_FILE).read_text()

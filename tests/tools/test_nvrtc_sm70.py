@@ -1,8 +1,8 @@
 """Every device header in csrc/ compiles for sm_70, sm_80 and sm_90 with NVRTC from CUDA 12,
 uses the tensor cores (WMMA -> `wmma.mma.sync` / `mma.sync` in the PTX) and nothing an SM70
 lacks. This is the proof, on a machine without a GPU or nvcc, that a V100 user can build
-the kernels. Needs the `nvrtc` extra (requirements-nvrtc.txt); under CI=true a missing
-wheel fails the test instead of skipping it.
+the kernels. Needs the `nvrtc` dependency group (pip install --group nvrtc); under CI=true a
+missing wheel fails the test instead of skipping it.
 """
 import json
 import re
@@ -12,20 +12,21 @@ from pathlib import Path
 import pytest
 
 from run_once import once_per_run
+import nvrtc_sm70
+import ptx70
 from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
-from qsa_lab.routes import nvrtc, ptx70
 
 TOOLKIT = nvrtc_toolkit()  # skips the module without the wheels (fails under CI=true)
 
 
 def test_every_header_is_in_the_check():
-    headers = sorted(p.name for p in nvrtc.CSRC.glob("*.cuh"))
-    assert headers == sorted(nvrtc.DEVICE_HEADERS), "a new csrc/*.cuh must be added to nvrtc.DEVICE_HEADERS"
+    headers = sorted(p.name for p in nvrtc_sm70.CSRC.glob("*.cuh"))
+    assert headers == sorted(nvrtc_sm70.DEVICE_HEADERS), "a new csrc/*.cuh must be added to DEVICE_HEADERS"
 
 
 def _compile(arch):
     def make(_folder) -> str:
-        res = nvrtc.compile_ptx(nvrtc.instantiation_source(), arch, TOOLKIT)
+        res = nvrtc_sm70.compile_ptx(nvrtc_sm70.instantiation_source(), arch, TOOLKIT)
         assert res.ok, f"NVRTC {arch} failed:\n{res.log}"
         assert "error" not in res.log.lower(), res.log
         return res.ptx
@@ -33,8 +34,8 @@ def _compile(arch):
 
 
 def _compute_70(tmp_path_factory) -> str:
-    """The compute_70 PTX is the one of tests/test_ptx70.py's folder, compiled once per run:
-    the same nvrtc.instantiation_source() through the same nvrtc.compile_ptx options, with
+    """The compute_70 PTX is the one of test_ptx70.py's folder, compiled once per run:
+    the same nvrtc_sm70.instantiation_source() through the same compile_ptx options, with
     ptx70's probe appended (one extern "C" kernel, qsa_ptx70_smem_probe, and two constant
     arrays) and another program name. Every header entry point comes out with the same
     instructions as from instantiation_source() alone (compared on NVRTC 12.9: the 24 entries
@@ -65,11 +66,11 @@ def ptx(tmp_path_factory):
 def test_headers_compile_with_tensor_cores(ptx, arch):
     text = ptx(arch)
     assert re.search(r"\b(wmma\.mma\.sync|mma\.sync)\b", text), "no tensor-core MMA in the PTX"
-    assert nvrtc.forbidden_instructions(text) == []
+    assert nvrtc_sm70.forbidden_instructions(text) == []
     # every entry point was instantiated: the grouped forward per format and variant,
     # the XQA partition and reduce kernels and the decoder per format
     entries = re.findall(r"^\.(?:visible|weak) \.entry (\w+)", text, re.M)
-    n_variants = len(nvrtc.VARIANTS)
+    n_variants = len(nvrtc_sm70.VARIANTS)
     assert n_variants == 5
     assert sum("grouped_page4_forward" in e for e in entries) == 3 * n_variants
     assert sum("xqa_partition_kernel" in e for e in entries) == 3
@@ -81,14 +82,14 @@ def test_every_variant_of_the_binding_is_instantiated():
     """The NVRTC check covers each kernel variant the Python side can launch."""
     from qsa_lab.routes.compiled import BARRIERS_PER_TILE, VARIANTS
 
-    assert len(nvrtc.VARIANTS) == len(VARIANTS) == len(BARRIERS_PER_TILE)
+    assert len(nvrtc_sm70.VARIANTS) == len(VARIANTS) == len(BARRIERS_PER_TILE)
 
 
 def test_forbidden_instruction_check_can_fail():
     """The forbidden-instruction scan finds what it looks for (it is not vacuous)."""
     sample = ("\tcp.async.ca.shared.global [%r1], [%rd2], 16;\n\t@%p1 ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1}, [%r2];\n"
               "\tcvt.rn.bf16.f32 %rs1, %f1;\n")
-    assert nvrtc.forbidden_instructions(sample) == ["cp.async", "ldmatrix", ".bf16"]
+    assert nvrtc_sm70.forbidden_instructions(sample) == ["cp.async", "ldmatrix", ".bf16"]
 
 
 def test_sm70_machine_code_fits_a_v100(ptx):
@@ -97,7 +98,7 @@ def test_sm70_machine_code_fits_a_v100(ptx):
     if TOOLKIT.ptxas is None:
         pytest.skip("ptxas not in the nvcc wheel")
     with tempfile.TemporaryDirectory() as d:
-        report = nvrtc.ptxas_report(ptx("compute_70"), "sm_70", TOOLKIT, Path(d))
+        report = nvrtc_sm70.ptxas_report(ptx("compute_70"), "sm_70", TOOLKIT, Path(d))
     assert "error" not in report.lower(), report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 128, report

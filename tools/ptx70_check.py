@@ -2,7 +2,7 @@
 
 Step 1, on any machine with the NVRTC wheels (no GPU):
 
-    python benchmarks/ptx70_check.py generate --out build/ptx70
+    python tools/ptx70_check.py generate --out build/ptx70
 
 compiles every grouped and XQA entry point for compute_70 (as the CI check does) into
 build/ptx70/ (the PTX + manifest.json: csrc hashes, NVRTC version, lowered names,
@@ -10,7 +10,7 @@ parameter sizes).
 
 Step 2, on the GPU machine, in a checkout with the same csrc/ (else it refuses):
 
-    python benchmarks/ptx70_check.py check --ptx build/ptx70 --log data/ptx70_h200.log
+    python tools/ptx70_check.py check --ptx build/ptx70 --log evidence/ptx70_h200.log
 
 JIT-loads that PTX through the CUDA driver, launches every entry point as the binding
 does, on every GPU test case (every variant, kv dtype, poison site, several q_heads /
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from qsa_lab.routes import ptx70
+import ptx70   # beside this file (tools/ is sys.path[0] when run as a script)
 
 # The GPU tests' shapes plus head_dim 48 (an odd number of 16-wide k-steps in Q K^T).
 SHAPES = ((1, 16, 4), (3, 64, 8), (5, 128, 16), (8, 256, 32), (2, 48, 16))

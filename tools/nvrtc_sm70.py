@@ -2,30 +2,30 @@
 
 This is the proof that a V100 (sm_70) user can build the kernels: the headers
 compile for ``compute_70`` and the PTX uses the tensor cores through WMMA. It needs
-three PyPI wheels (the ``nvrtc`` extra of this package):
+three PyPI wheels (the ``nvrtc`` dependency group: ``pip install --group nvrtc``):
 
 - ``nvidia-cuda-nvrtc-cu12``   libnvrtc.so.12 and its builtins
 - ``nvidia-cuda-runtime-cu12`` cuda_fp16.h, mma.h, vector types
 - ``nvidia-cuda-nvcc-cu12``    crt/mma.h (included by mma.h) and ptxas
 
-NVRTC is called through ctypes; nothing here needs torch or a CUDA driver.
+NVRTC is called through ctypes; nothing here needs torch or a CUDA driver. Developer tooling:
+it works on the checkout it sits in and is not part of the wheel (`qsa-lab doctor` only says
+whether the wheels are there, qsa_lab.support.machine.find_nvrtc).
+
+    python tools/nvrtc_sm70.py        # compile for compute_70 and show ptxas -v for sm_70
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__:  # imported as qsa_lab.routes.nvrtc: the installed copy's csrc/, or the checkout's
-    from qsa_lab.support.package_data import locate
+from qsa_lab.support.machine import NvrtcToolkit, find_nvrtc
 
-    CSRC = locate("csrc")
-else:  # loaded by path from another checkout (kernels/ptx70.py, nvrtc_module): that checkout's csrc/
-    CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"   # this checkout's (tools/ ships with no install)
 DEVICE_HEADERS = ("fp8_decode.cuh", "grouped_page4.cuh", "xqa_page4.cuh")
 
 FORMATS = ("qsa::kE4M3", "qsa::kE5M2", "qsa::kFP16")
@@ -56,41 +56,6 @@ def instantiation_source() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _package_dir(name: str) -> Path | None:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-@dataclass
-class Toolkit:
-    nvrtc: Path            # libnvrtc.so.12
-    builtins: Path         # libnvrtc-builtins.so.12.*
-    include_dirs: list     # cuda_runtime/include, cuda_nvcc/include
-    ptxas: Path | None     # for sm_70 register counts (optional)
-
-
-def find_toolkit() -> Toolkit | None:
-    """The NVRTC wheels' files, or None when a wheel is missing."""
-    try:
-        nvrtc_dir = _package_dir("nvidia.cuda_nvrtc")
-        runtime_dir = _package_dir("nvidia.cuda_runtime")
-        nvcc_dir = _package_dir("nvidia.cuda_nvcc")
-    except ModuleNotFoundError:
-        return None
-    if not (nvrtc_dir and runtime_dir and nvcc_dir):
-        return None
-    lib = nvrtc_dir / "lib"
-    nvrtc = lib / "libnvrtc.so.12"
-    builtins = sorted(lib.glob("libnvrtc-builtins.so.12*"))
-    includes = [runtime_dir / "include", nvcc_dir / "include"]
-    if not nvrtc.exists() or not builtins or not (includes[1] / "crt" / "mma.h").exists():
-        return None
-    ptxas = nvcc_dir / "bin" / "ptxas"
-    return Toolkit(nvrtc, builtins[0], includes, ptxas if ptxas.exists() else None)
-
-
 @dataclass
 class NvrtcResult:
     ok: bool
@@ -101,7 +66,7 @@ class NvrtcResult:
     options: list = field(default_factory=list)
 
 
-def compile_ptx(source: str, arch: str, toolkit: Toolkit, extra_options: tuple = (), *, name_expressions=(),
+def compile_ptx(source: str, arch: str, toolkit: NvrtcToolkit, extra_options: tuple = (), *, name_expressions=(),
                 include_dir: Path = CSRC, program: str = "qsa_lab_sm70_check.cu") -> NvrtcResult:
     """Compile `source` to PTX for `arch` (e.g. "compute_70") with NVRTC.
 
@@ -155,7 +120,7 @@ def forbidden_instructions(ptx: str) -> list[str]:
     return found + [t for t in FORBIDDEN_TYPES if re.search(re.escape(t) + r"\b", ptx)]
 
 
-def ptxas_report(ptx: str, sm: str, toolkit: Toolkit, workdir: Path) -> str:
+def ptxas_report(ptx: str, sm: str, toolkit: NvrtcToolkit, workdir: Path) -> str:
     """ptxas -v output (registers, spills, shared memory) for `sm` (e.g. "sm_70")."""
     if toolkit.ptxas is None:
         return "ptxas not available"
@@ -166,12 +131,12 @@ def ptxas_report(ptx: str, sm: str, toolkit: Toolkit, workdir: Path) -> str:
     return res.stdout + res.stderr
 
 
-if __name__ == "__main__":  # python -m qsa_lab.routes.nvrtc: compile for sm_70 and show ptxas -v
+if __name__ == "__main__":  # python tools/nvrtc_sm70.py: compile for sm_70 and show ptxas -v
     import tempfile
 
-    tk = find_toolkit()
+    tk = find_nvrtc()
     if tk is None:
-        raise SystemExit("NVRTC wheels missing: pip install 'qsa_lab[nvrtc]'")
+        raise SystemExit("NVRTC wheels missing: pip install --group nvrtc")
     result = compile_ptx(instantiation_source(), "compute_70", tk)
     print(result.log or "(no NVRTC messages)")
     if result.ok:
