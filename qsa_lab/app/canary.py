@@ -243,16 +243,27 @@ def run(args) -> int:
         close_overlap()   # not taken (bad input found later, a GPU run): ended with the command
 
 
+def _report_inputs(args, kernels: list) -> dict:
+    """{option: path} of the run's input files, which the report folder must not hold."""
+    out = {"--case": args.case} if args.case else {}
+    for k in kernels:
+        path = k.rpartition(":")[0]
+        if path.endswith(".py"):
+            out[f"kernel {k}"] = path
+    return out
+
+
 def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
     from qsa_lab.app.args import UsageError, blame as _blame
 
     from qsa_lab.canary.case import load_case  # torch from here on: every argument above was checked without it
     from qsa_lab.canary.runner import run_canary
+    report_inputs = _report_inputs(args, kernels)
     if args.report:  # checked before any kernel runs
         from qsa_lab.canary.report import check_report_dir
 
         with _blame({"report": "--report"}, "--report"):
-            check_report_dir(args.report, args.force)
+            check_report_dir(args.report, args.force, report_inputs)
     if args.vllm_src:
         from qsa_lab.canary.adapters.vllm import set_source
 
@@ -293,8 +304,9 @@ def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
         for s in report.skipped:
             what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
             print(f"# skipped {what}: {s['reason']}")
-        checked = sum(r.verdict in ("clean", "nan-leak", "inf-leak", "finite-leak") for r in report.results)
-        print(f"# {len(report.leaks())} leaking of {checked} checks ({len(report.results)} cells)")
+        from qsa_lab.canary.verdicts import summary
+
+        print(f"# {summary(doc['counts'])}")
         if "--json" in outs:
             from qsa_lab.support.outputs import write_text
 
@@ -304,7 +316,12 @@ def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
     if args.report:
         from qsa_lab.canary.report import write_report
 
-        path = write_report(report, args.report, force=args.force, progress=lambda m: print(f"# {m}", file=sys.stderr))
+        import shlex
+
+        with _blame({"report": "--report"}, "--report"):
+            path = write_report(report, args.report, force=args.force, inputs=report_inputs,
+                                command=shlex.join(["qsa-lab", *getattr(args, "argv", ["canary", "..."])]),
+                                progress=lambda m: print(f"# {m}", file=sys.stderr))
         print(f"# wrote {path} (and report.html, leak_matrix.png, calls/)", file=sys.stderr if args.json == "-" else None)
     debug = getattr(args, "debug", False)
     for f in report.failures():

@@ -491,6 +491,7 @@ def _main(argv=None) -> int:
     debug = "--debug" in argv
     try:
         args = parse_args(argv)
+        args.argv = list(argv)   # the command line as given, for what a run records (a report's "Command")
         with warnings.catch_warnings():  # a warning is one line too, e.g. a loaded q holding NaN
             warnings.simplefilter("always", UserWarning)  # every run says it, not only the first in a process
             warnings.showwarning = _show_warning

@@ -120,7 +120,7 @@ OTHER_PROGRAMS = {
     "--qsa-canary-report": "the pytest plugin", "--allow-root": "jupyter", "--ip": "jupyter",
     "--ptx": "benchmarks/ptx70_check.py", "--log": "benchmarks/ptx70_check.py",
     "--data": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
-    "--tensor-cores": "scripts/flashinfer_decode_window_nan.py",
+    "--tensor-cores": "a leak report's generated FlashInfer decode script (repro/*.py)",
 }
 
 
