@@ -52,7 +52,11 @@ PLAYGROUND = r"""
 import contextlib, io, json, time
 import matplotlib
 matplotlib.use("Agg")
-from qsa_lab.widgets import PRESETS, Params, Playground, RunCache
+try:
+    from qsa_lab.analysis.playground import PRESETS, Params, RunCache
+except ImportError:     # a base commit before the playground's split: its data lived in qsa_lab.widgets
+    from qsa_lab.widgets import PRESETS, Params, RunCache
+from qsa_lab.widgets import Playground
 preset = next(p for p in PRESETS if p.startswith("3-req scatter causal, 24 rows, ctx 8192"))
 t = time.perf_counter()
 with contextlib.redirect_stdout(io.StringIO()):

@@ -117,7 +117,8 @@ def figure_specs(results, table=None, backend: str = "none"):
 
     # 03: the playground's default view, drawn statically
     def playground():
-        from qsa_lab.widgets import Params, playground_data, render_playground
+        from qsa_lab.analysis.playground import Params, playground_data
+        from qsa_lab.plotting.playground import render_playground
 
         pd_ = playground_data(Params(backend=backend if backend in ("emulate", "cuda") else "emulate"))
         return render_playground(pd_), {"case": pd_["case"], "backend": backend}

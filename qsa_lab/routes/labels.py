@@ -53,3 +53,12 @@ def fix_label(fix: str) -> str:
 def short_routes(names: str) -> str:
     """'grouped,grouped+pad_fix' -> 'grp,B' (a comma-separated list of routes, shortened)."""
     return ",".join(SHORT.get(r, r) for r in names.split(",") if r) or "none"
+
+
+def slug(names) -> str:
+    """Names of fixes or routes joined for a file name: ('kernel_fix', 'pad_fix') -> 'kernel_fix+pad_fix',
+    () -> 'none'. The names themselves, never their letters: a file says what a table says."""
+    unknown = [n for n in names if n not in FIXES and n not in ROUTES]
+    if unknown:
+        raise ValueError(f"slug: {unknown} are not names of labels.FIXES or labels.ROUTES")
+    return "+".join(names) or "none"
