@@ -127,7 +127,7 @@ class Relay:
     (in the executor's thread) as each call returns."""
 
     def __init__(self, second: SecondProcess, answered=None):
-        self._second, self._lock, self._answered = second, threading.Lock(), answered
+        self._second, self._lock, self._answered = second, threading.Condition(), answered
         self._left: dict = {}       # key -> (fn, args), not sent yet, in order
         self._sent: dict = {}       # key -> Future
         self._busy = False          # a call is out
@@ -150,8 +150,10 @@ class Relay:
                 f = self._second.submit(fn, *args)
             except Exception:  # noqa: BLE001 - broken or closed: the caller runs what is left
                 self._failed, self._left[key] = True, (fn, args)
+                self._lock.notify_all()
                 return
             self._sent[key], self._busy = f, True
+            self._lock.notify_all()
         if self._answered is not None:
             f.add_done_callback(lambda f: f.cancelled() or f.exception() or self._answered(key))
         f.add_done_callback(self._send)
@@ -162,8 +164,10 @@ class Relay:
             return self._left.pop(key, None) is not None
 
     def result(self, key, timeout: float | None = None):
-        """The answer of call `key` (waiting for it); None when it failed or was never sent."""
+        """The answer of call `key` (waiting for it to be sent and answered); None when it failed,
+        or was taken back, or will never be sent (the process failed first)."""
         with self._lock:
+            self._lock.wait_for(lambda: key not in self._left or self._failed, timeout)
             f = self._sent.get(key)
         if f is None:
             return None
