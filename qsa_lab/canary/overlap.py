@@ -41,13 +41,11 @@ class Overlap:
         self.second, self.names, self.answered = second, list(names), False
         self.futures, self.cells = [], 0
 
-    def submit(self, case, slots, regions, planes, payloads, dims) -> list:
-        """Send each kernel's matrix -> the names it runs."""
-        from qsa_lab.canary.runner import run_overlap
-
+    def submit(self, run, case, slots, regions, planes, payloads, dims) -> list:
+        """Send each kernel's matrix to run there (run: runner.run_overlap) -> the names it runs."""
         self.cells = len(regions) * len(planes)
         try:
-            self.futures = [self.second.submit(run_overlap, [n], case, slots, regions, planes, payloads, dims)
+            self.futures = [self.second.submit(run, [n], case, slots, regions, planes, payloads, dims)
                             for n in self.names]
         except Exception:  # noqa: BLE001 - gone, or the case does not pickle: collect() answers None
             self.futures = []

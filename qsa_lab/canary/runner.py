@@ -449,7 +449,7 @@ def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, s
     from tqdm.auto import tqdm
 
     cells = [(r, pl) for r in regions for pl in planes]
-    remote = overlap.submit(case, slots, regions, planes, payloads, dims) if overlap else []
+    remote = overlap.submit(run_overlap, case, slots, regions, planes, payloads, dims) if overlap else []
     inputs, meta = _Pools(case, slots, dims), _meta(case)
     done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
