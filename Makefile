@@ -19,15 +19,17 @@ STAMP := $(ENV_DIR)/.qsa_lab-setup
 # TORCH_FALLBACK, TORCH_CUDA12, TORCH_CUDA12_INDEX (empty: PyPI) reach scripts/choose_torch.py
 # from the command line or the environment as they are; unset, it uses its own defaults
 
-.PHONY: setup demo test test-fast lab strip doctor wheel clean
+.PHONY: setup demo test test-fast lab strip doctor wheel docs clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py scripts/choose_torch.py
+# the package (editable) with its `lab` and `scribble` extras, and the `test` dependency group of pyproject.toml
+# (PEP 735: `pip install --group` needs pip >= 25.1, installed first)
+$(STAMP): pyproject.toml scripts/choose_torch.py
 	@if [ -z "$$CONDA_PREFIX" ] && [ ! -x .venv/bin/python ]; then echo "creating .venv"; python3 -m venv .venv; fi
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	@$(PY) scripts/choose_torch.py
-	$(PY) -m pip install -q -e ".[lab,test]"
+	$(PY) -m pip install -q -e ".[lab,scribble]" --group test
 	@# bytecode for the package's modules now: an editable install has none, and where
 	@# PYTHONDONTWRITEBYTECODE is set every qsa-lab process would compile them again (~0.1 s)
 	$(PY) -m compileall -q qsa_lab
@@ -69,5 +71,11 @@ doctor: setup
 wheel: setup
 	rm -rf dist && $(PY) -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
 
+# docs: the documentation site in site/ (mkdocs.yml; warnings are errors; the notebooks are
+# executed on the CPU emulation, the CLI reference and the tables are generated while it builds)
+docs: setup
+	$(PY) -m pip install -q --group docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf build dist results figures .pytest_cache
+	rm -rf build dist results figures site .pytest_cache

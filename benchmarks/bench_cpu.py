@@ -11,7 +11,7 @@ alternating which goes first, so every figure comes with its ratio to the base m
 same run, under the same load. The median of each row's repetitions is reported.
 
     python benchmarks/bench_cpu.py                         # every row; writes results/bench_cpu.json
-    python benchmarks/bench_cpu.py --data                  # ... and writes data/bench_cpu.json instead
+    python benchmarks/bench_cpu.py --evidence              # ... and writes evidence/bench_cpu.json instead
     python benchmarks/bench_cpu.py --rows help,diff_decode --reps 3
     python benchmarks/bench_cpu.py --resume                # rows already in the output file are kept
 
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--base-tree", type=Path, help="an existing checkout of the base instead of a temporary worktree")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_cpu.json",
                     help="output JSON (default results/bench_cpu.json)")
-    ap.add_argument("--data", action="store_true", help="write data/bench_cpu.json (the committed figures)")
+    ap.add_argument("--evidence", action="store_true", help="write evidence/bench_cpu.json (the committed figures)")
     ap.add_argument("--resume", action="store_true", help="keep the rows the output file has for these commits")
     ap.add_argument("--note", default="", help="free text stored in the JSON")
     args = ap.parse_args(argv)
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--rows: unknown {unknown}; rows: {', '.join(ROWS)}")
     reps = parse_reps(args.reps)
-    out = REPO / "data" / "bench_cpu.json" if args.data else args.out
+    out = REPO / "evidence" / "bench_cpu.json" if args.evidence else args.out
     base_sha = git("rev-parse", args.base)
     with contextlib.ExitStack() as stack:
         if args.base_tree:

@@ -2,7 +2,7 @@
 
 Method: one warm-up, then N timed repetitions of build -> poison -> all 7 routes, wall clock
 (time.perf_counter; CPU work is synchronous), median reported. Writes JSON with the machine.
-Usage: python benchmarks/bench_emulate.py [--reps 5] [--json data/bench_emulate_cpu.json]
+Usage: python benchmarks/bench_emulate.py [--reps 5] [--json evidence/bench_emulate_cpu.json]
 """
 import argparse
 import json

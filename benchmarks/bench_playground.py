@@ -1,7 +1,7 @@
 """Playground redraw times on the CPU emulation, every geometry preset.
 
     python benchmarks/bench_playground.py            # about 2-3 minutes; writes results/bench_playground_cpu.json
-    python benchmarks/bench_playground.py --json data/bench_playground_cpu.json   # refresh the committed numbers
+    python benchmarks/bench_playground.py --json evidence/bench_playground_cpu.json   # refresh the committed numbers
 
 Targets: redraw median (over every timed redraw of a preset) <= 1.0 s at the report's presets
 (context 8192), <= 0.3 s at the small ones (the default among them), first draw <= 2 s. A

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Hardware counters of the grouped variants on the report's geometry: cycles and instructions
 # per tile, stall reasons, barrier stalls. Clocks are left alone (--clock-control none).
-#   bash benchmarks/ncu_variants.sh [OUT_TXT]        (default data/ncu_variants_h200.txt)
+#   bash benchmarks/ncu_variants.sh [OUT_TXT]        (default evidence/ncu_variants_h200.txt)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
-OUT_TXT=${1:-data/ncu_variants_h200.txt}
+OUT_TXT=${1:-evidence/ncu_variants_h200.txt}
 TMP=$(mktemp -d)
-$PY -c "from qsa_lab import kernels; kernels.load()" || exit 1   # build outside the profiler
+$PY -c "from qsa_lab.routes import compiled; compiled.load()" || exit 1   # build outside the profiler
 BASE=gpu__time_duration.sum,sm__cycles_elapsed.max,launch__registers_per_thread,smsp__inst_executed.sum
 BASE=$BASE,l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum
 STALL=""

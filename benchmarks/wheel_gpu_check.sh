@@ -62,7 +62,8 @@ else
 stage "build the kernels from the installed csrc/"
 B0=$(date +%s)
 $PY -c "
-from qsa_lab import kernels, package_data
+from qsa_lab.routes import compiled as kernels
+from qsa_lab.support import package_data
 print('sources:', kernels.CSRC, '(' + package_data.origin() + ')')
 kernels.load()
 print('built in', kernels.build_dir())" || fail "kernel build"

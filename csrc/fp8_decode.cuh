@@ -1,7 +1,7 @@
 // KV-cache code -> fp16 decoding, as the SM70 grouped page4 route does it (E4M3 fn and E5M2 codes, or fp16).
 //
 // Device code only: no torch headers, so NVRTC can compile it for compute_70
-// (tests/test_nvrtc_sm70.py). The scale is NOT applied here: the kernels fold
+// (tests/tools/test_nvrtc_sm70.py). The scale is NOT applied here: the kernels fold
 // k_scale into the score scale and v_scale into the output, like the real route.
 #pragma once
 #include <cuda_fp16.h>

@@ -51,7 +51,7 @@
 //   Global reads are read-only (__ldg), so ptxas may issue the V panel's reads before B3;
 //   its shared-memory stores stay after it.
 //
-// Speed (H200, report geometry 16 rows x 8192 tokens, E4M3; data/ncu_variants_h200.txt,
+// Speed (H200, report geometry 16 rows x 8192 tokens, E4M3; evidence/ncu_variants_h200.txt,
 // data/bench_h200.json): about 6,800 cycles (3.5 us) and 610 issued instructions per warp
 // per tile, over five barrier-separated phases (K panel 22 %, QK 18 %, softmax 15 %,
 // rescale + V panel 24 %, P@V 13 % of warp time). Leaving one part out at a time

@@ -4,16 +4,10 @@ Data flow: case -> poison -> plan -> route -> fingerprint -> figure.
 """
 __version__ = "0.1.0"
 
-import atexit as _atexit
-import gc as _gc
-
-# At exit the interpreter's last garbage collections walk every object that torch, pandas and
-# matplotlib made: about 1 s of a Jupyter kernel's or a script's shutdown, against 0.2-0.4 s once
-# they are frozen first. Frozen objects are still freed when their last reference goes; only
-# reference cycles still alive at exit are left to the operating system. A caller who wants the
-# full collection back: atexit.unregister(gc.freeze).
-_atexit.register(_gc.freeze)
-del _atexit, _gc
+# Importing qsa_lab changes nothing in the host interpreter (no atexit handler, no signal handler,
+# no thread): the processes qsa_lab owns, the `qsa-lab` program and its second processes, end with
+# os._exit once their work is flushed, which skips the interpreter's teardown and its last garbage
+# collections (qsa_lab.app.cli._leave; tests/support/test_exit.py).
 
 # The names below are imported on first use (PEP 562; `qsa_lab.build_case` imports torch then):
 # `import qsa_lab.app.cli` and `qsa-lab --help` stay free of torch, and `python -m qsa_lab` / `qsa-lab`

@@ -38,6 +38,6 @@ try:
 except ImportError:
     pass
 EOF
-  echo "setup_e2e: pip install playwright jupyterlab (constraints: $(tr '\n' ' ' <"$constraints"))"
-  "$PY" -m pip install -q -c "$constraints" playwright "jupyterlab>=4"
+  echo "setup_e2e: pip install --group e2e (constraints: $(tr '\n' ' ' <"$constraints"))"
+  "$PY" -m pip install -q -c "$constraints" --group "$(dirname "$0")/../pyproject.toml:e2e"
 fi

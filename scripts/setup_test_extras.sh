@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Test-only extras that `make test` needs beyond the package: CUDA 12 NVRTC wheels (the sm_70
-# compile check of csrc/) and the browser end-to-end set-up. Idempotent.
+# Test-only sets that `make test` needs beyond `make setup`'s: the `nvrtc` dependency group of
+# pyproject.toml (CUDA 12 NVRTC wheels: the sm_70 compile check of csrc/, tests/tools/), its `docs`
+# group (the site's strict build, tests/docs/) and the browser end-to-end set-up (its `e2e` group
+# and Debian's Chromium). Idempotent.
 set -euo pipefail
 PY="${1:-python}"
-"$PY" -m pip install -q -r requirements-nvrtc.txt
+cd "$(dirname "$0")/.."
+"$PY" -m pip install -q --group nvrtc --group docs
 if [ -f scripts/setup_e2e.sh ]; then PY="$PY" bash scripts/setup_e2e.sh; fi

@@ -1,4 +1,4 @@
-"""Data for the timing figures (figdata's, without torch): the bench JSON (`qsa-lab bench`,
+"""Data for the timing figures (figure_data's, without torch): the bench JSON (`qsa-lab bench`,
 data/bench_h200.json) and upstream's fix-cost measurement reshaped into what plotting.plot_bench
 and plotting.plot_fix_cost draw. Notebook 05 reads the committed H200 runs with these alone, so
 on a machine without a GPU it never imports torch; qsa_lab.analysis.figure_data names them too.
@@ -8,13 +8,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qsa_lab.routes.labels import FIXES, fix_label, renamed_fix
 from qsa_lab.support.package_data import locate
 
 BENCH_JSON = locate("data") / "bench_h200.json"
 UPSTREAM_JSON = BENCH_JSON.with_name("upstream_fix_cost_h200.json")
-#: bench variant -> the label fix-cost figures and tables use (upstream names in brackets)
-FIX_LABELS = {"unfixed": "unfixed", "kernel_fix": "fix A (kernel)", "pad_fix": "fix B (pad)",
-              "both": "fix A+B", "masked_load": "fix C (masked load)"}
+#: the bench variants fix-cost figures and tables show: the unfixed kernel and every fix
+FIX_VARIANTS = ("unfixed", *FIXES)
+#: a bench point's tables that are keyed by variant
+PER_VARIANT = ("ms", "us_per_tile", "barriers_per_tile", "ratio_to_unfixed", "gbps", "sm_clock_mhz_after")
+
+
+def current_names(doc: dict) -> dict:
+    """A qsa_lab.bench/1 document with every variant by its name now (routes.labels): runs measured
+    before a rename (data/bench_h200.json) are read through labels.renamed_fix, numbers unchanged."""
+    def point(p):
+        return {k: {renamed_fix(v) or v: x for v, x in t.items()} if k in PER_VARIANT else t for k, t in p.items()}
+
+    out = dict(doc)
+    for k in ("report_geometry", "report_geometry_l2_warm"):
+        if k in out:
+            out[k] = point(out[k])
+    if "sweep" in out:
+        out["sweep"] = [point(p) for p in out["sweep"]]
+    return out
 
 
 def _bench_records(doc) -> list[dict]:
@@ -38,6 +55,7 @@ def bench_frame(doc, source: str = ""):
     if isinstance(doc, list):
         records, meta = doc, {}
     elif doc.get("schema") == "qsa_lab.bench/1":
+        doc = current_names(doc)
         records, meta = _bench_records(doc), {k: v for k, v in doc.items() if k not in ("sweep", "report_geometry", "report_geometry_l2_warm")}
     else:
         key = next((k for k in ("records", "results", "timings", "rows") if isinstance(doc.get(k), list)), None)
@@ -84,7 +102,7 @@ def bench_doc(live: bool, path: str | Path = BENCH_JSON) -> dict:
         from qsa_lab.routes.bench import run_bench
 
         return run_bench()
-    return json.loads(Path(path).read_text())
+    return current_names(json.loads(Path(path).read_text()))
 
 
 def load_upstream(path: str | Path = UPSTREAM_JSON) -> dict:
@@ -99,19 +117,21 @@ def fix_cost(bench: dict, upstream: dict | None = None, source: str = "") -> dic
     """What each fix costs, per 32-token tile, at the report's geometry -> dict for plot_fix_cost.
 
     bench: a qsa_lab.bench/1 document (live or data/bench_h200.json); upstream: load_upstream().
-    variants: label -> us per tile, ratio to unfixed, extra us per tile, and the ratio's range over
-    the sweep; upstream: its rows table (upstream's kernel and ours, same GPU and inputs)."""
+    variants: variant (unfixed or a fix) -> its label (labels.fix_label), us per tile, ratio to
+    unfixed, extra us per tile, and the ratio's range over the sweep; upstream: its rows table
+    (upstream's kernel and ours, same GPU and inputs)."""
+    bench = current_names(bench)
     rep = bench["report_geometry"]
     variants = {}
-    for v, label in FIX_LABELS.items():
+    for v in FIX_VARIANTS:
         if v not in rep.get("us_per_tile", {}):
             continue
         sweep = [p["ratio_to_unfixed"][v] for p in bench.get("sweep", []) if v in p.get("ratio_to_unfixed", {})]
         us = rep["us_per_tile"][v]
-        variants[label] = {"us_per_tile": us, "ratio": rep["ratio_to_unfixed"][v],
-                           "extra_us": us - rep["us_per_tile"]["unfixed"],
-                           "sweep_ratio": (min(sweep), max(sweep)) if sweep else None,
-                           "barriers": rep.get("barriers_per_tile", {}).get(v)}
+        variants[v] = {"label": fix_label(v), "us_per_tile": us, "ratio": rep["ratio_to_unfixed"][v],
+                       "extra_us": us - rep["us_per_tile"]["unfixed"],
+                       "sweep_ratio": (min(sweep), max(sweep)) if sweep else None,
+                       "barriers": rep.get("barriers_per_tile", {}).get(v)}
     report = bench.get("fix_a_vs_report", {}).get("report_v100_ratio") or (upstream or {}).get("report_v100_fix_a_ratio")
     g = rep["geometry"]
     return {"gpu": bench.get("gpu", "unknown GPU"), "source": source, "variants": variants,
@@ -120,7 +140,7 @@ def fix_cost(bench: dict, upstream: dict | None = None, source: str = "") -> dic
             "upstream": None if upstream is None else {
                 "rows": upstream["rows"], "gpu": upstream["gpu"],
                 "commits": f"{upstream['upstream']['repo']} @{upstream['upstream']['unfixed_commit']}, "
-                           f"fix A @{upstream['upstream']['fix_a_commit']}"}}
+                           f"{fix_label('kernel_fix')} @{upstream['upstream']['fix_a_commit']}"}}
 
 
 def fix_cost_table(upstream: dict):
@@ -128,6 +148,7 @@ def fix_cost_table(upstream: dict):
     import pandas as pd
 
     df = pd.DataFrame(upstream["rows"]).set_index("rows")
-    df.columns = ["upstream unfixed µs/tile", "upstream ×fix A", "upstream +µs", "qsa_lab unfixed µs/tile",
-                  "qsa_lab ×fix A", "qsa_lab +µs"]
+    fix_a = fix_label("kernel_fix")
+    df.columns = ["upstream unfixed µs/tile", f"upstream ×{fix_a}", "upstream +µs", "qsa_lab unfixed µs/tile",
+                  f"qsa_lab ×{fix_a}", "qsa_lab +µs"]
     return df

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-# the timings' figure data needs no torch (notebook 05): it lives in benchdata, named here too
-from qsa_lab.analysis.bench_data import (BENCH_JSON, FIX_LABELS, UPSTREAM_JSON, bench_data, bench_doc, bench_frame, fix_cost, fix_cost_table, load_bench, load_upstream)  # noqa: F401
+# the timings' figure data needs no torch (notebook 05): it lives in bench_data, named here too
+from qsa_lab.analysis.bench_data import (BENCH_JSON, FIX_VARIANTS, UPSTREAM_JSON, bench_data, bench_doc, bench_frame, fix_cost, fix_cost_table, load_bench, load_upstream)  # noqa: F401
 from qsa_lab.model.case import Case, Geometry, build_case, kv_values
 from qsa_lab.model.plan import GROUP, GroupedPlan
 from qsa_lab.model.poison import DIM_SITES, SITES, apply_poison, stale_tokens
-from qsa_lab.routes.run import ROUTES, RunResult
+from qsa_lab.routes.labels import ROUTES, SHORT, short_key, short_routes
+from qsa_lab.routes.run import RunResult
 
 PLANE_INDEX = {"k": 0, "v": 1}
 
@@ -206,10 +207,9 @@ def group_row_labels(groups: int, q_heads: int, m_tiles: int, xqa_rows: list) ->
     return out
 
 
-#: repro table column -> short header of repro_display (the NaN count of each route, fixes by letter)
-REPRO_NAN_COLUMNS = {"nan[reference]": "ref", "nan[xqa]": "xqa", "nan[grouped]": "grouped",
-                     "nan[grouped+kernel_fix]": "fix A", "nan[grouped+pad_fix]": "fix B",
-                     "nan[grouped+both_fixes]": "A+B", "nan[grouped+masked_load]": "fix C"}
+#: repro table column -> header of repro_display: the NaN count of each route, headed by its
+#: abbreviation (labels.SHORT: a notebook cell is narrow), the key in the table's caption
+REPRO_NAN_COLUMNS = {f"nan[{route}]": SHORT[route] for route in ROUTES}
 NOT_GIVEN = "—"
 
 
@@ -229,8 +229,6 @@ def repro_frame(table):
     import math
 
     import pandas as pd
-
-    from qsa_lab.routes.labels import short_routes
 
     def num(x):
         return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
@@ -261,7 +259,8 @@ def repro_frame(table):
 
 
 def repro_display(table):
-    """repro_frame as a styled table that fits a notebook cell: every column shown, headers and
+    """repro_frame as a styled table that fits a notebook cell: every column shown (the routes'
+    abbreviations spelled out in the caption), headers and
     case names wrapped, a NaN count green when the route's NaN mask equals the reference's,
     yellow when it differs as predicted, red when it differs unexpectedly; NOT_GIVEN, never NaN."""
     frame = repro_frame(table)
@@ -277,6 +276,7 @@ def repro_display(table):
                 "background-color:#d3f9d8" if route not in differ else
                 "background-color:#fff3bf" if route in expected else "background-color:#ffd6e0;color:#a00")
     return (frame.style.hide(axis="index").apply(lambda _: colours, axis=None, subset=counts)
+            .set_caption(f"NaN elements per route: {short_key(route_of[c] for c in counts)}")
             .set_properties(subset=["case"], **{"text-align": "left", "min-width": "12em", "white-space": "normal"})
             .set_properties(subset=["poisoned dims"], **{"max-width": "8em", "white-space": "normal"})
             .set_table_styles([{"selector": "", "props": "table-layout:auto; font-size:12px"},

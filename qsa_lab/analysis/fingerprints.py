@@ -8,7 +8,8 @@ import torch
 from qsa_lab.model.case import Case, neighbour_overlap, token_values, validate_case
 from qsa_lab.routes.extensions import extensions_used
 from qsa_lab.model.plan import (GROUP, TILE_ENTRIES, GroupedPlan, tile_active_m_tiles, unattended_tokens, xqa_tokens)
-from qsa_lab.routes.run import ROUTES, RunResult
+from qsa_lab.routes.labels import ROUTES
+from qsa_lab.routes.run import RunResult
 
 #: |route - reference| <= atol + rtol * |reference| (fp16 output, fp16 P, fp32 accumulation)
 TOLERANCE = {"e4m3": (2e-3, 2e-2), "e5m2": (2e-3, 2e-2), "fp16": (2e-3, 2e-2)}

@@ -37,6 +37,18 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _kernel_list(text: str) -> list[str]:
+    """_name_list, refusing an earlier spelling of a qsa route with its name now (labels.was_renamed)."""
+    from qsa_lab.routes.labels import was_renamed
+
+    names = _name_list(text)
+    for name in names:
+        message = name.startswith("qsa:") and was_renamed(name[4:], prefix="qsa:")
+        if message:
+            raise argparse.ArgumentTypeError(message)
+    return names
+
+
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -58,7 +70,7 @@ def add_parser(sub, parents=()):
                                    "inf-leak, finite-leak, error, unstable-control, input-modified or n/a. "
                                    "Exit 0 clean, 1 a leak, 3 a kernel failed, 2 bad input.")
     k = c.add_argument_group("kernels and matrix")
-    k.add_argument("--kernels", type=_name_list, metavar="K,..",
+    k.add_argument("--kernels", type=_kernel_list, metavar="K,..",
                    help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
                         "flashinfer:decode|decode-tc|prefill|prefill-fa2, vllm:unified|unified-3d (README "
                         "'Third-party kernels'), or module:function / file.py:function (default: every built-in "
@@ -231,16 +243,27 @@ def run(args) -> int:
             second.close()   # not taken (bad input found later, a GPU run): ended with the command
 
 
+def _report_inputs(args, kernels: list) -> dict:
+    """{option: path} of the run's input files, which the report folder must not hold."""
+    out = {"--case": args.case} if args.case else {}
+    for k in kernels:
+        path = k.rpartition(":")[0]
+        if path.endswith(".py"):
+            out[f"kernel {k}"] = path
+    return out
+
+
 def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
     from qsa_lab.app.args import UsageError, blame as _blame
 
     from qsa_lab.canary.case import load_case  # torch from here on: every argument above was checked without it
     from qsa_lab.canary.runner import run_canary
+    report_inputs = _report_inputs(args, kernels)
     if args.report:  # checked before any kernel runs
         from qsa_lab.canary.report import check_report_dir
 
         with _blame({"report": "--report"}, "--report"):
-            check_report_dir(args.report, args.force)
+            check_report_dir(args.report, args.force, report_inputs)
     if args.vllm_src:
         from qsa_lab.canary.adapters.vllm import set_source
 
@@ -280,8 +303,9 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
         for s in report.skipped:
             what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
             print(f"# skipped {what}: {s['reason']}")
-        checked = sum(r.verdict in ("clean", "nan-leak", "inf-leak", "finite-leak") for r in report.results)
-        print(f"# {len(report.leaks())} leaking of {checked} checks ({len(report.results)} cells)")
+        from qsa_lab.canary.verdicts import summary
+
+        print(f"# {summary(doc['counts'])}")
         if "--json" in outs:
             from qsa_lab.support.outputs import write_text
 
@@ -291,7 +315,12 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
     if args.report:
         from qsa_lab.canary.report import write_report
 
-        path = write_report(report, args.report, force=args.force, progress=lambda m: print(f"# {m}", file=sys.stderr))
+        import shlex
+
+        with _blame({"report": "--report"}, "--report"):
+            path = write_report(report, args.report, force=args.force, inputs=report_inputs,
+                                command=shlex.join(["qsa-lab", *getattr(args, "argv", ["canary", "..."])]),
+                                progress=lambda m: print(f"# {m}", file=sys.stderr))
         print(f"# wrote {path} (and report.html, leak_matrix.png, calls/)", file=sys.stderr if args.json == "-" else None)
     debug = getattr(args, "debug", False)
     for f in report.failures():

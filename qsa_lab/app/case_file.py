@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from qsa_lab import __version__
-from qsa_lab.model.case import Case, Geometry, validate_case
+from qsa_lab.model.case import Case, Geometry, no_poison, validate_case
+from qsa_lab.model.paged import SCALES, TENSORS
 from qsa_lab.support.outputs import _show, check_output, writing
 from qsa_lab.model.plan import GroupedPlan, plan_groups
 
-CASE_TENSORS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
+#: the file holds the paged record's tensors by name (TENSORS) and its scales (SCALES) as 0-d float32
 PLAN_TENSORS = ("plan.microblocks", "plan.masks", "plan.seq_len")
-SCALE_TENSORS = ("k_scale", "v_scale")
 MAX_HEADER_BYTES = 1 << 24  # our headers are a few KiB; safetensors itself caps at 100 MB
 
 
@@ -49,9 +49,8 @@ def save(result, path, overwrite: bool = False, arg: str = "path", origin: str |
         raise ValueError(f"origin: must be one of {ORIGINS} or None, got {origin!r}")
     path = check_output(path, arg, force=overwrite)
     case, plan = result.case.to("cpu"), result.plan.to("cpu")
-    tensors = {name: getattr(case, name).contiguous() for name in CASE_TENSORS}
-    tensors["k_scale"] = torch.tensor(case.k_scale, dtype=torch.float32)
-    tensors["v_scale"] = torch.tensor(case.v_scale, dtype=torch.float32)
+    tensors = {name: t.contiguous() for name, t in case.tensors().items()}
+    tensors.update({name: torch.tensor(getattr(case, name), dtype=torch.float32) for name in SCALES})
     tensors["plan.microblocks"] = plan.microblocks.contiguous()
     tensors["plan.masks"] = plan.masks.contiguous()
     tensors["plan.seq_len"] = plan.seq_len.contiguous()
@@ -124,8 +123,8 @@ def rebuild_mismatch(case: Case) -> list[str]:
                                  payload=p.get("payload"))
     except (TypeError, ValueError) as e:
         return [f"poison ({str(e).splitlines()[0]})"]
-    bad = [k for k in CASE_TENSORS if not _same(getattr(case, k), getattr(built, k))]
-    bad += [k for k in ("k_scale", "v_scale") if getattr(case, k) != getattr(built, k)]
+    bad = [k for k in TENSORS if not _same(getattr(case, k), getattr(built, k))]
+    bad += [k for k in SCALES if getattr(case, k) != getattr(built, k)]
     if json.dumps(p, sort_keys=True) != json.dumps(built.poison, sort_keys=True):
         bad.append("poison")
     return bad
@@ -232,7 +231,7 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
         raise ValueError(f"{where}: malformed metadata (expected string values)")
     tensors = _tensors(data, header, path, arg)
 
-    required = CASE_TENSORS + SCALE_TENSORS + PLAN_TENSORS
+    required = TENSORS + SCALES + PLAN_TENSORS
     missing = [k for k in required if k not in tensors]
     missing_meta = [k for k in ("geometry", "kv_dtype", "qsa_lab_version") if k not in meta]
     if missing or missing_meta:
@@ -258,7 +257,7 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
         raise ValueError(f"{where}: metadata 'sm_scale' {meta['sm_scale']} contradicts head_dim "
                          f"{geometry.head_dim} (expected {geometry.sm_scale!r})")
     scales = {}
-    for k in SCALE_TENSORS:
+    for k in SCALES:
         t = tensors[k]
         if t.dtype != torch.float32 or t.dim() != 0:
             raise ValueError(f"{where}: tensor {k} must be a 0-d float32, got {list(t.shape)} {t.dtype}")
@@ -266,9 +265,9 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
         if float(torch.tensor(scales[k], dtype=torch.float32)) != float(t):
             raise ValueError(f"{where}: metadata '{k}' {scales[k]!r} contradicts tensor {k} {float(t)!r}")
     poison = _meta_json(meta, "poison", where) if "poison" in meta else {}
-    poison = {"site": "none", "plane": "v", "nan_bytes": 0, "poisoned_dims": [], **poison}
+    poison = {**no_poison(), **poison}
 
-    case = Case(geometry, **{k: tensors[k] for k in CASE_TENSORS}, **scales, poison=poison)
+    case = Case(**{k: tensors[k] for k in TENSORS}, **scales, geometry=geometry, poison=poison)
     try:
         validate_case(case)
     except (TypeError, ValueError) as e:

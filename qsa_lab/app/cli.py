@@ -214,7 +214,7 @@ def _repro(args, out, files: dict, second=None) -> int:
 
     print(format_table(table))
     print("# the report's numbers come from its own data; ours from a regenerated case with the same mechanism")
-    doc = json.dumps({"schema": "qsa_lab.report.repro/1", "backend": backend,
+    doc = json.dumps({"schema": "qsa_lab.repro/1", "backend": backend,
                       "cases": json.loads(table.to_json(orient="records"))}, indent=2) + "\n"
     written = list(files.values())
     # everything is written before repro.csv / repro.json are published: a run that fails part-way
@@ -338,6 +338,12 @@ def _add_canary_parser(sub, parents=()):
     cli.add_parser(sub, parents).set_defaults(func=cmd_canary)
 
 
+def _add_scribble_parser(sub, parents=()):
+    from qsa_lab.app import scribble
+
+    scribble.add_parser(sub, parents)
+
+
 def build_parser():
     """One subparser per command; each sets `func`, so a new command is one add_parser +
     set_defaults. --debug is accepted before or after the command."""
@@ -373,7 +379,7 @@ def build_parser():
     b = sub.add_parser("bench", parents=[common], help="GPU timings of every route and fix",
                        description="Times every route and fix on the visible CUDA GPU (CUDA events, CUDA graphs, "
                                    "L2 flushed, medians): the report's geometry (16 rows, ctx 8192, top-512, E4M3; "
-                                   "µs per tile, ratio to unfixed, fix A beside the report's V100 ratio) and a "
+                                   "µs per tile, ratio to unfixed, kernel_fix (A) beside the report's V100 ratio) and a "
                                    "sweep of contexts x rows. Needs a GPU; the committed H200 run is "
                                    "data/bench_h200.json (notebook 05 and `make demo` draw it without one).")
     b.add_argument("--json", metavar="PATH", help="write the timings as JSON, schema qsa_lab.bench/1 (default: none)")
@@ -395,6 +401,7 @@ def build_parser():
     lab.add_argument("--no-browser", action="store_true", help="do not open a browser (default: open one)")
     lab.set_defaults(func=cmd_lab)
     _add_canary_parser(sub, parents=[common])
+    _add_scribble_parser(sub, parents=[common])
     return p
 
 
@@ -495,6 +502,7 @@ def _main(argv=None) -> int:
     debug = "--debug" in argv
     try:
         args = parse_args(argv)
+        args.argv = list(argv)   # the command line as given, for what a run records (a report's "Command")
         with warnings.catch_warnings():  # a warning is one line too, e.g. a loaded q holding NaN
             warnings.simplefilter("always", UserWarning)  # every run says it, not only the first in a process
             warnings.showwarning = _show_warning

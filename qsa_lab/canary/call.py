@@ -4,13 +4,15 @@ and `KernelSkipped`, which a kernel raises when it cannot run here. Built-in ker
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from qsa_lab.canary.case import CanaryCase, as_canary_case, validate
 from qsa_lab.model import fp8
-from qsa_lab.model.regions import SPARSE, AttentionSpec, attended_tokens
+from qsa_lab.model.regions import attended_tokens
 
 
 class KernelSkipped(Exception):
@@ -28,7 +30,7 @@ def plane_index(plane) -> int:
 
 
 @dataclass
-class PagedCall:
+class PagedCall(CanaryCase):
     """One paged-attention call, tensors on `device` (each call gets its own fresh copies).
 
     q            [rows, q_heads, head_dim] fp16
@@ -53,35 +55,20 @@ class PagedCall:
     row per request; a prefill chunk is several (query_lens(), qo_indptr()).
     The kernel returns [rows, q_heads, head_dim] (v_head_dim in MLA mode), any float dtype,
     on `device`: it is compared bit for bit against the same kernel's control run.
+
+    It is the canary's case (qsa_lab.canary.case.CanaryCase, the paged record of
+    qsa_lab.model.paged) on the run's device, plus the run's memo.
     """
 
-    q: torch.Tensor
-    kv_cache: torch.Tensor
-    k_scale: float
-    v_scale: float
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    token_to_req: torch.Tensor
-    positions: torch.Tensor
-    selected: torch.Tensor
-    sm_scale: float
-    kv_dtype: str
-    spec: AttentionSpec = SPARSE
-    mla: bool = False
-    v_head_dim: int | None = None
-    memo: dict = field(default_factory=dict, repr=False)
-    geometry: object = field(default=None, repr=False)
+    memo: dict = field(default_factory=dict, repr=False, kw_only=True)
 
     @classmethod
     def from_case(cls, case, device="cpu", memo: dict | None = None) -> "PagedCall":
         """From a CanaryCase or a qsa_lab Case (its tensors, moved to `device`; not copied)."""
-        from qsa_lab.canary.case import as_canary_case
-
         c = as_canary_case(case)
         c = c.to(device) if str(device) != str(c.device) else c
-        return cls(c.q, c.kv_cache, float(c.k_scale), float(c.v_scale), c.block_table, c.seq_lens, c.token_to_req,
-                   c.positions, c.selected, float(c.sm_scale), c.kv_dtype, c.spec, c.mla, c.v_head_dim,
-                   {} if memo is None else memo, c.geometry)
+        return c.view(cls, k_scale=float(c.k_scale), v_scale=float(c.v_scale), sm_scale=float(c.sm_scale),
+                      memo={} if memo is None else memo)
 
     def cached(self, key: str, make: Callable):
         """memo[key], computed by make() on first use."""
@@ -89,29 +76,14 @@ class PagedCall:
             self.memo[key] = make()
         return self.memo[key]
 
-    # -- shape --------------------------------------------------------------------------------------
-    device = property(lambda self: self.q.device)
-    rows = property(lambda self: int(self.q.shape[0]))
-    q_heads = property(lambda self: int(self.q.shape[1]))
-    requests = property(lambda self: int(self.seq_lens.shape[0]))
-    page_size = property(lambda self: int(self.kv_cache.shape[2]))
-    kv_heads = property(lambda self: int(self.kv_cache.shape[3]))
-    head_dim = property(lambda self: int(self.kv_cache.shape[4]))
+    def with_spec(self, spec) -> "PagedCall":
+        """The call under another spec, with a memo of its own (the cached masks would be stale)."""
+        return validate(dataclasses.replace(self, spec=spec, memo={}))
 
     @property
-    def out_dim(self) -> int:
-        return self.v_head_dim if self.mla else self.head_dim
-
-    @property
-    def case(self):
+    def case(self) -> CanaryCase:
         """This call as a CanaryCase (CPU; the same tensors when the call is on the CPU)."""
-        from qsa_lab.canary.case import CanaryCase
-
-        return CanaryCase(*(t.cpu() for t in (self.q, self.kv_cache)), self.k_scale, self.v_scale,
-                          *(t.cpu() for t in (self.block_table, self.seq_lens, self.token_to_req, self.positions,
-                                              self.selected)),
-                          kv_dtype=self.kv_dtype, spec=self.spec, sm_scale=self.sm_scale, mla=self.mla,
-                          v_head_dim=self.v_head_dim, geometry=self.geometry)
+        return self.view(CanaryCase).to("cpu")
 
     def to_case(self):
         """The qsa_lab Case of this call (what the qsa routes run; one KV head only)."""

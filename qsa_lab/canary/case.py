@@ -1,22 +1,20 @@
 """The canary's case: one paged-attention call at the kernel's own geometry.
 
-A `CanaryCase` holds what a kernel is given (see `PagedCall`) plus the attention spec that
-says what each row attends:
+A `CanaryCase` is the paged record (qsa_lab.model.paged: q, kv_cache, scales, block_table,
+seq_lens, token_to_req, positions, selected) of what a kernel is given (see `PagedCall`), plus
+the attention spec that says what each row attends and how to read the pool:
 
-    q            [rows, q_heads, head_dim] fp16
-    kv_cache     [pages, 2, page_size, kv_heads, head_dim] fp16, or uint8 fp8 codes (e4m3/e5m2);
-                 plane 0 = K, 1 = V; value = decode(element) * scale. GQA: query head h reads
-                 KV head h // (q_heads // kv_heads). MLA (`mla`): plane 0 holds the latent
-                 (read as K, head_dim = latent + rope) and V is its first `v_head_dim` dims;
-                 plane 1 is unused (zero), kv_heads is 1
-    block_table  [requests, max_pages] int32; entries past a request's last page are 0 (the null block)
-    seq_lens     [requests] int32; token_to_req [rows] int32; positions [rows] int64
-    selected     [rows, topk] int32 logical 4-token block ids, -1 unused (the sparse spec reads them)
-    spec         qsa_lab.model.regions.AttentionSpec
+    kv_dtype     fp16, or e4m3 / e5m2 for a uint8 pool of fp8 codes
+    spec         qsa_lab.model.regions.AttentionSpec (parsed here, once, when the case is made);
+                 the sparse spec reads `selected`
+    kv_heads     GQA: query head h reads KV head h // (q_heads // kv_heads)
+    mla          plane 0 holds the latent (read as K, head_dim = latent + rope) and V is its
+                 first `v_head_dim` dims; plane 1 is unused (zero), kv_heads is 1
 
-Layout: rows are grouped by request in request order, and a request's query rows are its
-LAST positions (row i of a request with n rows and seq_len s sits at position s - n + i):
-decode is one row per request, a prefill chunk `query_len` rows per request.
+block_table entries past a request's last page are 0 (the null block). Layout: rows are
+grouped by request in request order, and a request's query rows are its LAST positions (row i
+of a request with n rows and seq_len s sits at position s - n + i): decode is one row per
+request, a prefill chunk `query_len` rows per request.
 """
 from __future__ import annotations
 
@@ -27,10 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from qsa_lab.model import fp8
-from qsa_lab.model.case import KV_DTYPES, Case, Geometry, build_case, validate_case
+from qsa_lab.model.case import KV_DTYPES, Case, Geometry, build_case, no_poison, validate_case
+from qsa_lab.model.paged import (SCALES, PagedTensors, check_pages, check_selection, check_tensors, check_token_to_req,
+                                 need)
 from qsa_lab.model.regions import SPARSE, AttentionSpec, attended_tokens, with_free_pages
 
-TENSORS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
 #: small enough that every CPU kernel runs the whole matrix in seconds; three requests of
 #: 33, 32 and 31 tokens on 16-token pages: the shorter two have a padded (null) block-table
 #: entry, the first and last a stale tail; every row attends its whole prefix (topk covers it)
@@ -40,18 +39,11 @@ FREE_PAGES = 2
 
 
 @dataclass
-class CanaryCase:
-    q: torch.Tensor
-    kv_cache: torch.Tensor
-    k_scale: float
-    v_scale: float
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    token_to_req: torch.Tensor
-    positions: torch.Tensor
-    selected: torch.Tensor
+class CanaryCase(PagedTensors):
+    """The paged record of one call, and how a kernel reads it (the fields below)."""
+
     kv_dtype: str = "fp16"
-    spec: AttentionSpec = SPARSE
+    spec: AttentionSpec = SPARSE        # or its text ('dense', 'window:W[,sink:S]', ...); None: sparse
     sm_scale: float | None = None       # default 1 / sqrt(head_dim)
     mla: bool = False
     v_head_dim: int | None = None       # MLA: V is the first v_head_dim dims of the latent
@@ -62,18 +54,11 @@ class CanaryCase:
     def __post_init__(self):
         if self.sm_scale is None:
             self.sm_scale = 1.0 / math.sqrt(self.head_dim)
-        if isinstance(self.spec, str):
-            self.spec = AttentionSpec.parse(self.spec)
+        # the one place a spec is parsed: every door (canary_case, load_case, with_spec,
+        # as_canary_case, from_case, dataclasses.replace) makes the case through here
+        self.spec = SPARSE if self.spec is None else AttentionSpec.parse(self.spec)
 
-    # -- shape --------------------------------------------------------------------------------------
-    rows = property(lambda self: int(self.q.shape[0]))
-    q_heads = property(lambda self: int(self.q.shape[1]))
-    requests = property(lambda self: int(self.seq_lens.shape[0]))
-    page_size = property(lambda self: int(self.kv_cache.shape[2]))
-    kv_heads = property(lambda self: int(self.kv_cache.shape[3]))
-    head_dim = property(lambda self: int(self.kv_cache.shape[4]))
     kv_format = property(lambda self: self.kv_dtype)
-    device = property(lambda self: self.q.device)
 
     @property
     def out_dim(self) -> int:
@@ -83,20 +68,11 @@ class CanaryCase:
     def query_lens(self) -> torch.Tensor:
         return torch.bincount(self.token_to_req.cpu().long(), minlength=self.requests).to(torch.int32)
 
-    def tensors(self) -> dict:
-        return {k: getattr(self, k) for k in TENSORS}
-
     def clone(self) -> "CanaryCase":
-        return dataclasses.replace(self, **{k: t.clone() for k, t in self.tensors().items()},
-                                   poison=dict(self.poison))
-
-    def to(self, device) -> "CanaryCase":
-        return dataclasses.replace(self, **{k: t.to(device) for k, t in self.tensors().items()})
+        return dataclasses.replace(super().clone(), poison=dict(self.poison))
 
     def with_spec(self, spec) -> "CanaryCase":
-        out = dataclasses.replace(self, spec=AttentionSpec.parse(spec))
-        validate(out)
-        return out
+        return validate(dataclasses.replace(self, spec=spec))
 
     def attended(self) -> torch.Tensor:
         return attended_tokens(self)
@@ -124,17 +100,13 @@ class CanaryCase:
         g = self.geometry.replace(rows=self.rows, requests=self.requests, page_size=self.page_size,
                                   q_heads=self.q_heads, head_dim=self.head_dim, kv_dtype=self.kv_dtype,
                                   topk=int(self.selected.shape[1]))
-        return Case(g, self.q, self.kv_cache, float(self.k_scale), float(self.v_scale), self.block_table,
-                    self.seq_lens, self.token_to_req, self.positions, self.selected,
-                    poison={"site": "none", "plane": "v", "nan_bytes": 0, "poisoned_dims": []})
+        return self.view(Case, k_scale=float(self.k_scale), v_scale=float(self.v_scale), geometry=g,
+                         poison=no_poison())
 
     @classmethod
     def from_case(cls, case: Case, spec=None) -> "CanaryCase":
-        """A qsa_lab Case (one KV head) as a canary case; spec default sparse."""
-        return cls(**{k: getattr(case, k) for k in TENSORS}, k_scale=float(case.k_scale),
-                   v_scale=float(case.v_scale), kv_dtype=case.kv_format,
-                   spec=AttentionSpec.parse(spec) if spec is not None else SPARSE, sm_scale=case.sm_scale,
-                   geometry=case.geometry, source=getattr(case, "source", "built"))
+        """A qsa_lab Case (one KV head) as a canary case, the same tensors; spec default sparse."""
+        return case.view(cls, kv_dtype=case.kv_format, spec=spec, sm_scale=case.sm_scale)
 
     def geometry_dict(self) -> dict:
         base = self.geometry.to_dict() if self.geometry is not None else {}
@@ -163,7 +135,7 @@ def as_canary_case(case, spec=None) -> CanaryCase:
         case = CanaryCase.from_case(case, spec)
     elif isinstance(case, CanaryCase):
         if spec is not None:
-            case = dataclasses.replace(case, spec=AttentionSpec.parse(spec))
+            case = dataclasses.replace(case, spec=spec)
     else:
         raise TypeError(f"case must be a qsa_lab Case or CanaryCase, got {type(case).__name__}")
     return validate(case)
@@ -171,15 +143,7 @@ def as_canary_case(case, spec=None) -> CanaryCase:
 
 def validate(case: CanaryCase) -> CanaryCase:
     """Raise ValueError naming the tensor when a shape, dtype or range is wrong."""
-    def need(ok, arg, what):
-        if not ok:
-            raise ValueError(f"{arg}: expected {what}")
-
-    for k, t in case.tensors().items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{k}: expected a torch.Tensor, got {type(t).__name__}")
-    devices = {t.device for t in case.tensors().values()}
-    need(len(devices) == 1, "case", f"every tensor on one device, got {sorted(map(str, devices))}")
+    check_tensors(case)
     need(case.kv_dtype in KV_DTYPES, "kv_dtype", f"one of {KV_DTYPES}, got {case.kv_dtype!r}")
     kv, q = case.kv_cache, case.q
     kv_dt = torch.float16 if case.kv_dtype == "fp16" else torch.uint8
@@ -197,25 +161,13 @@ def validate(case: CanaryCase) -> CanaryCase:
         s = getattr(case, name)
         need(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0, name,
              f"a finite number > 0, got {s!r}")
-    R, rows, pages, ps = case.requests, case.rows, kv.shape[0], case.page_size
-    bt, seq = case.block_table, case.seq_lens
+    R, rows = case.requests, case.rows
+    bt, seq, t2r = case.block_table, case.seq_lens, case.token_to_req
     need(seq.dim() == 1 and seq.dtype == torch.int32 and R >= 1, "seq_lens", "[requests] int32, at least one")
     need(bt.dim() == 2 and bt.shape[0] == R and bt.dtype == torch.int32, "block_table",
          f"[requests={R}, max_pages] int32, got {list(bt.shape)} {bt.dtype}")
-    need(int(bt.min()) >= 0 and int(bt.max()) < pages, "block_table", f"physical pages in [0, {pages})")
-    need(int(seq.min()) >= 1 and int(seq.max()) <= bt.shape[1] * ps, "seq_lens",
-         f"in [1, max_pages * page_size = {bt.shape[1] * ps}]")
-    used = (torch.arange(bt.shape[1], device=bt.device) * ps).unsqueeze(0) < seq.long().unsqueeze(1)
-    bad = (bt == 0) & used
-    if bool(bad.any()):
-        r, p = torch.nonzero(bad)[0].tolist()
-        need(False, "block_table", f"no page 0 (the null block) inside seq_len; request {r}, logical page {p} is 0")
-    flat = bt[used].long()
-    need(flat.unique().numel() == flat.numel(), "block_table", "each physical page used by one request, once")
-    t2r = case.token_to_req
-    need(tuple(t2r.shape) == (rows,) and t2r.dtype == torch.int32 and int(t2r.min()) >= 0 and int(t2r.max()) < R,
-         "token_to_req", f"[rows={rows}] int32 in [0, {R})")
-    need(bool((t2r[1:] >= t2r[:-1]).all()), "token_to_req", "non-decreasing (each request's rows together, in order)")
+    check_pages(case)
+    check_token_to_req(case)
     need(tuple(case.positions.shape) == (rows,) and case.positions.dtype == torch.int64, "positions",
          f"[rows={rows}] int64")
     ql = case.query_lens().to(seq.device).long()
@@ -229,9 +181,7 @@ def validate(case: CanaryCase) -> CanaryCase:
          f"[rows={rows}, topk] int32, got {list(sel.shape)} {sel.dtype}")
     if case.spec.kind == "sparse":
         need(sel.shape[1] >= 1, "selected", "block selections for a sparse spec (or --attend dense / window:W)")
-        visible = torch.minimum(case.positions + 1, seq.long()[t2r.long()])
-        need(bool(((sel == -1) | ((sel >= 0) & (sel < (visible // 4).unsqueeze(1)))).all()), "selected",
-             "-1 or a fully visible logical block id (< visible // 4)")
+        check_selection(case)
     attended_tokens(case)  # a mask spec is checked against the case here
     return case
 
@@ -374,10 +324,10 @@ def load_case(path, attend=None) -> CanaryCase:
             geometry = geometry_from_json(meta["geometry"])
         except (TypeError, ValueError):
             geometry = None
-    scale = {k: float(t[k]) if k in t else float(meta.get(k, 1.0)) for k in ("k_scale", "v_scale")}
+    scale = {k: float(t[k]) if k in t else float(meta.get(k, 1.0)) for k in SCALES}
     sm = float(meta["sm_scale"]) if "sm_scale" in meta else None
     spec = attend if attend is not None else ("sparse" if sel.shape[1] else "dense")
     case = CanaryCase(q, kv.contiguous(), scale["k_scale"], scale["v_scale"], bt, seq, t2r, positions, sel,
-                      kv_dtype=kv_dtype, spec=AttentionSpec.parse(spec), sm_scale=sm, geometry=geometry,
+                      kv_dtype=kv_dtype, spec=spec, sm_scale=sm, geometry=geometry,
                       source=str(path))
     return validate(case)

@@ -36,8 +36,8 @@ import torch
 
 from qsa_lab.canary.call import KernelSkipped, PagedCall
 from qsa_lab.support.processes import end as _end, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
+from qsa_lab.model.paged import TENSORS as INPUTS  # the paged call's tensors, declared once
 
-INPUTS = ("q", "kv_cache", "block_table", "seq_lens", "token_to_req", "positions", "selected")
 DEFAULT_TIMEOUT = 600.0
 LOAD_TIMEOUT_MIN = 120.0     # importing a module (torch, the kernel's own deps) on a loaded machine
 

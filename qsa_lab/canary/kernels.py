@@ -7,8 +7,10 @@ dtype is free (compared bit for bit against the same kernel's control run). It m
 `KernelSkipped("why")` when it cannot run here; the canary reports that reason.
 
 Built in:
-    qsa:<route>          every qsa_lab route (reference, xqa, grouped and its fixes), on the
-                         chosen backend (compiled kernels or the emulation)
+    qsa:<route>          every qsa_lab route by its name in routes.labels (reference, xqa, grouped,
+                         grouped+kernel_fix, ...), on the chosen backend (compiled kernels or the
+                         emulation); an earlier spelling of a route is refused, naming the
+                         route's name now (labels.was_renamed)
     torch:sdpa-math      scaled_dot_product_attention over WHOLE pages of each row's block
     torch:sdpa-efficient table (decoded to fp16 with the scales), unattended slots masked by a
     torch:sdpa-cudnn     boolean mask; the named backend forced with sdpa_kernel. All but math
@@ -28,6 +30,7 @@ from typing import Callable
 import torch
 
 from qsa_lab.canary.call import KernelSkipped, PagedCall, plane_index  # noqa: F401 - named here too
+from qsa_lab.routes.labels import ROUTES, check_renamed
 
 
 # -- qsa_lab routes --------------------------------------------------------------------------------
@@ -204,8 +207,6 @@ def registered() -> dict:
 
 
 def builtin_kernels() -> tuple:
-    from qsa_lab.routes.run import ROUTES
-
     return tuple(f"qsa:{r}" for r in ROUTES) + tuple(TORCH_KERNELS) + tuple(REGISTERED)
 
 
@@ -232,9 +233,8 @@ def resolve_kernel(kernel, qsa_backend: str | None, qsa_reason: str | None = Non
     if not isinstance(kernel, str):
         raise TypeError(f"kernels: expected names or callables, got {type(kernel).__name__}")
     if kernel.startswith("qsa:"):
-        from qsa_lab.routes.run import ROUTES
-
         route = kernel[4:]
+        check_renamed(route, "kernels", prefix="qsa:")
         if route not in ROUTES:
             raise ValueError(f"kernels: unknown qsa route {route!r}; choose from {ROUTES}")
         if qsa_backend is None:

@@ -147,10 +147,14 @@ def run(cfg: Config, report_dir=None):
             from qsa_lab.canary.report import _slug, write_report
 
             folder = Path(report_dir) / _slug(cfg.name)
-            write_report(report, folder, force=True, fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel)
-                         else None)
-            for f in sorted((folder / "calls").glob("*.safetensors")):
-                replays[f.name] = f"python -m qsa_lab.canary.replay {f}"
+            try:   # the same rules as --report: an existing report (perhaps edited by its user) is kept
+                write_report(report, folder, fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel) else None)
+            except (ValueError, FileExistsError) as e:
+                import warnings
+
+                warnings.warn(f"qsa_lab canary: no report written: {e}", stacklevel=1)
+            for f in sorted((folder / "calls").glob("*.safetensors")):   # one per region x plane
+                replays[tuple(f.stem.split("__")[1:3])] = f"cd {folder} && python -m qsa_lab.canary.replay calls/{f.name}"
         _runs[cfg] = (report, replays)
     return _runs[cfg]
 
@@ -197,11 +201,8 @@ class Cell:
         msg = (f"{name} leaks {r.payload} from region {self.region} on the {self.plane.upper()} plane: {r.verdict}, "
                f"{what} ({r.nan} NaN, {r.inf} Inf, {r.finite_changed} finite changed; rows {w['rows'][:12]}, "
                f"heads {w['heads']}) [{report.case.describe()}]")
-        from qsa_lab.canary.report import _slug
-
-        slug = _slug(f"{name}__{self.region}__{self.plane}__{self.payload}")
-        if slug + ".safetensors" in replays:
-            msg += f"\n  replay: {replays[slug + '.safetensors']}"
+        if (self.region, self.plane) in replays:
+            msg += f"\n  replay: {replays[self.region, self.plane]}"
         pytest.fail(msg, pytrace=False)
 
 

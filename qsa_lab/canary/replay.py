@@ -4,13 +4,18 @@
 
 Runs the kernel on the control call (the poisoned slots zero-filled) and on the poisoned
 call, compares them bit for bit, and prints the NaN / Inf / changed counts with the rows,
-heads and dims they sit in. Exit 0: clean (the leak no longer shows), 1: it leaks, 2: bad
-input, 3: the kernel raised or could not run here.
+heads and dims they sit in. Exit 1: the leak reproduces, 0: it does not (clean), 3: it cannot
+run or cannot tell here (the kernel does not load or raised, or the control output holds NaN /
+Inf), 2: bad input (not a call file). The same rule as the report's standalone scripts.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+class CannotRun(RuntimeError):
+    """The saved call is fine, but its kernel cannot run (or be judged) here: exit 3."""
 
 
 def replay(path, kernel=None, backend: str = "auto") -> dict:
@@ -28,7 +33,10 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     device, qsa_backend, qsa_reason = resolve_devices(backend, control.geometry, qsa)
     if qsa and (control.qsa_unsupported() or qsa_backend is None):
         raise RuntimeError(f"{name} cannot run here: {control.qsa_unsupported() or qsa_reason}")
-    runner = kernel_runner(name, qsa_backend)
+    try:
+        runner = kernel_runner(name, qsa_backend)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not load here cannot run: exit 3, not bad input
+        raise CannotRun(f"the kernel {kernel_name(name)} cannot be loaded here: {type(e).__name__}: {e}") from None
     try:
         ctrl = _outputs(runner, control, device)
         out = _outputs(runner, poisoned, device)
@@ -40,7 +48,9 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     return {"kernel": kernel_name(name), "verdict": verdict,
             "recorded": meta["verdict"], "region": meta["region"], "plane": meta["plane"],
             "payload": meta["payload"], **counts, **where, "outputs": int(out.numel()), "device": str(device),
-            "control_nan": int(torch.isnan(ctrl).sum())}
+            "control_nan": int((~torch.isfinite(ctrl)).sum()),
+            "first_nan": torch.nonzero(torch.isnan(out) & changed)[0].tolist() if bool((torch.isnan(out) & changed).any())
+            else None}
 
 
 def main(argv=None) -> int:
@@ -64,6 +74,11 @@ def main(argv=None) -> int:
           f"control {r['control_nan']} NaN; poisoned {r['nan']} NaN, {r['inf']} Inf, "
           f"{r['finite_changed']} finite changed of {r['outputs']} outputs ({where})")
     print(f"verdict {r['verdict']} (recorded when saved: {r['recorded']})")
+    if r["nan"] and r.get("first_nan") is not None:
+        print(f"first NaN at [row, head, dim] {r['first_nan']}")
+    if r["control_nan"]:
+        print("replay: cannot tell: the control output holds NaN", file=sys.stderr)
+        return 3
     return 0 if r["verdict"] == "clean" else 1
 
 

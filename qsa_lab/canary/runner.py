@@ -36,13 +36,11 @@ from qsa_lab.canary.overlap import take as take_overlap
 from qsa_lab.canary.execution import bits as _as_bits
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
 
+from qsa_lab.canary.verdicts import CHECKED, DEFAULT_PAYLOADS, FAILURES, LEAKS, VERDICTS  # noqa: F401 - named here too
+from qsa_lab.canary.verdicts import counts as verdict_counts
+
 SCHEMA = "qsa_lab.canary/1"
 PLANES = {"k": 0, "v": 1}
-DEFAULT_PAYLOADS = ("nan", "inf", "max")
-LEAKS = ("nan-leak", "inf-leak", "finite-leak")
-FAILURES = ("error", "unstable-control", "input-modified")
-VERDICTS = ("clean",) + LEAKS + FAILURES + ("n/a",)
-CHECKED = ("clean",) + LEAKS        # verdicts that are a leak check that ran
 #: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its
 #: padding entries (default), only each request's used pages (page_table()), or tables of its
 #: own that pad with the null block (the qsa grouped routes' plan)
@@ -114,6 +112,10 @@ class CanaryReport:
     def non_clean(self) -> list:
         return [r for r in self.results if r.verdict != "clean"]
 
+    def counts(self) -> dict:
+        """{"cells", "checks", "leaking"} (qsa_lab.canary.verdicts.counts): what every surface prints."""
+        return verdict_counts(r.verdict for r in self.results)
+
     def checks(self, kernel: str) -> int:
         """Cells of `kernel` whose leak check ran (clean or a leak)."""
         return sum(r.kernel == kernel and r.verdict in CHECKED for r in self.results)
@@ -153,7 +155,7 @@ class CanaryReport:
                 "kv_dtype": c.kv_dtype, "attend": str(c.spec), "geometry": c.geometry_dict(),
                 "pool_pages": int(c.kv_cache.shape[0]), "regions": region_sizes(c),
                 "payload_bits": {p: f"0x{payload_bits(c.kv_dtype, p):X}" for p in _available_payloads(c.kv_dtype)},
-                "timeout_s": self.timeout, "kernels": list(self.kernels),
+                "timeout_s": self.timeout, "kernels": list(self.kernels), "counts": self.counts(),
                 "results": [r.to_dict() for r in self.results], "skipped": list(self.skipped),
                 "failures": self.failures(), "exit_code": self.exit_code()}
 

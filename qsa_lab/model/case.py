@@ -1,15 +1,8 @@
-"""A case: the tensors the route reads, built from a Geometry.
+"""A case: the paged record the routes read (qsa_lab.model.paged), built from a Geometry.
 
-    q            [rows, q_heads, head_dim] fp16
-    kv_cache     [pages, 2, page_size, 1, head_dim] uint8 codes (e4m3/e5m2) or fp16
-    block_table  [requests, max_pages] int32   logical page -> physical page (never 0)
-    seq_lens     [requests] int32
-    token_to_req [rows] int32
-    positions    [rows] int64
-    selected     [rows, topk] int32            logical 4-token block ids, -1 = unused
-
-Page 0 is the null block: never mapped, left all zero by the builder (poison.py
-writes to it). Scales are per-tensor: value = decode(code) * scale.
+One KV head: kv_cache is [pages, 2, page_size, 1, head_dim], uint8 codes (e4m3/e5m2) or fp16.
+Page 0 is the null block: never mapped, left all zero by the builder (poison.py writes to it).
+Scales are per-tensor: value = decode(code) * scale.
 """
 from __future__ import annotations
 
@@ -24,6 +17,7 @@ import torch
 
 from qsa_lab.model import fp8
 from qsa_lab.model.geometry import (DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS, Geometry)  # noqa: F401
+from qsa_lab.model.paged import PagedTensors, check_pages, check_selection, check_tensors, check_token_to_req, need
 
 SINK_BLOCKS = 4      # leading blocks every row keeps (attention sink)
 WINDOW_BLOCKS = 128  # trailing complete blocks every row keeps (local window; topk // 4 if fewer)
@@ -37,24 +31,18 @@ CALIBRATION_CHUNK = 8      # grid points scored at once
 SCORE_CHUNK = 64           # rows scored at once
 
 
-@dataclass
-class Case:
-    geometry: Geometry
-    q: torch.Tensor
-    kv_cache: torch.Tensor
-    k_scale: float
-    v_scale: float
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    token_to_req: torch.Tensor
-    positions: torch.Tensor
-    selected: torch.Tensor
-    poison: dict = field(default_factory=lambda: {"site": "none", "plane": "v", "nan_bytes": 0,
-                                                  "poisoned_dims": []})
+def no_poison() -> dict:
+    """The poison record of a case nothing was written into."""
+    return {"site": "none", "plane": "v", "nan_bytes": 0, "poisoned_dims": []}
 
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
+
+@dataclass
+class Case(PagedTensors):
+    """The paged record (qsa_lab.model.paged) of one KV head, with the Geometry that describes it
+    and the record of the poison written into it (qsa_lab.model.poison)."""
+
+    geometry: Geometry = field(kw_only=True)
+    poison: dict = field(default_factory=no_poison, kw_only=True)
 
     @property
     def kv_format(self) -> str:
@@ -64,12 +52,9 @@ class Case:
     def sm_scale(self) -> float:
         return self.geometry.sm_scale
 
-    def to(self, device) -> "Case":
-        moved = {f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
-                 else getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Case(**moved)
-
     def clone(self) -> "Case":
+        """A copy whose pool (what poison writes) and poison record are fresh; the other tensors
+        are shared (a poisoned query gets a new q: the playground tells it by `q is`)."""
         return dataclasses.replace(self, kv_cache=self.kv_cache.clone(), poison=dict(self.poison))
 
     def decoded_plane(self, plane: int) -> torch.Tensor:
@@ -151,11 +136,6 @@ def decoded_once(kv_cache: torch.Tensor, kv_dtype: str):
         yield
     finally:
         del _DECODED[id(kv_cache)]
-
-
-def visible_tokens(case: Case) -> torch.Tensor:
-    """[rows] int64: tokens each row may see, min(position + 1, seq_len)."""
-    return torch.minimum(case.positions + 1, case.seq_lens.long()[case.token_to_req.long()])
 
 
 def _selections(visible: torch.Tensor, topk: int, gen: torch.Generator) -> torch.Tensor:
@@ -359,8 +339,8 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
         selected = _selections(visible, g.topk, gen)
     else:
         selected = _indexer_selections(g, positions, token_to_req, visible, gen)
-    case = Case(g, q, kv_cache.contiguous(), k_scale, v_scale, block_table, seq_lens,
-                token_to_req, positions, selected)
+    case = Case(q, kv_cache.contiguous(), k_scale, v_scale, block_table, seq_lens, token_to_req, positions, selected,
+                geometry=g)
     return case.to(device) if str(device) != "cpu" else case
 
 
@@ -466,18 +446,7 @@ def validate_case(case: Case) -> Case:
     g = case.geometry
     rows, hq, d = g.rows, g.q_heads, g.head_dim
 
-    def need(ok, arg, what):
-        if not ok:
-            raise ValueError(f"{arg}: expected {what}")
-
-    tensors = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)
-               if f.name not in ("geometry", "poison", "k_scale", "v_scale")}
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    devices = {t.device for t in tensors.values()}
-    need(len(devices) == 1, "case", f"every tensor on one device, got {sorted(map(str, devices))}")
-    dev = devices.pop()
+    dev = check_tensors(case)
     need(dev.type in ("cpu", "cuda"), "device", f"cpu or cuda, got {dev}")
     need(dev.type != "cuda" or (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()),
          "device", f"a visible CUDA device, got {dev}")
@@ -498,44 +467,20 @@ def validate_case(case: Case) -> Case:
          f"[requests={reqs}] int32")
     need(case.block_table.dim() == 2 and case.block_table.shape[0] == reqs
          and case.block_table.dtype == torch.int32, "block_table", f"[requests={reqs}, max_pages] int32")
-    need(case.block_table.numel() == 0 or (0 <= int(case.block_table.min())
-                                           and int(case.block_table.max()) < kv.shape[0]),
-         "block_table", f"physical pages in [0, {kv.shape[0]})")
-    need(int(case.seq_lens.max()) <= case.block_table.shape[1] * g.page_size and int(case.seq_lens.min()) >= 1,
-         "seq_lens", "in [1, max_pages * page_size]")
-    # page 0 is the null block: a request's pages inside its seq_len must all be real
-    used = (torch.arange(case.block_table.shape[1], device=dev) * g.page_size).unsqueeze(0) \
-        < case.seq_lens.long().unsqueeze(1)
-    bad = (case.block_table == 0) & used
-    if bool(bad.any()):
-        r, p = torch.nonzero(bad)[0].tolist()
-        need(False, "block_table", f"no page 0 (the null block) inside seq_len; request {r}, logical page {p} is 0")
-    pages = case.block_table[used].long()
-    twice = torch.bincount(pages, minlength=kv.shape[0]) > 1 if pages.numel() else pages.bool()
-    if bool(twice.any()):
-        page = int(torch.nonzero(twice)[0])
-        where = torch.nonzero((case.block_table == page) & used).tolist()
-        need(False, "block_table", f"each physical page at most once inside seq_len (shared pages are not "
-             f"modelled); page {page} is mapped at (request, logical page) {where[:4]}")
-    need(tuple(case.token_to_req.shape) == (rows,) and case.token_to_req.dtype == torch.int32
-         and 0 <= int(case.token_to_req.min()) and int(case.token_to_req.max()) < reqs,
-         "token_to_req", f"[rows={rows}] int32 in [0, {reqs})")
+    check_pages(case)
+    check_token_to_req(case)
     need(tuple(case.positions.shape) == (rows,) and case.positions.dtype == torch.int64
          and int(case.positions.min()) >= 0, "positions", f"[rows={rows}] int64 >= 0")
     sel = case.selected
     need(tuple(sel.shape) == (rows, g.topk) and sel.dtype == torch.int32, "selected",
          f"[rows={rows}, topk={g.topk}] int32")
-    need(bool((case.token_to_req[1:] >= case.token_to_req[:-1]).all()), "token_to_req",
-         "non-decreasing (each request's rows together, in order)")
     beyond = case.positions >= case.seq_lens.long()[case.token_to_req.long()]
     if bool(beyond.any()):
         r = int(torch.nonzero(beyond)[0])
         need(False, "positions", f"each row's position < its request's seq_len (a row attends tokens <= its "
              f"position, and only written tokens exist); row {r} is at {int(case.positions[r])}, seq_len "
              f"{int(case.seq_lens[case.token_to_req[r]])}")
-    complete = (visible_tokens(case) // 4).unsqueeze(1)
-    need(bool(((sel == -1) | ((sel >= 0) & (sel < complete))).all()), "selected",
-         "-1 or a fully visible logical block id (< visible // 4)")
+    check_selection(case)
     real = sel >= 0
     need(not bool((real[:, 1:] & ~real[:, :-1]).any()), "selected",
          "each row's block ids first, then -1 padding (a -1 before a real id)")

@@ -1,4 +1,4 @@
-"""The grouped page4 planner, its pad-fix (fix B), and XQA's token lists.
+"""The grouped page4 planner, its pad_fix (B), and XQA's token lists.
 
 Everything is torch ops on the case's device. Shapes:
     attended microblocks per row: microblock [rows, topk+1] int64 (-1 unused),
@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from qsa_lab.model.case import Case, visible_tokens
+from qsa_lab.model.case import Case
+from qsa_lab.model.paged import visible_tokens
 
 GROUP = 8            # query rows per CTA
 TILE_ENTRIES = 8     # microblocks per 32-token tile

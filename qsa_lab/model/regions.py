@@ -27,9 +27,8 @@ from it as bytes the call can reach but no row attends, each a set of token slot
 
 A dense spec has no in-range unattended token: every written slot is attended by the
 request's last row. Poison sites (qsa_lab.model.poison), the analysis and the canary
-(qsa_lab.canary) all use this one model. A case is anything with the tensors of a
-qsa_lab Case (kv_cache [pages, 2, page_size, kv_heads, head_dim], block_table, seq_lens,
-token_to_req, positions, selected) and optionally a `spec` (default sparse).
+(qsa_lab.canary) all use this one model. A case is a view of the paged record
+(qsa_lab.model.paged: Case, CanaryCase, PagedCall) and optionally has a `spec` (default sparse).
 """
 from __future__ import annotations
 
@@ -38,6 +37,8 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+
+from qsa_lab.model.paged import visible_tokens
 
 KINDS = ("dense", "window", "sparse", "mask")
 #: spec kind -> its in-range unattended region (dense has none)
@@ -182,7 +183,7 @@ def attended_tokens(case) -> torch.Tensor:
                              f"{int(seq[r])}")
         return out
     # sparse: selected complete 4-token blocks plus the tail, as qsa_lab.model.plan's XQA token lists
-    visible = torch.minimum(pos + 1, seq)
+    visible = visible_tokens(case).cpu().unsqueeze(1)
     sel = case.selected.detach().cpu().long()
     blocks = -(-T // MICROBLOCK) + 1
     chosen = torch.zeros(req.numel(), blocks, dtype=torch.bool)

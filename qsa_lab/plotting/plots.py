@@ -368,9 +368,6 @@ def update_route_comparison(ax, data: dict):
 
 # -- tables and timings ------------------------------------------------------------------------------
 
-REPRO_COLUMNS = [("nan[reference]", "reference"), ("nan[xqa]", "xqa"), ("nan[grouped]", "grouped"),
-                 ("nan[grouped+kernel_fix]", "fix A"), ("nan[grouped+pad_fix]", "fix B"),
-                 ("nan[grouped+both_fixes]", "A+B"), ("nan[grouped+masked_load]", "fix C")]
 SAME_COLOR, DIFF_COLOR, EXPECTED_DIFF_COLOR = "#d3f9d8", "#ffd6e0", "#fff3bf"
 
 
@@ -381,13 +378,14 @@ def plot_repro_table(table, ax=None):
     unexpectedly; then the worst max |fix - xqa| and whether repeated runs were bit-identical."""
     from matplotlib.patches import Patch
 
-    from qsa_lab.routes.labels import SHORT, short_routes
+    from qsa_lab.routes.labels import ROUTES, SHORT, heading, short_key, short_routes
 
     ax = _ax(ax, (14, 0.32 * len(table) + 1.4))
     ax.axis("off")
-    cols = [c for c, _ in REPRO_COLUMNS if c in table.columns]
+    routes = [r for r in ROUTES if f"nan[{r}]" in table.columns]
+    cols = [f"nan[{r}]" for r in routes]
     diff_cols = [c for c in table.columns if c.startswith("max|grouped+")]
-    header = (["case", "poisoned dims"] + [dict(REPRO_COLUMNS)[c] for c in cols]
+    header = (["case", "poisoned dims"] + [heading(r).replace(" ", "\n") for r in routes]
               + ["expected to differ", "as expected", "max|fix-xqa|", "repeat ="])
     cells, colors = [], []
     for _, r in table.iterrows():
@@ -413,7 +411,7 @@ def plot_repro_table(table, ax=None):
     tab = ax.table(cellText=cells, colLabels=header, cellColours=colors, bbox=[0, 0, 1, 1], cellLoc="center")
     tab.auto_set_font_size(False)
     tab.set_fontsize(8.5)
-    widths = [0.24, 0.1] + [0.05] * len(cols) + [0.11, 0.065, 0.09, 0.05]
+    widths = [0.235, 0.1] + [0.06] * len(cols) + [0.095, 0.06, 0.085, 0.045]
     for (i, j), cell in tab.get_celld().items():
         cell.set_width(widths[j] / sum(widths))
     for j in range(len(header)):
@@ -421,8 +419,8 @@ def plot_repro_table(table, ax=None):
     for i in range(len(cells)):
         tab[i + 1, 0].set_text_props(ha="left")
         tab[i + 1, 0].PAD = 0.02
-    title = table.attrs.get("title", "differential harness: NaN elements per route "
-                                     "(A kernel fix, B pad-fix, C masked load; reference = float64)")
+    title = table.attrs.get("title", "differential harness: NaN elements per route (reference = float64)\n"
+                                     f"expected to differ: {short_key(routes)}")
     ax.set_title(title, fontsize=10)
     ax.legend(handles=[Patch(color=SAME_COLOR, label="NaN mask = the reference's"),
                        Patch(color=EXPECTED_DIFF_COLOR, label="differs, as the mechanism predicts"),
@@ -467,16 +465,19 @@ def plot_bench(data, ax=None):
     return ax
 
 
-FIX_COLORS = {"unfixed": "#8c9fb5", "fix A (kernel)": "#d9480f", "fix B (pad)": "#74b816", "fix A+B": "#e8590c",
-              "fix C (masked load)": "#1c7ed6"}
+#: bench variant (unfixed or a fix of routes.labels) -> its colour in the fix-cost figure
+FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816", "both_fixes": "#e8590c",
+              "masked_load": "#1c7ed6"}
 
 
 def plot_fix_cost(data: dict, fig=None):
     """data: figdata.fix_cost. Three panels, one question each, all horizontal (no rotated label):
     (1) µs per 32-token tile of every variant with its extra µs; (2) its ratio to unfixed, the
     sweep's range as a whisker, the report's V100 ratio as a dashed line; (3) upstream's own
-    kernel beside ours on the same GPU: unfixed and fix A µs per tile per row count. -> Figure"""
+    kernel beside ours on the same GPU: unfixed and kernel_fix µs per tile per row count. -> Figure"""
     import matplotlib.pyplot as plt
+
+    from qsa_lab.routes.labels import fix_label
 
     if fig is None:
         fig = plt.figure(figsize=(14, 4.6), layout="constrained")
@@ -492,7 +493,7 @@ def plot_fix_cost(data: dict, fig=None):
     for yi, n, u in zip(y, names, us):
         extra = v[n]["extra_us"]
         ax.text(u * 1.01, yi, f"{u:.2f} µs" + ("" if n == "unfixed" else f"  ({extra:+.2f})"), va="center", fontsize=9)
-    ax.set_yticks(y, names, fontsize=9)
+    ax.set_yticks(y, [fix_label(n) for n in names], fontsize=9)
     ax.set_xlim(0, max(us) * 1.45)
     ax.set_xlabel("µs per 32-token tile")
     ax.set_title(f"cost per tile, {data['gpu']}", fontsize=10)
@@ -509,7 +510,7 @@ def plot_fix_cost(data: dict, fig=None):
     hi = max([1.1] + ratios + ([rep] if rep else []))
     if rep:
         ax.axvline(rep, color="black", ls="--", lw=1.2)
-        ax.text(rep - 0.005, y[-1] - 0.45, f"report, V100:\nfix A ×{rep:.2f}\n(ms per iteration)", ha="right",
+        ax.text(rep - 0.005, y[-1] - 0.45, f"report, V100:\n{fix_label('kernel_fix')} ×{rep:.2f}\n(ms per iteration)", ha="right",
                 va="bottom", fontsize=8.5)
     ax.axvline(1, color="grey", lw=0.8)
     ax.set_xlim(0.9, hi + 0.06)
@@ -522,9 +523,11 @@ def plot_fix_cost(data: dict, fig=None):
         yy = np.arange(len(rows))[::-1]
         h = 0.2
         series = [("upstream unfixed", "upstream_unfixed_us_per_tile", None, "#adb5bd"),
-                  ("upstream fix A", "upstream_unfixed_us_per_tile", "upstream_fix_a_ratio", "#868e96"),
+                  (f"upstream {fix_label('kernel_fix')}", "upstream_unfixed_us_per_tile", "upstream_fix_a_ratio",
+                   "#868e96"),
                   ("qsa_lab unfixed", "qsa_lab_unfixed_us_per_tile", None, "#8c9fb5"),
-                  ("qsa_lab fix A", "qsa_lab_unfixed_us_per_tile", "qsa_lab_fix_a_ratio", "#d9480f")]
+                  (f"qsa_lab {fix_label('kernel_fix')}", "qsa_lab_unfixed_us_per_tile", "qsa_lab_fix_a_ratio",
+                   FIX_COLORS["kernel_fix"])]
         for k, (label, base, ratio, color) in enumerate(series):
             vals = [r[base] * (r[ratio] if ratio else 1) for r in up["rows"]]
             pos = yy + (1.5 - k) * h

@@ -12,7 +12,7 @@ from qsa_lab.analysis.fingerprints import max_abs_diff, nan_dims
 from qsa_lab.model.case import Geometry, build_case
 from qsa_lab.model.geometry import CAUSAL3, CAUSAL3_SEED, DECODE  # noqa: F401 - the report's presets
 from qsa_lab.model.poison import REPORT_DIMS, apply_poison
-from qsa_lab.routes.labels import FIXED_ROUTES, GROUPED, SHORT, short_routes
+from qsa_lab.routes.labels import FIXED_ROUTES, GROUPED, SHORT, short_key, short_routes
 from qsa_lab.routes.run import RunResult, run_routes
 
 REPORT_CSV = package_data.locate("data") / "report_verification.csv"
@@ -43,7 +43,7 @@ REPRO_CASES = [
     ReproCase("fp16 recurrent state on page 0", DECODE, {"site": "fp16-state"}, None,
               "~0.39% NaN bytes; unfixed NaN, fixes clean", ("grouped",)),
     ReproCase("stale tail bytes (beyond the report)", CAUSAL3, {"site": "stale-tail", "dims": list(REPORT_DIMS)}, None,
-              "unfixed AND pad-fix NaN; kernel fix and masked load clean", ("grouped", "grouped+pad_fix")),
+              "unfixed AND pad_fix NaN; kernel_fix and masked_load clean", ("grouped", "grouped+pad_fix")),
     ReproCase("control: K plane only", DECODE, {"site": "targeted", "plane": "k", "dims": list(REPORT_DIMS)},
               None, "clean everywhere (select masking discards K)"),
     ReproCase("control: fp16 KV", DECODE.replace(kv_dtype="fp16"), {"site": "targeted", "dims": list(REPORT_DIMS)},
@@ -220,7 +220,7 @@ def _threads(processes: int, others: float) -> tuple:
 
 def format_table(table, width: int = 120) -> str:
     """The repro table for a terminal, every line <= `width` characters: NaN elements per
-    route (ref = float64 reference; A kernel fix, B pad-fix, C masked load), the report's
+    route (headed by labels.SHORT, whose key follows the table), the report's
     number, the worst max |fix - xqa|, which routes' NaN mask differs from the reference's
     (`*` marks a count whose mask differs) against what the mechanism predicts, and a verdict.
     The expectations follow the table, one line per case."""
@@ -244,15 +244,24 @@ def format_table(table, width: int = 120) -> str:
         name = name if len(name) <= case_w else name[:case_w - 1] + "…"
         lines.append(f"{i + 1:>2} {name:<{case_w}}{cells}{rep:>7} {worst:>12}  {got:<14} "
                      f"{'yes' if r.get('as_expected') else 'NO'}")
-    lines += ["# NaN elements per route (ref = float64 reference, A kernel fix, B pad-fix, C masked load);",
-              "# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes",
+    lines += _wrap(f"# NaN elements per route ({short_key(routes)}; the reference in float64);", width, "# ", ", ")
+    lines += ["# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes",
               "# the mechanism predicts differ. report: the report's grouped NaN count (=dims: its words",
               "# 'matches poisoned dims'). Expected, by case (predicted to differ in brackets):"]
     for i, r in table.reset_index(drop=True).iterrows():
-        text = f"#{i + 1:>3}: {r.get('expect', '')} [{short_routes(str(r.get('expected_to_differ', '')))}]"
-        while len(text) > width:                     # wrap at a space, never past `width`
-            cut = text.rfind(" ", 0, width)
-            lines.append(text[:cut])
-            text = "#      " + text[cut + 1:]
-        lines.append(text)
+        lines += _wrap(f"#{i + 1:>3}: {r.get('expect', '')} [{short_routes(str(r.get('expected_to_differ', '')))}]",
+                       width, "#      ")
     return "\n".join(lines)
+
+
+def _wrap(text: str, width: int, indent: str, sep: str = " ") -> list[str]:
+    """text as lines of at most `width` characters, cut after a `sep` (kept but for its spaces), else
+    at a space; the lines after the first indented."""
+    lines = []
+    while len(text) > width:
+        cut = text.rfind(sep, len(indent), width - len(sep.rstrip()) + 1)
+        if cut < 0:
+            sep, cut = " ", text.rfind(" ", 0, width + 1)
+        lines.append(text[:cut + len(sep.rstrip())])
+        text = indent + text[cut + len(sep):]
+    return lines + [text]

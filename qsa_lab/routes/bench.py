@@ -12,9 +12,9 @@ x 4 tokens x head_dim x 2 planes x bytes per element, plus Q and the output. XQA
 PyTorch baseline are given the same denominator for the same rows (what the grouped
 route must read), so their GB/s compare work done, not bytes moved.
 
-Variants: unfixed, kernel_fix (fix A), pad_fix (fix B: unfixed kernel on the pad-fixed
-plan; the pad-fix ops are timed apart as pad_fix_op), both (A on the pad-fixed plan),
-masked_load (fix C), early_v (not upstream: the unfixed kernel reading each tile's V
+Variants: unfixed, each fix of routes.labels by its name: kernel_fix (A), pad_fix (B: the
+unfixed kernel on the pad-fixed plan; the pad-fix ops are timed apart as pad_fix_op),
+both_fixes (A+B: kernel_fix on the pad-fixed plan), masked_load (C); early_v (not upstream: the unfixed kernel reading each tile's V
 bytes together with K), xqa (all rows, row-wise), torch_sdpa (gather each row's attended
 tokens, decode, torch.nn.functional.scaled_dot_product_attention).
 
@@ -33,18 +33,20 @@ from pathlib import Path
 import torch
 
 from qsa_lab.routes.compiled import BARRIERS_PER_TILE, grouped_forward, xqa_forward
+from qsa_lab.routes.labels import GROUPED, check_renamed, fix_of
 
 REPORT = dict(rows=16, context=8192, topk=512, kv_dtype="e4m3")
 SWEEP_CONTEXTS = (8192, 32768, 131072)
 SWEEP_ROWS = (16, 64, 256)
 COPIES = 3
-VARIANTS = ("unfixed", "kernel_fix", "pad_fix", "both", "masked_load", "early_v", "pad_fix_op", "xqa", "torch_sdpa")
+#: grouped variant (a grouped route's fix, or unfixed) -> (kernel variant, runs on the pad-fixed plan)
+GROUPED_VARIANTS = {**{fix_of(route) or "unfixed": how for route, how in GROUPED.items()}, "early_v": ("early_v", False)}
+#: the kernel each grouped variant runs
+KERNEL_OF = {variant: kernel for variant, (kernel, _) in GROUPED_VARIANTS.items()}
+VARIANTS = (*GROUPED_VARIANTS, "pad_fix_op", "xqa", "torch_sdpa")
 # Timed again with L2 left warm at the report's geometry (the report timed iterations in a loop).
 WARM_VARIANTS = ("unfixed", "kernel_fix", "masked_load", "early_v", "xqa")
-# The kernel each grouped variant runs (pad_fix and both run on the pad-fixed plan).
-KERNEL_OF = {"unfixed": "unfixed", "kernel_fix": "kernel_fix", "pad_fix": "unfixed", "both": "kernel_fix",
-             "masked_load": "masked_load", "early_v": "early_v"}
-# The report's V100 figure for fix A: 0.187 -> 0.233 ms per iteration.
+# The report's V100 figure for kernel_fix (A): 0.187 -> 0.233 ms per iteration.
 REPORT_FIX_A_MS = (0.187, 0.233)
 
 
@@ -97,9 +99,8 @@ def _runner(variant, p):
         return lambda: xqa_forward(c.q, c.kv_cache, c.k_scale, c.v_scale, p["token_index"], p["token_count"], **kw)
     if variant == "torch_sdpa":
         return lambda: torch_baseline(c, p["token_index"], p["token_count"])
-    plan_for = {"unfixed": plan, "kernel_fix": plan, "pad_fix": fixed, "both": fixed, "masked_load": plan,
-                "early_v": plan}
-    return grouped(plan_for[variant], KERNEL_OF[variant])
+    kernel, pad_fixed = GROUPED_VARIANTS[variant]
+    return grouped(fixed if pad_fixed else plan, kernel)
 
 
 def _sm_clock_mhz():
@@ -144,6 +145,10 @@ def time_point(geometry, reps=30, warmup=5, copies=COPIES, variants=VARIANTS, fl
     flush_l2=False leaves L2 as the previous replays left it (the rotated cases' KV fits in
     an H200's L2), like a loop timing one iteration after another. `prepared` reuses the
     inputs of an earlier call (prepare_copies) instead of building them again."""
+    for v in variants:
+        check_renamed(v, "variants", route=False)
+        if v not in VARIANTS:
+            raise ValueError(f"variants: unknown variant {v!r}; choose from {VARIANTS}")
     prepared = prepared or prepare_copies(geometry, copies)
     if flush_l2:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -239,7 +244,7 @@ def run_bench(json_path=None, *, quick=False, reps=30, warmup=5, copies=COPIES, 
 
 
 def fix_a_vs_report(report, gpu):
-    """Fix A's cost here beside the report's V100 figure, with what differs between them."""
+    """kernel_fix's cost here beside the report's V100 figure, with what differs between them."""
     before, after = REPORT_FIX_A_MS
     us = report["us_per_tile"]
     return {
@@ -275,7 +280,7 @@ def targets(report, sweep):
 
 def _line(name, pt):
     ms, r, us = pt["ms"], pt["ratio_to_unfixed"], pt["us_per_tile"]
-    ratios = " ".join(f"{v} x{r[v]:.3f}" for v in ("kernel_fix", "masked_load", "early_v", "pad_fix", "both") if v in r)
+    ratios = " ".join(f"{v} x{r[v]:.3f}" for v in ("kernel_fix", "masked_load", "early_v", "pad_fix", "both_fixes") if v in r)
     others = " | ".join(f"{v} {ms[v]:.4f} ms" for v in ("xqa", "torch_sdpa") if v in ms)
     return (f"{name:>22}: unfixed {ms['unfixed']:.4f} ms = {us['unfixed']:.2f} us/tile x "
             f"{pt['tiles_longest_group_mean_over_copies']:.0f} tiles ({pt['groups']} groups, mean "

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from qsa_lab.routes.labels import KERNEL_VARIANTS
 from qsa_lab.support import package_data
 
 CSRC = package_data.locate("csrc")  # the installed copy, or the checkout's csrc/
@@ -37,13 +38,15 @@ EXT_NAME = "qsa_lab_kernels"
 CUDA_FLAGS = ("-O3", "-lineinfo", "-Xptxas=-warn-spills")
 STALE_LOCK_S = 600  # a torch build lock older than this was left by a killed build
 # what a first build costs, announced before it starts: 92.6 s on an H200 (sm_90, nvcc 13.0,
-# 16 cores; data/gpu_check_h200.log, "build wall"); fewer cores take longer
+# 16 cores; evidence/gpu_check_h200.log, "build wall"); fewer cores take longer
 BUILD_ESTIMATE = "about 1.5 minutes on an H200, longer with fewer cores"
 
 KV_FORMATS = {"e4m3": 0, "e5m2": 1, "fp16": 2}
-# Kernel variants of the grouped forward (csrc/grouped_page4.cuh). early_v is not an
-# upstream variant: the unfixed kernel with each tile's V bytes read together with K.
-VARIANTS = {"unfixed": 0, "kernel_fix": 1, "masked_load": 2, "kernel_fix_no_leading_barrier": 3, "early_v": 4}
+# Kernel variants of the grouped forward, numbered as csrc/grouped_page4.cuh's enum Variant: the
+# routes' (routes.labels), then two that no route runs: kernel_fix without its leading barrier (a
+# race kept for the sanitizer) and early_v, the unfixed kernel with each tile's V bytes read
+# together with K (not upstream).
+VARIANTS = {v: i for i, v in enumerate(KERNEL_VARIANTS + ("kernel_fix_no_leading_barrier", "early_v"))}
 # __syncthreads() per 32-token tile of each variant (kBarriersPerTile in the header).
 BARRIERS_PER_TILE = {"unfixed": 5, "kernel_fix": 7, "masked_load": 5, "kernel_fix_no_leading_barrier": 6, "early_v": 5}
 # XQA partitions per KV format, as upstream: (tokens per partition, partial dtype).
@@ -234,9 +237,9 @@ def status() -> dict:
         "nvidia_smi": smi,
     }
     try:
-        from qsa_lab.routes.nvrtc import find_toolkit
+        from qsa_lab.support.machine import NVRTC_HINT, find_nvrtc
 
-        info["nvrtc_sm70_check"] = "available" if find_toolkit() else "wheels missing (pip install 'qsa_lab[nvrtc]')"
+        info["nvrtc_sm70_check"] = "available" if find_nvrtc() else f"wheels missing ({NVRTC_HINT})"
     except Exception as exc:  # doctor must never fail
         info["nvrtc_sm70_check"] = f"unavailable ({exc})"
     return info

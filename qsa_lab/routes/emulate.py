@@ -27,8 +27,9 @@ import torch
 
 from qsa_lab.model.case import slot_values, token_values
 from qsa_lab.model.plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
+from qsa_lab.routes.labels import KERNEL_VARIANTS
 
-VARIANTS = ("unfixed", "kernel_fix", "masked_load")
+VARIANTS = KERNEL_VARIANTS
 MASKED_SCORE = -1e30   # the real route's "negative infinity" for unattended scores
 EXP_FLOOR = -80.0      # exp arguments are clamped here (fmaxf), as in the real route
 #: XQA partitions as the real route sizes them: fp8 KV 256 tokens with fp32 partials,
@@ -59,8 +60,8 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     """One chunk of groups through the grouped kernel, for several (microblocks, variant) at once.
 
     What the variants share is computed once: they differ only in the panel rows that no query
-    of the group attends (padding entries repointed by fix B; rows zeroed by fix A / never
-    loaded by fix C), and those rows' scores are select-masked, so S, the maxima, P and the sums
+    of the group attends (padding entries repointed by pad_fix; rows zeroed by kernel_fix /
+    never loaded by masked_load), and those rows' scores are select-masked, so S, the maxima, P and the sums
     are the same for every variant; only V and with it P @ V differ, and panels whose P @ V is the
     same (_equal_panels) share one. -> [(out, lse)] per panel."""
     G, cap = masks.shape
@@ -72,7 +73,7 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     # 1. panels [G, nt, 32, D]: token j of a tile is entry j//4, token j%4
     arange4 = torch.arange(4, device=dev)
     toks = [(mb.long().unsqueeze(-1) * 4 + arange4).view(G, nt, 32) for mb, _ in panels]
-    # fix A zeroes unattended rows after the load, fix C never loads them: same panel
+    # kernel_fix zeroes unattended rows after the load, masked_load never loads them: same panel
     dead = unattended_tokens(masks).view(G, nt, 32, 1)
     K = token_values(kv_cache, toks[0], 0, kv_format)  # attended rows are the same in every panel
     # 2. active M-tiles of each tile (tiles past seq_len are never walked)

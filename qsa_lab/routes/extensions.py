@@ -9,13 +9,20 @@ caches. Each id below is stable: scripts may test for it in the `extensions` lis
 """
 from __future__ import annotations
 
+from qsa_lab.routes.labels import GROUPED
+
+#: the routes that run the planner's pad-fix, and the one that runs this project's masked load
+PAD_FIXED = {route for route, (_, pad_fixed) in GROUPED.items() if pad_fixed}
+MASKED_LOAD = next(route for route, (variant, _) in GROUPED.items() if variant == "masked_load")
+
 #: id -> one line saying what goes beyond upstream
 EXTENSIONS = {
     "e5m2-cache": "E5M2 KV cache on the page4 routes (upstream takes E4M3 or fp16 caches only)",
-    "pad-fix-non-e4m3": "pad-fix (fix B) on an fp16 or E5M2 cache "
+    "pad-fix-non-e4m3": "pad_fix (B) on an fp16 or E5M2 cache "
                         "(upstream repoints padding for E4M3 caches only)",
     "request-grouping-fp8": "request-aligned groups with an fp8 cache (upstream groups per request for fp16 caches only)",
-    "masked-load": "fix C, the masked panel load, is this project's own (upstream has fix A and fix B)",
+    "masked-load": "masked_load (C), the masked panel load, is this project's own (upstream has kernel_fix (A) "
+                   "and pad_fix (B))",
     "q-heads": "query heads per KV head other than 6 (upstream's grouped kernel is built for 6)",
     "head-dim": "head dim other than 256 (upstream's page4 routes take 256 only)",
     "topk": "selections other than 512 blocks (upstream's selection holds 4*512+3 token slots)",
@@ -28,9 +35,9 @@ def extensions_used(geometry, routes) -> list[dict]:
     g, routes = geometry, set(routes)
     used = {
         "e5m2-cache": g.kv_dtype == "e5m2",
-        "pad-fix-non-e4m3": g.kv_dtype != "e4m3" and bool(routes & {"grouped+pad_fix", "grouped+both_fixes"}),
+        "pad-fix-non-e4m3": g.kv_dtype != "e4m3" and bool(routes & PAD_FIXED),
         "request-grouping-fp8": g.group_rows == "request" and g.kv_dtype != "fp16",
-        "masked-load": "grouped+masked_load" in routes,
+        "masked-load": MASKED_LOAD in routes,
         "q-heads": g.q_heads != 6,
         "head-dim": g.head_dim != 256,
         "topk": g.topk != 512,

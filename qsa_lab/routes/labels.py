@@ -5,12 +5,14 @@ from here. Plain Python, no torch: the command line checks names before torch lo
     reference              float64 attention over each row's attended tokens
     xqa                    the row-wise XQA page4 route (never reads the null block)
     grouped                the grouped page4 route as upstream shipped it (the bug)
-    grouped+kernel_fix     fix A: the kernel zeroes every panel row no query attends (upstream)
-    grouped+pad_fix        fix B: the planner's padding repointed at a real microblock (upstream)
-    grouped+both_fixes     fixes A and B together (upstream's default)
-    grouped+masked_load    fix C: the panel loader never reads an unattended row (this project's own)
+    grouped+kernel_fix     (A) the kernel zeroes every panel row no query attends (upstream)
+    grouped+pad_fix        (B) the planner's padding repointed at a real microblock (upstream)
+    grouped+both_fixes     (A+B) kernel_fix and pad_fix together (upstream's default)
+    grouped+masked_load    (C) the panel loader never reads an unattended row (this project's own)
 
 The letters A, B, C are an abbreviation shown beside a name (`label`), never a name of their own.
+Earlier spellings (fix A, fixA, the bench's `both`, ...) are not names: `renamed_route` and
+`renamed_fix` say what such a spelling is called now, for an error that names it.
 """
 from __future__ import annotations
 
@@ -26,12 +28,21 @@ GROUPED = {
     "grouped+masked_load": ("masked_load", False),
 }
 ROUTES = ("reference", "xqa") + tuple(GROUPED)
+#: the grouped kernel's variants the routes run (routes.compiled adds its test-only ones)
+KERNEL_VARIANTS = tuple(dict.fromkeys(variant for variant, _ in GROUPED.values()))
 #: the grouped routes that apply a fix
 FIXED_ROUTES = tuple(r for r in GROUPED if r != "grouped")
 
 #: the narrowest column heading of each route (text tables): the fixes by their letters
 SHORT = {"reference": "ref", "xqa": "xqa", "grouped": "grp",
          **{f"grouped+{fix}": letter for fix, letter in FIXES.items()}}
+
+
+#: earlier spellings of a fix (the letters, "fix A", export names' "fixA", the bench's "both"),
+#: compared without case, spaces, "_" or "-" -> the fix's name
+OLD_FIX_NAMES = {"a": "kernel_fix", "fixa": "kernel_fix", "b": "pad_fix", "fixb": "pad_fix", "padfix": "pad_fix",
+                 "ab": "both_fixes", "a+b": "both_fixes", "fixab": "both_fixes", "fixa+b": "both_fixes",
+                 "both": "both_fixes", "c": "masked_load", "fixc": "masked_load", "maskedload": "masked_load"}
 
 
 def fix_of(route: str) -> str | None:
@@ -55,10 +66,47 @@ def short_routes(names: str) -> str:
     return ",".join(SHORT.get(r, r) for r in names.split(",") if r) or "none"
 
 
+def heading(route: str) -> str:
+    """A route as a column heading: a fixed route by its fix ('kernel_fix (A)'), others as they are."""
+    fix = fix_of(route)
+    return fix_label(fix) if fix else route
+
+
+def short_key(routes=ROUTES) -> str:
+    """What SHORT's abbreviations stand for: 'ref = reference, grp = grouped, A = grouped+kernel_fix, ...'."""
+    return ", ".join(f"{SHORT[r]} = {r}" for r in routes if SHORT[r] != r)
+
+
 def slug(names) -> str:
-    """Names of fixes or routes joined for a file name: ('kernel_fix', 'pad_fix') -> 'kernel_fix+pad_fix',
-    () -> 'none'. The names themselves, never their letters: a file says what a table says."""
-    unknown = [n for n in names if n not in FIXES and n not in ROUTES]
-    if unknown:
-        raise ValueError(f"slug: {unknown} are not names of labels.FIXES or labels.ROUTES")
-    return "+".join(names) or "none"
+    """Fixes or routes for a file name: ('kernel_fix', 'grouped+masked_load') -> 'kernel_fix+masked_load'
+    (a fixed route by its fix); 'none' when there are none."""
+    return "+".join(fix_of(n) or n for n in names) or "none"
+
+
+def renamed_fix(name: str) -> str | None:
+    """The fix an earlier spelling names now ('fix A', 'fixA', 'A', 'both' -> ...); None for any other
+    text, the fixes' own names included."""
+    old = "".join(c for c in str(name).lower() if c not in " _-")
+    new = OLD_FIX_NAMES.get(old[len("grouped+"):] if old.startswith("grouped+") else old)
+    return new if new != name else None
+
+
+def renamed_route(name: str) -> str | None:
+    """The route an earlier spelling names now ('fixA', 'grouped+A', 'both', 'kernel_fix' ->
+    'grouped+kernel_fix', ...); None for a route's own name and for any other text."""
+    fix = renamed_fix(name) or (name if name in FIXES else None)
+    return f"grouped+{fix}" if fix and f"grouped+{fix}" != name else None
+
+
+def was_renamed(name: str, route: bool = True, prefix: str = "") -> str | None:
+    """"'<prefix+name>' is now called '<prefix+new name>'" when `name` is an earlier spelling of a
+    route (route=True) or of a fix; None for any other name."""
+    new = renamed_route(name) if route else renamed_fix(name)
+    return f"{prefix + name!r} is now called {prefix + new!r}" if new else None
+
+
+def check_renamed(name: str, argument: str, route: bool = True, prefix: str = "") -> None:
+    """ValueError '<argument>: ... is now called ...' (was_renamed) for an earlier spelling."""
+    message = was_renamed(name, route, prefix)
+    if message:
+        raise ValueError(f"{argument}: {message}")

@@ -1,7 +1,7 @@
 """Run a case through every route on one backend.
 
-Routes: reference, xqa, grouped, grouped+kernel_fix (fix A), grouped+pad_fix
-(fix B), grouped+both_fixes (A and B), grouped+masked_load (fix C). A grouped route runs
+Routes (routes.labels): reference, xqa, grouped, grouped+kernel_fix (A), grouped+pad_fix (B),
+grouped+both_fixes (A+B), grouped+masked_load (C). A grouped route runs
 the planner's groups through the grouped kernel and its remainder rows through XQA.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from qsa_lab.model.plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from qsa_lab.routes import emulate
 from qsa_lab.routes.reference import every_row, reference_forward
 
-from qsa_lab.routes.labels import GROUPED, ROUTES  # noqa: F401 - the one vocabulary, named here too
+from qsa_lab.routes.labels import GROUPED, KERNEL_VARIANTS as VARIANTS, ROUTES, check_renamed  # noqa: F401 - the one vocabulary, named here too
 
 
 @dataclass
@@ -29,9 +29,6 @@ class RunResult:
     plan: GroupedPlan
     outputs: dict = field(default_factory=dict)
     reference64: torch.Tensor | None = None
-
-
-VARIANTS = tuple(dict.fromkeys(v for v, _ in GROUPED.values()))  # kernel variants: unfixed, kernel_fix, masked_load
 
 
 class NonFiniteQueryWarning(UserWarning):
@@ -54,6 +51,9 @@ def check_routes(routes) -> tuple:
     if isinstance(routes, str):  # a lone name would otherwise be read letter by letter
         routes = (routes,)
     routes = ROUTES if routes is None else tuple(routes)
+    for r in routes:
+        if isinstance(r, str):
+            check_renamed(r, "routes")
     bad = [r for r in routes if not isinstance(r, str) or r not in ROUTES]
     if bad:
         raise ValueError(f"routes: unknown route(s) {bad}; choose from {ROUTES}")

@@ -8,10 +8,13 @@ check a torch's arch list before any torch is importable.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
+from typing import NamedTuple
 
 MIN_CAPABILITY = (7, 0)          # the kernels use sm_70 tensor-core instructions
 #: the last CUDA major whose nvcc can still target each old architecture (CUDA 13 dropped
@@ -125,6 +128,48 @@ def describe_smi(smi: dict | None) -> str | None:
     cuda = f" (CUDA {smi['driver_cuda']})" if smi.get("driver_cuda") else ""
     hidden = "; hidden by CUDA_VISIBLE_DEVICES" if smi.get("hidden") else ""
     return f"{g['name']} ({g['capability']}), driver {g['driver']}{cuda}{more}{hidden}"
+
+
+# ---------------------------------------------------------------- CUDA 12 NVRTC wheels (no torch needed)
+
+#: the sm_70 compile check of csrc/ is developer tooling (tools/, not shipped); its PyPI wheels are
+#: pyproject.toml's `nvrtc` dependency group
+NVRTC_HINT = "in a checkout: pip install --group nvrtc, then python tools/nvrtc_sm70.py"
+
+
+class NvrtcToolkit(NamedTuple):   # not a dataclass: set-up loads this module by path, outside sys.modules
+    nvrtc: Path            # libnvrtc.so.12
+    builtins: Path         # libnvrtc-builtins.so.12.*
+    include_dirs: list     # cuda_runtime/include (cuda_fp16.h, mma.h), cuda_nvcc/include (crt/mma.h)
+    ptxas: Path | None     # for sm_70 register counts (optional)
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def find_nvrtc() -> NvrtcToolkit | None:
+    """The files of the three NVRTC wheels (nvidia-cuda-nvrtc-cu12, -runtime-cu12, -nvcc-cu12),
+    or None when one is missing. Doctor reports it; tools/nvrtc_sm70.py compiles with it."""
+    try:
+        nvrtc_dir = _package_dir("nvidia.cuda_nvrtc")
+        runtime_dir = _package_dir("nvidia.cuda_runtime")
+        nvcc_dir = _package_dir("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:
+        return None
+    if not (nvrtc_dir and runtime_dir and nvcc_dir):
+        return None
+    lib = nvrtc_dir / "lib"
+    nvrtc = lib / "libnvrtc.so.12"
+    builtins = sorted(lib.glob("libnvrtc-builtins.so.12*"))
+    includes = [runtime_dir / "include", nvcc_dir / "include"]
+    if not nvrtc.exists() or not builtins or not (includes[1] / "crt" / "mma.h").exists():
+        return None
+    ptxas = nvcc_dir / "bin" / "ptxas"
+    return NvrtcToolkit(nvrtc, builtins[0], includes, ptxas if ptxas.exists() else None)
 
 
 # ---------------------------------------------------------------- the report

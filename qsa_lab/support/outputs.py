@@ -16,6 +16,12 @@ through here, so they share one set of rules:
 - A symlink at the path counts as an existing file: refused without `force`, and with
   `force` the link itself is replaced by the new file, never written through (a link must
   not redirect a write somewhere the user did not name).
+
+A folder of outputs (a leak report) is written the same way, whole: `check_new_folder` before
+any work, then `writing_folder` hands the caller a fresh folder beside the target and renames
+it into place once complete. An interrupted or failed run leaves nothing (the next run is not
+refused); with `force` the old folder is replaced only when it holds nothing but the names the
+writer owns and none of them is a symlink; a folder holding an input is never replaced.
 """
 from __future__ import annotations
 
@@ -159,6 +165,79 @@ def writing(path, arg: str = "path", force: bool = False):
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        signals.untrack(tmp)
+
+
+def check_new_folder(path, arg: str, force: bool = False, names=(), inputs: dict | None = None) -> Path:
+    """Refuse, before any work, a folder `writing_folder` may not publish at `path` (ValueError
+    naming arg): a symlink, a file, a folder that is not empty (without force), and with force
+    one holding anything but `names` or any of them as a symlink; or one that holds an input
+    ({option: path}: it would be replaced with the folder)."""
+    if path is None or (isinstance(path, str) and not path.strip()):
+        raise ValueError(f"{arg}: empty path")
+    folder = Path(os.fspath(path))
+    st = _lstat(folder, arg)
+    for opt, given in (inputs or {}).items():
+        if given is None:
+            continue
+        real, top = os.path.realpath(os.fspath(given)), os.path.realpath(folder)
+        if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{arg}: {_show(folder)} holds the input {opt} {_show(given)}; writing the folder "
+                             "would replace it (choose another folder)")
+    if st is None:
+        parent = folder.parent
+        if parent.exists():
+            check_folder(parent, arg)
+        return folder               # missing parents are made when the folder is written
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{arg}: {_show(folder)} is a symlink; refusing to write through it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{arg}: {_show(folder)} exists and is not a folder")
+    entries = sorted(os.listdir(folder))
+    if entries and not force:
+        raise ValueError(f"{arg}: {_show(folder)} is not empty (add --force to replace it)")
+    for name in entries:
+        if name not in names:
+            raise ValueError(f"{arg}: {_show(folder)} holds {_show(name)}, which this writer did not write; "
+                             "kept the folder (choose another one)")
+        if (folder / name).is_symlink():
+            raise ValueError(f"{arg}: {_show(folder / name)} is a symlink; refusing to write through it")
+    check_folder(folder, arg)
+    return folder
+
+
+@contextlib.contextmanager
+def writing_folder(path, arg: str = "path", force: bool = False, names=(), inputs: dict | None = None):
+    """Yield a new empty folder beside `path` to fill; on success it becomes `path` by a rename
+    (with force an old folder of `names` only is replaced; without, one that appeared meanwhile
+    is kept: FileExistsError). On any error, or a signal on the command line, it is removed."""
+    import shutil
+
+    from qsa_lab.support import signals
+
+    folder = check_new_folder(path, arg, force, names, inputs)
+    tmp = folder.with_name(f".{folder.name}.partial-{secrets.token_hex(4)}")
+    signals.track(tmp)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(tmp, 0o777)       # 0o777 & ~umask, as any folder a program makes
+        yield tmp
+        old = None
+        if folder.is_dir() and os.listdir(folder):
+            check_new_folder(folder, arg, force, names, inputs)   # again: it may have changed during the run
+            old = folder.with_name(f".{folder.name}.old-{secrets.token_hex(4)}")
+            os.rename(folder, old)
+        try:
+            os.rename(tmp, folder)     # onto nothing or an empty folder: atomic
+        except OSError:
+            if old is not None:
+                os.rename(old, folder)
+            raise FileExistsError(f"{arg}: {_show(folder)} appeared during the run; kept it") from None
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
         signals.untrack(tmp)
 
 

@@ -2,10 +2,10 @@
 `qsa-lab repro` read (data/) and the notebooks (notebooks/).
 
 In the repository they stay at the top level, beside the package. A wheel or sdist carries
-them inside the package (qsa_lab/csrc, qsa_lab/data, qsa_lab/notebooks: see setup.py), and
-an installed copy reads them from there through importlib.resources. A checkout (an editable
-install, or the repository on sys.path) reads its own top-level folders. This module is the
-only place that knows either layout.
+them inside the package (qsa_lab/csrc, qsa_lab/data, qsa_lab/notebooks: the [tool.setuptools]
+tables of pyproject.toml), and an installed copy reads them from there through
+importlib.resources. A checkout (an editable install, or the repository on sys.path) reads its
+own top-level folders. This module is the only place that knows either layout.
 """
 from __future__ import annotations
 

@@ -49,9 +49,14 @@ def untrack(path) -> None:
 
 
 def _cleanup() -> None:
+    import shutil
+
     for path in list(_temporaries):
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)   # a folder being written beside its final name (outputs.writing_folder)
+            else:
+                os.unlink(path)
     _temporaries.clear()
 
 

@@ -52,7 +52,7 @@ def run_notebook(path: Path, tmp_path: Path) -> dict:
 
 
 #: a code cell that draws a figure (a plotting or canary-figure call, or a written PNG shown)
-DRAWS = re.compile(r"\b(plotting\.plot_\w+|small_multiples|cf\.plot_\w+|show_png)\(")
+DRAWS = re.compile(r"\b(plots\.plot_\w+|small_multiples|cf\.plot_\w+|show_png|verdict_grid)\(")
 
 
 def check_figures_shown(path: Path, nb) -> None:
@@ -105,7 +105,7 @@ def _text(nb) -> str:
 
 
 def test_numbered_notebooks_present():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 HOW_TO_STRIP = ("strip it with `make strip` (python scripts/strip_outputs.py notebooks/NN_*.ipynb); "
@@ -169,7 +169,8 @@ def test_04_fixes_clean_and_stale_tail_finding(tmp_path):
     r = run["results"]
     html = "\n".join(o.get("data", {}).get("text/html", "") for c in run["nb"].cells if c.cell_type == "code"
                      for o in c.get("outputs", []))
-    assert "fix A" in html and "fix C" in html and "report: grouped NaN" in html and ">ref<" in html
+    assert ">A<" in html and ">C<" in html and "report: grouped NaN" in html and ">ref<" in html
+    assert "A = grouped+kernel_fix" in html and "fix A" not in html   # the letters beside the names
     assert "expected ≠ ref" in html and "as expected" in html
     from qsa_lab.report.repro import REPRO_CASES
 
@@ -313,3 +314,17 @@ def test_make_lab_saves_project_notebooks_without_outputs(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert "Overriding existing pre_save_hook" not in log.read_text()
+
+
+def test_07_scribble_finds_the_read_trash_dependency(tmp_path):
+    """transformers' continuous batching on the CPU: clean unpadded, the read trash leaks padded."""
+    pytest.importorskip("transformers")
+    from qsa_lab.scribble.versions import refusal
+
+    if refusal() is not None:
+        pytest.fail(refusal())   # the scribble extra pins the version the notebook was written for
+    r = run_notebook(NB_DIR / "07_scribble_an_engine.ipynb", tmp_path)["results"]
+    assert r["checked"] > 0 and r["clean_unpadded"] == r["checked"] and r["strays_unpadded"] == 0
+    assert r["padded_leak_regions"] == ["read-trash"] and r["padded_leaks"] >= 1
+    assert r["first_step"] == 0 and r["first_layer"] == 0
+

@@ -1,6 +1,8 @@
-"""A pip user's qsa_lab: build the sdist, build the wheel from that sdist, install the wheel into a
-fresh venv and run it from a folder outside the checkout. The kernel sources, the data and the
-notebooks must come with it, and the installed copy (not the checkout) must be what runs.
+"""A pip user's qsa_lab: build the sdist, build the wheel from that sdist (pyproject.toml alone),
+install the wheel into a fresh venv and run it from a folder outside the checkout. The kernel
+sources, the data and the notebooks must come with it, the developer tooling (tools/) and the
+measured evidence/ must not, and the installed copy (not the checkout) must be what runs; its
+pytest plugin loads once, through its entry point, `-p` or a conftest, and `-p no:` turns it off.
 
 The venv sees this test environment's packages (torch, numpy, ... through a .pth line, which does
 not load this environment's editable qsa_lab) and gets only the wheel installed, so it is made in
@@ -20,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from nvrtc_toolkit import nvrtc_toolkit, ptx70_folder
 from run_once import once_per_run
 
 pytestmark = pytest.mark.wheel
@@ -107,8 +108,15 @@ def test_sdist_and_wheel_carry_csrc_data_and_notebooks(built):
         for name in names:
             assert f"{kind}/{name}" in in_sdist, f"sdist lacks {kind}/{name}"
             assert f"qsa_lab/{kind}/{name}" in in_wheel, f"wheel lacks qsa_lab/{kind}/{name}"
-    for name in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py", "environment.yml"):
+    for name in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "environment.yml"):
         assert name in in_sdist, name
+    assert "setup.py" not in in_sdist
+    # developer tooling and measured evidence stay in the repository
+    tools = sorted(p.name for p in (REPO / "tools").glob("*.py"))
+    evidence = sorted(p.name for p in (REPO / "evidence").iterdir() if p.name != "README.md")
+    assert tools and evidence
+    assert not [n for n in in_wheel if n.startswith("tools/") or Path(n).name in tools + evidence]
+    assert not [n for n in in_sdist if n.startswith("evidence/")]
     meta = next(n for n in in_wheel if n.endswith(".dist-info/METADATA"))
     with zipfile.ZipFile(wheel) as z:
         text = z.read(meta).decode()
@@ -139,7 +147,7 @@ def test_installed_copy_runs_the_readme_commands_from_elsewhere(venv, elsewhere)
 
 
 def test_installed_copy_resolves_every_kernel_source_and_notebook(venv, elsewhere):
-    code = ("import json; from qsa_lab import package_data as pd, kernels;"
+    code = ("import json; from qsa_lab.support import package_data as pd; from qsa_lab.routes import compiled as kernels;"
             "print(json.dumps({k: [str(pd.folder(k)), sorted(p.name for p in pd.folder(k).iterdir())] for k in pd.KINDS}"
             " | {'missing': kernels.missing_sources(), 'kernels_csrc': str(kernels.CSRC), 'nb': [str(p) for p in pd.notebooks()]}))")
     got = json.loads(_ok(_run([venv / "python", "-c", code], elsewhere), "resolver").stdout)
@@ -159,35 +167,31 @@ def test_installed_copy_resolves_every_kernel_source_and_notebook(venv, elsewher
     assert again.returncode == 2 and "--force" in again.stderr    # never overwritten without --force
 
 
-def test_nvrtc_sm70_compile_of_the_installed_sources(venv, elsewhere, tmp_path_factory):
-    """The V100 proof (tests/test_nvrtc_sm70.py) holds for the installed copy of csrc/.
+PLUGIN = "qsa_lab.canary.pytest_plugin"
+# how often pytest holds the plugin module, and whether loading it brought torch in
+PROBE = f"""
+import sys
 
-    What the installed copy's compile (nvrtc.compile_ptx(nvrtc.instantiation_source(),
-    'compute_70', find_toolkit())) reads is its own qsa_lab/routes/nvrtc.py (the source and
-    the options), its own csrc/ (the -I folder: every header is found there) and the NVRTC
-    wheels that find_toolkit() locates. When its nvrtc.py and every csrc/ file are the
-    checkout's bytes and its toolkit is the same files, that compile is the checkout's one,
-    but for the -I folder's name, which no header reads (no __FILE__) and which changes only
-    the file names in the PTX's line info: so it is proven here by that identity and by the
-    checkout's compute_70 compile of the run (tests/test_ptx70.py's folder, made once: the
-    same source with ptx70's probe appended, see tests/test_nvrtc_sm70.py), instead of by
-    compiling again."""
-    toolkit = nvrtc_toolkit()  # skips without the NVRTC wheels (fails under CI=true)
-    from qsa_lab.routes import nvrtc, ptx70
+def test_probe(request):
+    mod = sys.modules.get({PLUGIN!r})
+    held = sum(p is mod for p in request.config.pluginmanager.get_plugins()) if mod else 0
+    print("plugin", held, "torch", "torch" in sys.modules)
+"""
 
-    code = ("import json, dataclasses; from qsa_lab.routes.compiled import nvrtc; tk = nvrtc.find_toolkit();"
-            "print(json.dumps({'csrc': str(nvrtc.CSRC), 'nvrtc_py': nvrtc.__file__, 'source': nvrtc.instantiation_source(),"
-            " 'toolkit': tk and {k: str(v) for k, v in dataclasses.asdict(tk).items()}}))")
-    got = json.loads(_ok(_run([venv / "python", "-c", code], elsewhere), "NVRTC").stdout.strip().splitlines()[-1])
-    csrc, nvrtc_py = Path(got["csrc"]), Path(got["nvrtc_py"])
-    assert csrc.is_relative_to(venv.parent) and nvrtc_py.is_relative_to(venv.parent), got
-    assert nvrtc_py.read_bytes() == (REPO / "qsa_lab" / "kernels" / "nvrtc.py").read_bytes()
-    assert got["source"] == nvrtc.instantiation_source()
-    def files(folder):
-        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
-    assert files(csrc) == files(REPO / "csrc") and all(p.is_file() for p in csrc.iterdir())
-    assert got["toolkit"] == {k: str(v) for k, v in dataclasses.asdict(toolkit).items()}
-    # the checkout's compile: generate raises on a failed compile or on instructions an SM70 lacks
-    folder = ptx70_folder(tmp_path_factory, toolkit)
-    text = (folder / ptx70.PTX_FILE).read_text()
-    assert "mma.sync" in text and nvrtc.forbidden_instructions(text) == []
+
+@pytest.mark.parametrize("args, conftest, held", [
+    pytest.param([], None, 1, id="entry-point-alone"),
+    pytest.param(["-p", PLUGIN], None, 1, id="dash-p"),
+    pytest.param([], f"pytest_plugins = [{PLUGIN!r}]\n", 1, id="conftest"),
+    pytest.param(["-p", f"no:{PLUGIN}"], None, 0, id="dash-p-no"),
+])
+def test_installed_pytest_plugin_loads_once_however_asked(venv, elsewhere, args, conftest, held):
+    """The pytest11 entry point carries the plugin's own module name, so pytest counts every way
+    of asking for it as one plugin (under another name `-p` and `pytest_plugins` would register the
+    module a second time, which pytest refuses); importing it loads no torch."""
+    (elsewhere / "test_probe.py").write_text(PROBE)
+    if conftest:
+        (elsewhere / "conftest.py").write_text(conftest)
+    res = _ok(_run([venv / "python", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *args, "test_probe.py"],
+                   elsewhere), f"pytest {args} (conftest: {conftest})")
+    assert f"plugin {held} torch False" in res.stdout, res.stdout

@@ -32,7 +32,7 @@ def test_relocating_pages_leaves_every_route_bit_identical(layout, kv_dtype):
 def _upstream_plan(case, group_rows, q_heads):
     """An independent, loop-by-loop planner after upstream's grouped_sparse_page4_plan_kernel:
     union with masks and owners, sort by (category, owner), pad each category to 8."""
-    from qsa_lab.model.case import visible_tokens
+    from qsa_lab.model.paged import visible_tokens
     from qsa_lab.model.plan import m_tiles, query_m_tile_bits
 
     g = case.geometry

@@ -89,7 +89,7 @@ def test_bench_playground_writes_results_and_warns_on_a_miss(tmp_path, monkeypat
     spec = importlib.util.spec_from_file_location("bench_playground", REPO / "benchmarks" / "bench_playground.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.OUT == REPO / "results" / "bench_playground_cpu.json"     # never the committed data/ file
+    assert bench.OUT == REPO / "results" / "bench_playground_cpu.json"     # never the committed evidence/ file
     slow = {"geometry": {}, "backend": "emulate", "first_draw_s": 9.0, "first_draw_cpu_s": 1.0, "changes": {},
             "median_redraw_s": 5.0, "worst_median_s": 5.0, "limit_s": 0.3, "first_draw_limit_s": 2.0}
     monkeypatch.setattr(bench, "bench_preset", lambda preset, repeat: dict(slow))

@@ -23,6 +23,33 @@ def test_a_checkout_reads_its_top_level_folders():
     assert kernels.CSRC == REPO / "csrc" and kernels.missing_sources() == []
 
 
+def test_pyproject_lists_every_package_and_maps_the_top_level_folders():
+    """pyproject.toml lists the packages (find cannot take the mapped folders too): every folder of
+    qsa_lab/ with an __init__.py, plus csrc/, data/ and notebooks/ as qsa_lab.<kind>; tools/ never."""
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    bundled = {f"qsa_lab.{kind}": kind for kind in package_data.KINDS}
+    assert conf["package-dir"] == bundled
+    assert sorted(conf["packages"]) == sorted(find_packages(str(REPO), include=["qsa_lab", "qsa_lab.*"]) + list(bundled))
+
+
+def test_data_holds_only_what_the_package_reads_and_evidence_the_rest():
+    """data/ ships in every wheel: each file there is a string literal of the package or its
+    notebooks (a file they open); measured logs and JSON live in evidence/. Each folder's README gives every file's provenance."""
+    code = [p.read_text() for p in (REPO / "qsa_lab").rglob("*.py")]
+    code += [p.read_text() for p in (REPO / "notebooks").glob("*.ipynb")]
+    for kind in ("data", "evidence"):
+        files = sorted(p.name for p in (REPO / kind).iterdir() if p.is_file() and p.name != "README.md")
+        readme = (REPO / kind / "README.md").read_text()
+        assert files and all(f"`{name}`" in readme for name in files), kind
+        for name in files:
+            opened = any(f'"{name}"' in text or f'\\"{name}\\"' in text for text in code)  # a string literal
+            assert opened == (kind == "data"), f"{kind}/{name}"
+
+
 def test_the_installed_copy_wins_and_a_missing_folder_says_so(tmp_path, monkeypatch):
     (tmp_path / "csrc").mkdir()
     monkeypatch.setattr(package_data, "_installed", lambda kind: tmp_path / kind)

@@ -1,0 +1,91 @@
+"""What the scribble costs: a clean generation vs the same generation with one region scribbled.
+
+Method: the tiny model and workload of `qsa-lab scribble` (default llama-gqa, issue32); one untimed
+warm-up generation per mode, then `--repeats` generations each, wall clock (time.perf_counter, the
+device synchronised by transformers' synchronous batching before a generation returns); medians.
+Modes: `plain` (no hooks), `guard` (write guard only: a digest of every pool row around every step),
+`scribble` (guard + one region filled before every step: read-trash, nan). A full matrix costs
+about (2 + regions x payloads) x the scribble time, plus re-runs to localise leaks.
+
+    python benchmarks/bench_scribble.py --json results/bench_scribble.json
+    python benchmarks/bench_scribble.py --device cuda --cuda-graph --json ...   # on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def time_modes(engine, repeats: int) -> dict:
+    from qsa_lab.scribble.check import Scribbler
+    modes = {"plain": lambda: None, "guard": lambda: Scribbler(), "scribble": lambda: Scribbler("read-trash", "nan")}
+    out = {}
+    for name, hooks in modes.items():
+        engine.generate(hooks())                      # warm-up: allocator, graphs, first-call costs
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            gen = engine.generate(hooks())
+            times.append(time.perf_counter() - start)
+            if gen.error:
+                raise RuntimeError(f"{name}: {gen.error}")
+        out[name] = {"median_s": statistics.median(times), "min_s": min(times), "runs": times,
+                     "steps": len(gen.steps)}
+    for name in ("guard", "scribble"):
+        out[name]["x_plain"] = out[name]["median_s"] / out["plain"]["median_s"]
+    return out
+
+
+LOAD_START = os.getloadavg()[0]   # CPU times swing with load: the JSON records it
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-gqa")
+    p.add_argument("--workload", default="issue32")
+    p.add_argument("--attn", default="paged|eager")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--cuda-graph", action="store_true", help="also time with CUDA graphs (CUDA only)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    from qsa_lab.scribble.versions import refusal
+    if refusal():
+        print(f"bench_scribble: {refusal()}", file=sys.stderr)
+        return 3
+    import torch
+
+    from qsa_lab.scribble.versions import machine_facts
+    from qsa_lab.scribble.hf_engine import TransformersEngine
+    from qsa_lab.scribble.models import tiny_model, workload
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    configs = [("eager-loop", False)] + ([("cuda-graph", True)] if args.cuda_graph and device == "cuda" else [])
+    results = {}
+    for label, graphs in configs:
+        engine = TransformersEngine(tiny_model(args.model, device=device), workload(args.workload), attn=args.attn,
+                                    cuda_graph=graphs)
+        results[label] = time_modes(engine, args.repeats)
+        r = results[label]
+        print(f"{label:10} plain {r['plain']['median_s'] * 1e3:8.1f} ms   guard {r['guard']['median_s'] * 1e3:8.1f} ms "
+              f"(x{r['guard']['x_plain']:.2f})   scribble {r['scribble']['median_s'] * 1e3:8.1f} ms "
+              f"(x{r['scribble']['x_plain']:.2f})   {r['plain']['steps']} steps")
+    doc = {"schema": "qsa_lab.bench_scribble/1", "method": __doc__.split("\n\n")[1].replace("\n", " "),
+           "load_avg_1min": {"start": LOAD_START, "end": os.getloadavg()[0]},
+           "model": args.model, "workload": workload(args.workload).to_dict(), "attn": args.attn, "device": device,
+           "repeats": args.repeats, "facts": machine_facts(), "results": results}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

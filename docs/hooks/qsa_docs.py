@@ -1,0 +1,540 @@
+"""MkDocs hook: every generated part of the documentation site.
+
+Pages hold markers; this hook replaces them while the site builds, from the code and from the
+committed measurements, so nothing in them is copied by hand:
+
+    <!-- qsa:cli -->                         the CLI reference, walked from the argparse parser
+    <!-- qsa:doctor -->                      `qsa-lab doctor`'s verdicts, from qsa_lab.support.machine.verdict
+    <!-- qsa:perf NAME -->                   a performance table from committed JSON (see PERF)
+    <!-- qsa:log FILE "== SECTION" -->       one section of a committed log, verbatim
+    [[evidence:FILE]]                        the path of a committed evidence file
+
+and writes the figures the pages show (`assets/nan_map.png`: the report's case through the
+unfixed grouped route) with the package's own plotting code.
+
+The constants below are the one place the docs point at the code's layout.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import io
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+#: the module whose build_parser() builds the `qsa-lab` parser
+CLI_MODULE = "qsa_lab.app.cli"
+#: the module holding the pure verdict(info) of `qsa-lab doctor`
+DOCTOR_MODULE = "qsa_lab.support.machine"
+#: where the measured logs and JSON live, relative to the repository root: evidence/, and data/ for
+#: the measurements the package itself reads (the H200 bench, upstream's fix cost, the canary matrix)
+EVIDENCE_DIRS = ("evidence", "data")
+#: the figure data and the plotting code the site's figures are drawn with
+FIGDATA_MODULE = "qsa_lab.analysis.figure_data"
+PLOTTING_MODULE = "qsa_lab.plotting.plots"
+
+REPO = Path(__file__).resolve().parents[2]
+MARKER = re.compile(r"<!-- qsa:(\w+)(?: ([^>]*?))? -->")
+EVIDENCE = re.compile(r"\[\[evidence:([\w./-]+)\]\]")
+
+
+def evidence(name: str) -> Path:
+    for folder in EVIDENCE_DIRS:
+        if (REPO / folder / name).is_file():
+            return REPO / folder / name
+    raise FileNotFoundError(f"docs: evidence file {name} is in none of {', '.join(EVIDENCE_DIRS)}")
+
+
+def _where(name: str) -> str:
+    """'evidence/bench_cpu.json' or 'data/bench_h200.json': the committed path of an evidence file."""
+    return evidence(name).relative_to(REPO).as_posix()
+
+
+def _committed(name: str) -> str:
+    """The date of the commit that last changed an evidence file (its measurement's date)."""
+    out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", _where(name)], cwd=REPO,
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "not committed yet"
+
+
+def _md_escape(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the CLI reference
+
+def build_parser() -> argparse.ArgumentParser:
+    return importlib.import_module(CLI_MODULE).build_parser()
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _helps(parser) -> dict[str, str]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {c.dest: c.help or "" for c in action._choices_actions}
+
+
+def _option_cell(action: argparse.Action) -> str:
+    """`--opt` and what it takes: its choices, or its metavar in italics (a `|` inside a code span
+    would print its escaping backslash in a Markdown table)."""
+    names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.metavar or action.dest}`"
+    if action.nargs == 0:
+        return names
+    if action.choices:
+        return f"{names} " + " / ".join(f"`{c}`" for c in action.choices)
+    metavar = action.metavar or action.dest.upper()
+    return f"{names} *{metavar}*"
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string the parser and its subcommands accept."""
+    found = {o for a in parser._actions for o in a.option_strings}
+    for sub in subcommands(parser).values():
+        found |= {o for a in sub._actions for o in a.option_strings}
+    return found
+
+
+def cli_reference() -> str:
+    parser = build_parser()
+    helps = _helps(parser)
+    out = [f"`qsa-lab` (also `python -m qsa_lab`). Generated from the parser in `{CLI_MODULE}` when this site "
+           "was built; `qsa-lab COMMAND --help` prints the same.", "",
+           "```", parser.format_usage().strip(), "```", ""]
+    for name, sub in subcommands(parser).items():
+        out += [f"## `qsa-lab {name}`", "", _md_escape(sub.description or helps.get(name, "")), "",
+                "```", sub.format_usage().strip(), "```", ""]
+        for group in sub._action_groups:
+            rows = [(_option_cell(a), a.help or "") for a in group._group_actions
+                    if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+            if not rows:
+                continue
+            title = {"options": "options", "optional arguments": "options",
+                     "positional arguments": "arguments"}.get(group.title, group.title)
+            out += [f"**{title}**", "", table(("option", "meaning (default)"), rows), ""]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------ doctor's verdicts
+
+_V100 = {"cuda_available": True, "gpu": "Tesla V100-SXM2-32GB", "capability": "7.0", "torch": "2.14.1+cu126",
+         "torch_cuda": "12.6", "torch_arch_list": ["sm_70", "sm_80", "sm_90"], "nvcc": "/usr/local/cuda/bin/nvcc",
+         "nvcc_version": "Cuda compilation tools, release 12.6, V12.6.85", "host_compiler": "/usr/bin/c++",
+         "built": False, "error": None}
+_SMI = {"gpus": [{"name": "Tesla V100-SXM2-32GB", "capability": "7.0", "driver": "550.54.15"}],
+        "driver_cuda": "12.4", "hidden": False}
+#: machine states shown on the Install page: (what you have, the status dict doctor would read)
+DOCTOR_STATES = [
+    ("no GPU, CPU torch", {"cuda_available": False, "torch_cuda": None}),
+    ("V100 seen by nvidia-smi, PyPI's CUDA 13 torch", {"cuda_available": False, "torch": "2.13.0",
+                                                      "torch_cuda": "13.0", "nvidia_smi": _SMI}),
+    ("V100 seen by nvidia-smi, CPU torch", {"cuda_available": False, "torch": "2.13.0+cpu", "torch_cuda": None,
+                                           "nvidia_smi": _SMI}),
+    ("V100, torch without sm_70 kernels", {**_V100, "torch": "2.13.0", "torch_cuda": "13.0",
+                                           "torch_arch_list": ["sm_75", "sm_80", "sm_90"]}),
+    ("V100, no nvcc", {**_V100, "nvcc": None, "nvcc_version": None}),
+    ("V100, nvcc from CUDA 13", {**_V100, "nvcc_version": "Cuda compilation tools, release 13.0, V13.0.48"}),
+    ("V100, nvcc and torch of different CUDA majors", {**_V100, "torch_cuda": "11.8",
+                                                       "nvcc_version": "Cuda compilation tools, release 12.6"}),
+    ("V100, no host compiler", {**_V100, "host_compiler": None}),
+    ("V100, g++ newer than nvcc accepts", {**_V100, "nvcc_host_compiler": "/usr/bin/gcc",
+                                           "nvcc_host_compiler_version": "14.2.0"}),
+    ("V100, the build failed", {**_V100, "error": "...", "build_error": "grouped_page4.cuh(120): error: ..."}),
+    ("V100, ready to build", _V100),
+    ("V100, built", {**_V100, "built": True}),
+    ("kernel sources missing from the install", {**_V100, "sources_missing": ["bindings.cu"],
+                                                 "kernel_sources": "site-packages/qsa_lab/csrc"}),
+]
+
+
+def doctor_table() -> str:
+    verdict = importlib.import_module(DOCTOR_MODULE).verdict
+    rows = [(state, "`" + verdict(info).removeprefix("verdict: ").replace("`", "'") + "`")
+            for state, info in DOCTOR_STATES]
+    return (f"Each line below is what `{DOCTOR_MODULE}.verdict` answers for that machine, computed when this "
+            "site was built.\n\n" + table(("machine", "last line of `qsa-lab doctor`, after `verdict:`"), rows))
+
+
+# ------------------------------------------------------------------ performance tables
+
+def _med(samples, key="wall_s"):
+    return statistics.median(s[key] for s in samples)
+
+
+def _load(v) -> str:
+    return f"{v[0]:.1f}" if v else "not recorded"
+
+
+def perf_cpu(name: str = "bench_cpu.json") -> str:
+    doc = json.loads(evidence(name).read_text())
+    m = doc["machine"]
+    rows = []
+    for row in doc["rows"].values():
+        cur, base = row["current"], row["base"]
+        for k in (k for k in cur["samples"][0] if k.endswith("_s")):
+            now = cur.get("median", {}).get(k, _med(cur["samples"], k))      # the file's own median
+            then = base.get("median", {}).get(k, _med(base["samples"], k))
+            ratio = (row.get("ratio_to_base") or {}).get(k, now / then)
+            target = (row.get("targets_s") or {}).get(k)
+            part = "" if k == "wall_s" else f": {k.removesuffix('_s').replace('_', ' ')}"
+            rows.append((row["what"] + part, f"{now:.2f} s", f"{then:.2f} s", f"×{ratio:.2f}", row["reps"],
+                         f"{target:g} s" if target else "-",
+                         f"{_load(row['load_before'])} → {_load(row['load_after'])}"))
+    head = (f"Measured {doc['started'][:10]} ({doc['started'][11:16]}–{doc['finished'][11:16]} UTC) on {m['cpu']}, "
+            f"{m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads), Python {m['python']}; commit "
+            f"`{doc['commits']['current'][:7]}` beside the base `{doc['commits']['base'][:7]}` in the same session. "
+            f"Note: {doc.get('note', '')}. Method: {doc.get('method', '')}. Source: `{_where(name)}`.")
+    return head + "\n\n" + table(("what", "median", "base", "ratio", "reps", "target",
+                                  "load (1 min) before → after"), rows)
+
+
+_FIX = {"unfixed": "grouped", "kernel_fix": "grouped+kernel_fix (A)", "pad_fix": "grouped+pad_fix (B)",
+        "both": "grouped+both_fixes (A+B)", "masked_load": "grouped+masked_load (C)",
+        "early_v": "early_v (not upstream)", "pad_fix_op": "the pad-fix op alone", "xqa": "xqa",
+        "torch_sdpa": "torch SDPA"}
+
+
+def perf_h200(name: str = "bench_h200.json") -> str:
+    doc = json.loads(evidence(name).read_text())
+    rg = doc["report_geometry"]
+    g = rg["geometry"]
+    rows = [(_FIX.get(k, k), f"{v:.3f}", f"{rg['us_per_tile'][k]:.2f}" if k in rg["us_per_tile"] else "-",
+             f"×{rg['ratio_to_unfixed'][k]:.3f}", rg["barriers_per_tile"].get(k, "-"))
+            for k, v in rg["ms"].items()]
+    head = (f"{doc['gpu']} (sm {doc['capability']}, {doc['sm_count']} SMs), torch {doc['torch']}, CUDA {doc['cuda']}; "
+            f"committed {_committed(name)}; machine load not recorded (a lent GPU, one job). Method: {doc['method']}. "
+            f"Case: {g['rows']} rows, context {g['context']}, top-{g['topk']}, {g['kv_dtype']}, {g['selection']} "
+            f"selections, {rg['tiles_per_group_mean']} tiles per group, L2 flushed. Source: `{_where(name)}`.")
+    out = head + "\n\n" + table(("route", "ms", "µs per tile", "× unfixed", "barriers per tile"), rows)
+    sweep = [(s["geometry"]["rows"], s["geometry"]["context"], f"{s['ms']['unfixed']:.3f}",
+              f"{s['us_per_tile']['unfixed']:.2f}", f"×{s['ratio_to_unfixed']['kernel_fix']:.3f}",
+              f"×{s['ratio_to_unfixed']['masked_load']:.3f}", f"{s['ms']['xqa']:.3f}") for s in doc["sweep"]]
+    out += "\n\nThe sweep (same method):\n\n" + table(
+        ("rows", "context", "grouped ms", "µs per tile", "kernel_fix (A)", "masked_load (C)", "xqa ms"), sweep)
+    fa = doc["fix_a_vs_report"]
+    out += (f"\n\nThe report measured kernel_fix (A) at ×{fa['report_v100_ratio']} per iteration on a V100; here it "
+            f"is ×{fa['here_ratio']:.3f} (+{fa['here_us_per_tile']['kernel_fix_minus_unfixed']:.2f} µs per tile). "
+            f"What differs: {fa['differs']}")
+    return out
+
+
+def perf_upstream(name: str = "upstream_fix_cost_h200.json") -> str:
+    doc = json.loads(evidence(name).read_text())
+    up = doc["upstream"]
+    rows = [(r["rows"], r["upstream_unfixed_us_per_tile"], f"×{r['upstream_fix_a_ratio']} (+{r['upstream_fix_a_extra_us']} µs)",
+             r["qsa_lab_unfixed_us_per_tile"], f"×{r['qsa_lab_fix_a_ratio']} (+{r['qsa_lab_fix_a_extra_us']} µs)")
+            for r in doc["rows"]]
+    head = (f"{doc['what']}: {doc['gpu']}, committed {_committed(name)}. Upstream: {up['repo']} `{up['file']}` "
+            f"@{up['unfixed_commit']}, kernel_fix (A) @{up['fix_a_commit']} ({up['fix_a_source']}; {up['built']}). "
+            f"Method: {doc['method']}. Checks: {doc['checks']} Source: `{_where(name)}`.")
+    return head + "\n\n" + table(("rows", "upstream µs/tile", "upstream kernel_fix (A)", "qsa_lab µs/tile",
+                                  "qsa_lab kernel_fix (A)"), rows)
+
+
+def perf_playground(name: str = "bench_playground_cpu.json") -> str:
+    doc = json.loads(evidence(name).read_text())
+    rows = [(p, f"{v['first_draw_s']:.2f} s", f"{v['median_redraw_s']:.2f} s", f"{v['worst_median_s']:.2f} s",
+             f"{v['limit_s']} s") for p, v in doc["presets"].items()]
+    head = (f"Playground redraws on the emulation: {doc['machine']}, {doc['cpus']} cores, torch {doc['torch']} "
+            f"({doc['torch_threads']} threads), committed {_committed(name)}, load (1 min) {doc['load_avg_1min_start']} "
+            f"at start, {doc['load_avg_1min_end']} at the end; {doc['repeat']} repeats. Source: `{_where(name)}`.")
+    return head + "\n\n" + table(("preset", "first draw", "median redraw", "slowest kind of change (median)",
+                                  "limit"), rows)
+
+
+def perf_emulate(name: str = "bench_emulate_cpu.json") -> str:
+    doc = json.loads(evidence(name).read_text())
+    g = doc["geometry"]
+    head = (f"The default `diff` case ({g['rows']} rows, context {g['context']}, top-{g['topk']}, {g['kv_dtype']}) "
+            f"through all 7 routes on the emulation, in process: {doc['machine']}, torch {doc['torch']} "
+            f"({doc['torch_threads']} threads), committed {_committed(name)}, load not recorded. Method: {doc['method']} "
+            f"({doc['reps']} reps). Source: `{_where(name)}`.")
+    return head + "\n\n" + table(("step", "median"), [(k, f"{v:.3f} s") for k, v in doc["median_s"].items()])
+
+
+def _canary_counts(name: str = "canary_h200.json") -> str:
+    doc = json.loads(evidence(name).read_text())
+    counts: dict[str, int] = {}
+    for r in doc["results"]:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    cells = ", ".join(f"{v} {k}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return (f"{len(doc['results'])} cells on {doc['gpu']} (torch {doc['torch']}, committed {_committed(name)}): {cells}. "
+            f"Source: `{_where(name)}`.")
+
+
+def _kernel_summary(doc: dict) -> dict[str, str]:
+    """kernel -> its non-clean cells grouped by plane and verdict ('V nan-leak: null-block (nan, inf)'),
+    'clean' / 'n/a only', or the reason it was not run."""
+    by: dict[str, dict] = {k: {} for k in doc["kernels"]}
+    verdicts: dict[str, set] = {k: set() for k in doc["kernels"]}
+    for r in doc["results"]:
+        verdicts[r["kernel"]].add(r["verdict"])
+        if r["verdict"] not in ("clean", "n/a"):
+            key = (r["plane"].upper(), r["verdict"])
+            by[r["kernel"]].setdefault(key, {}).setdefault(r["region"], []).append(r["payload"])
+    skipped = {s["kernel"]: s["reason"] for s in doc.get("skipped", []) if s.get("kernel") and not s.get("region")}
+    out = {}
+    for k in doc["kernels"]:
+        if by[k]:
+            out[k] = "; ".join(f"{p} {v}: " + ", ".join(f"{reg} ({', '.join(dict.fromkeys(pay))})"
+                                                        for reg, pay in regions.items())
+                               for (p, v), regions in sorted(by[k].items()))
+        elif verdicts[k]:
+            out[k] = "clean" if "clean" in verdicts[k] else "n/a only"
+        else:
+            out[k] = "not run: " + skipped.get(k, "no cell")
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_canary() -> dict:
+    from qsa_lab.canary import run_canary
+
+    return run_canary(backend="emulate").to_json()
+
+
+def canary_matrix(name: str = "canary_h200.json") -> str:
+    """The built-in kernels' verdicts: run now on this machine's CPU, beside the committed GPU run."""
+    here = _cpu_canary()
+    gpu = json.loads(evidence(name).read_text())
+    cpu_s, gpu_s = _kernel_summary(here), _kernel_summary(gpu)
+    kernels = list(dict.fromkeys([*gpu["kernels"], *here["kernels"]]))
+    rows = [(f"`{k}`", cpu_s.get(k, "-"), gpu_s.get(k, "-")) for k in kernels]
+    head = (f"The canary's default case ({here['kv_dtype']} pool, every region × K/V × nan, inf, max). CPU: run while "
+            f"this site was built (torch {here['torch']}, qsa routes on the emulation). GPU: {gpu['gpu']}, torch "
+            f"{gpu['torch']}, compiled kernels, committed {_committed(name)} (`{_where(name)}`).")
+    return head + "\n\n" + table(("kernel", "CPU (this build)", gpu["gpu"]), rows)
+
+
+def thirdparty(name: str = "canary_thirdparty_h200.json") -> str:
+    doc = json.loads(evidence(name).read_text())
+    m = doc["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in m.items() if isinstance(v, (str, int, float)) and k not in ("platform", "vllm", "loadavg"))
+    cells: dict[tuple, dict] = {}
+    order = {}
+    for run in doc["runs"]:
+        key = (run["kernel"], run["attend"])
+        col = f"{run['kv_dtype']}, {'decode' if run['query_len'] == 1 else str(run['query_len']) + '-row chunk'}"
+        order[col] = (run["query_len"], run["kv_dtype"] != "fp16")
+        leaks: dict[tuple, list] = {}
+        for r in run.get("results", []):
+            if r["verdict"] not in ("clean", "n/a"):
+                leaks.setdefault((r["plane"].upper(), r["verdict"], r["region"]), []).append(r["payload"])
+        text = "; ".join(f"{p} {v}: {reg} ({', '.join(pay)})" for (p, v, reg), pay in sorted(leaks.items()))
+        cells.setdefault(key, {})[col] = text or run["summary"]
+    cols = sorted(order, key=order.get)
+    rows = [(f"`{k}`", f"`{a}`", *(v.get(c, "-") for c in cols)) for (k, a), v in cells.items()]
+    load = m.get("loadavg")
+    head = (f"{doc['label']}; {versions}; load {load if load is not None else 'not recorded'}; committed "
+            f"{_committed(name)}. Source: `{_where(name)}`.")
+    return head + "\n\n" + table(("kernel", "spec", *cols), rows)
+
+
+def tile_rig(name: str = "tile_rig_h200.txt") -> str:
+    """What each part of a tile costs: the unfixed kernel (L2 flushed) beside copies that leave one part out."""
+    text = evidence(name).read_text()
+    parts = {}
+    for section in re.split(r"^== ", text, flags=re.M)[1:]:
+        title, _, body = section.partition("\n")
+        m = re.search(r"^unfixed\s+L2-flush\s+[\d.]+ us\s+([\d.]+) us/tile", body, re.M)
+        if m:
+            parts[title.strip()] = float(m.group(1))
+    base = parts.pop("base")
+    rows = [("the whole tile (csrc/)", f"{base:.2f}", "-")]
+    rows += [(k.replace("_", " "), f"{v:.2f}", f"{base - v:.2f}") for k, v in parts.items()]
+    head = (f"{text.splitlines()[0].lstrip('# ')}; committed {_committed(name)}. The unfixed grouped kernel, L2 "
+            f"flushed, µs per 32-token tile. Source: `{_where(name)}`.")
+    return head + "\n\n" + table(("copy", "µs per tile", "saved against the whole tile"), rows)
+
+
+PERF = {"tile-rig": tile_rig, "canary-matrix": canary_matrix, "cpu": perf_cpu, "h200": perf_h200, "upstream": perf_upstream, "playground": perf_playground,
+        "emulate": perf_emulate, "canary-counts": _canary_counts, "thirdparty": thirdparty}
+
+
+def scribble_h200(name: str = "scribble_h200/summary.json") -> str:
+    """Per configuration of the H200 run: every check that was not clean or n/a."""
+    doc = json.loads(evidence(name).read_text())
+    facts = doc["facts"]
+    rows = []
+    for config, got in doc["configs"].items():
+        if "error" in got:
+            rows.append([f"`{config}`", "could not run", ""])
+            continue
+        shown = {}
+        for cell, verdict in got["verdicts"].items():
+            if verdict not in ("clean", "n/a"):
+                check, region, payload = cell.split(":")
+                shown.setdefault((check, region, verdict), []).append(payload)
+        found = "; ".join(f"{check} `{region}`: {verdict} ({', '.join(p)})" for (check, region, verdict), p in shown.items())
+        rows.append([f"`{config}`", found or "every check clean or n/a", str(got["exit_code"])])
+    return (table(["configuration", "what was not clean", "exit"], rows)
+            + f"\n\n*{facts['gpu']}, torch {facts['torch']}, transformers {facts['transformers']}, tiny Llama in fp16, "
+              f"workload issue32; committed {_committed(name)}. Source: `{_where(name)}`.*")
+
+
+def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribble_h200_graphs.json")) -> str:
+    """What one generation costs plain, with the write guard, and with one region scribbled."""
+    rows = []
+    for name in names:
+        doc = json.loads(evidence(name).read_text())
+        where = doc["facts"].get("gpu") or doc["facts"].get("processor") or doc["device"]
+        load = doc.get("load_avg_1min", {}).get("start")
+        for mode, r in doc["results"].items():
+            rows.append([f"{where}, {mode}" + (f" (load {load:.1f})" if load is not None else ""),
+                         f"{1e3 * r['plain']['median_s']:.0f} ms", f"×{r['guard']['x_plain']:.2f}",
+                         f"×{r['scribble']['x_plain']:.2f}", f"`{_where(name)}`"])
+    return table(["machine, mode", "plain generation", "write guard", "guard + one region", "source"], rows)
+
+
+def log_section(spec: str) -> str:
+    """`FILE "== header"`: that header's lines up to the next `==` or `#` line, as a code block."""
+    m = re.fullmatch(r'(\S+) "(.+)"', spec.strip())
+    if not m:
+        raise ValueError(f"docs: qsa:log wants FILE \"HEADER\", got {spec!r}")
+    lines = evidence(m.group(1)).read_text().splitlines()
+    try:
+        start = lines.index(m.group(2))
+    except ValueError:
+        raise ValueError(f"docs: {m.group(2)!r} is not a line of {_where(m.group(1))}") from None
+    body = []
+    for line in lines[start + 1:]:
+        if line.startswith(("==", "# ")):
+            break
+        body.append(line)
+    return f"```\n$ {m.group(2).removeprefix('== ')}\n" + "\n".join(body).rstrip() + "\n```"
+
+
+# ------------------------------------------------------------------ public API names
+
+DIRECTIVE = re.compile(r"^::: (qsa_lab[\w.]*)[ \t]*\n((?:    .*\n)*)", re.M)
+
+
+def resolve(public: str) -> str:
+    """The dotted path where a public name (`qsa_lab.build_case`, loaded lazily by the package)
+    is defined, so the API page keeps the public names while modules move beneath them."""
+    import sys
+
+    module, _, name = public.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        try:
+            importlib.import_module(public)
+            return public                     # a module
+        except ImportError:
+            raise ValueError(f"docs: the documented API name {public} does not exist") from None
+    where, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(where, str) and where.startswith("qsa_lab") and qual == name:
+        return f"{where}.{qual}"
+    holders = [n for n, mod in sorted(sys.modules.items())   # a constant: the modules that hold it,
+               if n.startswith("qsa_lab.") and n != module and vars(mod).get(name) is obj]
+    for mod_name in holders:                                   # the one that assigns it first
+        source = Path(sys.modules[mod_name].__file__).read_text()
+        if re.search(rf"^{re.escape(name)}\s*[:=]", source, re.M):
+            return f"{mod_name}.{name}"
+    return f"{holders[0]}.{name}" if holders else public
+
+
+def api_directives(markdown: str) -> str:
+    def one(m):
+        public = m.group(1)
+        real = resolve(public)
+        block = m.group(2)
+        if real == public:
+            return m.group(0)
+        if "    options:\n" not in block:
+            block = "    options:\n" + block
+        block = block.replace("    options:\n", f"    options:\n      heading: \"{public}\"\n", 1)
+        return f"::: {real}\n{block}"
+    return DIRECTIVE.sub(one, markdown)
+
+
+def expand(markdown: str) -> str:
+    def marker(m):
+        kind, arg = m.group(1), (m.group(2) or "").strip()
+        if kind == "cli":
+            return cli_reference()
+        if kind == "doctor":
+            return doctor_table()
+        if kind == "perf":                       # perf KIND [FILE]
+            kind, _, name = arg.partition(" ")
+            return PERF[kind](name) if name else PERF[kind]()
+        if kind == "log":
+            return log_section(arg)
+        if kind == "scribble_h200":
+            return scribble_h200()
+        if kind == "scribble_cost":
+            return scribble_cost()
+        raise ValueError(f"docs: unknown marker qsa:{kind}")
+
+    markdown = api_directives(MARKER.sub(marker, markdown))
+    return EVIDENCE.sub(lambda m: f"`{evidence(m.group(1)).relative_to(REPO).as_posix()}`", markdown)
+
+
+# ------------------------------------------------------------------ figures
+
+def nan_map_png() -> bytes:
+    """The report's decode-like case (19 rows, 5 poisoned dims) through the unfixed grouped route."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qsa_lab import Geometry, apply_poison, build_case, run_routes
+
+    figdata, plotting = importlib.import_module(FIGDATA_MODULE), importlib.import_module(PLOTTING_MODULE)
+    case = apply_poison(build_case(Geometry(rows=19)), "targeted", dims=[102, 152, 168, 170, 230])
+    result = run_routes(case, backend="emulate")
+    ax = plotting.plot_nan_map(figdata.nan_map(result, "grouped"))
+    buf = io.BytesIO()
+    ax.figure.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    plt.close(ax.figure)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------ MkDocs events
+
+def on_config(config):
+    # the notebooks run on the CPU emulation, and write their figures out of the checkout
+    os.environ["QSA_LAB_BACKEND"] = "emulate"
+    os.environ.setdefault("QSA_LAB_FIGURES", tempfile.mkdtemp(prefix="qsa_docs_figures_"))
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    return config
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+
+    # the NaN map the README shows (docs/assets/nan_map.png, committed) is drawn again for the site
+    old = files.get_file_from_path("assets/nan_map.png")
+    if old is not None:
+        files.remove(old)
+    files.append(File.generated(config, "assets/nan_map.png", content=nan_map_png()))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    return expand(markdown)
+
+
+if __name__ == "__main__":  # python docs/hooks/qsa_docs.py: print a page's expansion, or write the README figure
+    import sys
+
+    if sys.argv[1:] == ["--readme-figure"]:
+        (REPO / "docs" / "assets" / "nan_map.png").write_bytes(nan_map_png())
+    else:
+        print(expand(Path(sys.argv[1]).read_text()))

@@ -1,0 +1,116 @@
+"""`qsa-lab scribble`: argv -> one scribbled generation matrix (qsa_lab.scribble). No torch until
+the arguments are good.
+
+Exit codes (the canary's): 0 every check ran and none leaked; 1 a leak or a stray write; 2 bad
+input, one line `qsa-lab: error: <argument>: <problem>`; 3 an error, an unstable control, or a
+transformers version the adapter was not written for (one line, never a verdict).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer
+from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
+
+MODEL_NAMES = ("llama-gqa", "mistral-swa", "qwen2-hybrid")      # scribble.models.MODELS, without importing it
+WORKLOAD_NAMES = ("issue32", "reuse")                           # scribble.models.WORKLOADS
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def add_parser(sub, parents=()):
+    p = sub.add_parser(
+        "scribble", parents=list(parents),
+        help="poison every KV slot an engine does not own, at every step; guard every slot it must not write",
+        description="Fill one region of a running engine's KV pool before every step of a whole generation "
+                    "and compare tokens, logprobs and logits with a clean run; hash every row around every "
+                    "step and report writes outside the step's own slots (stray-write). Engine: transformers' "
+                    "continuous batching (pip install 'qsa_lab[scribble]').")
+    p.add_argument("--model", default="llama-gqa",
+                   help=f"a tiny model built from a config ({', '.join(MODEL_NAMES)}) or a local checkpoint "
+                        "folder (default llama-gqa)")
+    p.add_argument("--workload", default="issue32", choices=WORKLOAD_NAMES, help="named seeded workload (default issue32)")
+    p.add_argument("--attn", default="paged|eager",
+                   help="attention implementation: paged|eager, sdpa, flash_attention_2, ... (default paged|eager)")
+    p.add_argument("--pad", action="store_true",
+                   help="pad inputs as CUDA graphs and compile do (padded rows read the read-trash block; default off)")
+    p.add_argument("--cuda-graph", action="store_true", help="let transformers capture CUDA graphs (CUDA only; default off)")
+    p.add_argument("--regions", default=",".join(REGIONS), help=f"comma list of {', '.join(REGIONS)} (default all)")
+    p.add_argument("--payloads", default=",".join(PAYLOADS), help=f"comma list of {', '.join(PAYLOADS)} (default all)")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="(default auto: cuda when visible)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the model's and the pool's dtype (default float32)")
+    p.add_argument("--seed", type=integer, default=0, help="seed of the tiny model's weights (default 0)")
+    p.add_argument("--json", default=None, metavar="PATH|-",
+                   help="write the report (schema qsa_lab.scribble/1) to PATH, or - for stdout (default: none)")
+    p.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
+    p.add_argument("--no-localise", action="store_true", help="skip the re-runs that localise a leak")
+    p.set_defaults(func=run)
+    return p
+
+
+def _csv(value: str, allowed: tuple, argument: str) -> tuple:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items:
+        raise UsageError(f"{argument}: empty list")
+    for v in items:
+        if v not in allowed:
+            raise UsageError(f"{argument}: unknown {argument.lstrip('-').rstrip('s')} {v!r}; "
+                             f"choose from {', '.join(allowed)}")
+    return items
+
+
+def check_args(args) -> dict:
+    """Torch-free validation -> the settings; UsageError naming the argument."""
+    if args.model not in MODEL_NAMES and not Path(args.model).is_dir():
+        raise UsageError(f"--model: {args.model!r} is neither a built-in tiny model ({', '.join(MODEL_NAMES)}) "
+                         "nor a local folder")
+    if args.cuda_graph and args.device == "cpu":
+        raise UsageError("--cuda-graph: needs a CUDA device, not --device cpu")
+    outs = check_outputs(args, {"--json": None if args.json == "-" else args.json})
+    return {"regions": _csv(args.regions, REGIONS, "--regions"), "payloads": _csv(args.payloads, PAYLOADS, "--payloads"),
+            "json": outs.get("--json")}
+
+
+def run(args) -> int:
+    settings = check_args(args)
+    from qsa_lab.scribble.versions import refusal
+
+    line = refusal()
+    if line is not None:
+        raise Failure(line)
+
+    import torch
+
+    from qsa_lab.scribble.check import scribble
+    from qsa_lab.scribble.hf_engine import TransformersEngine
+    from qsa_lab.scribble.models import local_model, tiny_model, workload
+    from qsa_lab.scribble.versions import machine_facts
+    from qsa_lab.support.outputs import write_text
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device: cuda asked for, but torch sees no CUDA device")
+    if args.cuda_graph and device != "cuda":
+        raise UsageError("--cuda-graph: needs a CUDA device and torch sees none")
+    dtype = getattr(torch, args.dtype)
+    try:
+        model = (tiny_model(args.model, seed=args.seed, dtype=dtype, device=device) if args.model in MODEL_NAMES
+                 else local_model(args.model, dtype=dtype, device=device))
+        engine = TransformersEngine(model, workload(args.workload), attn=args.attn, pad=args.pad,
+                                    cuda_graph=args.cuda_graph)
+        report = scribble(engine, settings["regions"], settings["payloads"], localise_leaks=not args.no_localise)
+    except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
+        raise Failure(f"scribble: {type(e).__name__}: {e}") from e
+    report.facts = machine_facts()
+    text = json.dumps(report.to_dict(), indent=1) + "\n"
+    if args.json == "-":
+        sys.stdout.write(text)
+    else:
+        print(report.table())
+        if settings["json"] is not None:
+            with blame({}, "--json"):
+                write_text(settings["json"], text, "--json", force=args.force)
+            print(f"# wrote {settings['json']}")
+    return report.exit_code()

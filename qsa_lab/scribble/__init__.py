@@ -1,0 +1,40 @@
+"""The scribble: the canary for a running inference engine.
+
+Before every forward step of a whole generation, fill one region of the KV pool that no live
+request owns (free blocks, unwritten tails, the step's own write slots, the read and write trash,
+prefix-cache blocks, out-of-window slots) with NaN, Inf or the dtype's max, and compare the tokens,
+logprobs and logits with a clean run; and guard every row the step must not write.
+
+    from qsa_lab.scribble import TransformersEngine, scribble, tiny_model, workload
+    engine = TransformersEngine(tiny_model("llama-gqa"), workload("reuse"), attn="paged|eager")
+    report = scribble(engine)
+    print(report.table())
+
+The contract an engine adapter implements: qsa_lab.scribble.contract (StepView, EngineAdapter).
+Names load on first use, so `qsa-lab scribble --help` needs neither torch nor transformers.
+"""
+import importlib
+
+_NAMES = {
+    "REGIONS": ".verdicts", "PAYLOADS": ".verdicts", "SCHEMA": ".verdicts", "STRAY": ".verdicts",
+    "SUPPORTED_TRANSFORMERS": ".versions", "refusal": ".versions",
+    "StepView": ".contract", "Generation": ".contract", "EngineAdapter": ".contract",
+    "TransformersEngine": ".hf_engine",
+    "tiny_model": ".models", "local_model": ".models", "workload": ".models", "WORKLOADS": ".models",
+    "MODELS": ".models",
+    "scribble": ".check", "Scribbler": ".check", "ScribbleReport": ".check", "compare": ".check",
+    "localise": ".check", "verdict_grid": ".figures",
+}
+__all__ = list(_NAMES)
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'qsa_lab.scribble' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

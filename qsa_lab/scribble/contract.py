@@ -1,0 +1,96 @@
+"""The engine adapter contract: what an inference engine shows the scribble before each forward step.
+
+A kernel shows the canary one `PagedCall`; an engine shows the scribble a stream of steps. Before
+each forward step the adapter hands over a `StepView`: the KV pool as rows (one row = one token of
+one layer's K or V, in the pool's dtype), which rows the live requests have written (attention may
+read those), and every other row sorted into the regions of `verdicts.REGIONS`, the engine's
+deliberate slots (read trash / null block, write trash) among them. After the step it hands the same
+view back, so the write guard can check what changed. `generate(hooks)` runs a whole, seeded,
+greedy generation and returns tokens, logprobs and, where no graph hides them, logits and
+attention outputs.
+
+The regions are disjoint. A row belongs to `owned` (never poisoned) or to at most one region;
+`may_write` lists the rows the step is allowed to change (its own writes and the write trash).
+
+How the built-in adapter reads the pool (`reads_pool`):
+  "gather"        the engine gathers each request's rows by index before attention (transformers'
+                  paged|eager and sdpa without padding)
+  "padded-gather" the same, padded to a static size with the read-trash index (CUDA graphs, compile)
+  "block-table"   the kernel walks a block table itself (flash decode fast path)
+
+Next adapters (contract-shaped, no code until one has run):
+  vLLM    a KV-connector plugin. Scheduler side: `bind_kv_cache_manager` gives the block pool and
+          `build_connector_meta` runs once per step after scheduling, so it can put the step's block
+          tables, free blocks and the null block (block 0) into the metadata, with synchronous loads.
+          Worker side: `register_kv_caches` hands over the per-layer KV tensors (the pool), and
+          `start_load_kv` runs before the forward: the place to fill a region and take digests;
+          `wait_for_save` (after the forward) is the place to check them.
+  SGLang  an `sglang.srt.plugins` entry point with an AROUND hook on `ModelRunner.forward`: the
+          `ForwardBatch` carries `req_to_token_pool` / `token_to_kv_pool` (the pool and the slots each
+          request owns), `out_cache_loc` (this step's writes) and the allocator's free list; padding
+          for CUDA graphs reads slot 0.
+Each is one module importing its engine lazily, skipping with the reason when it is absent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class StepView:
+    """One forward step of the engine, as it is about to run (and, handed back, as it ran).
+
+    pool:      [rows, row_elems] the KV pool in its dtype, a view: writes reach the engine
+    regions:   region name -> int64 rows (disjoint, only regions that exist for this engine)
+    owned:     int64 rows live requests have written (what attention may read)
+    may_write: int64 rows the step may change (its own writes, the write trash)
+    row_layer: [rows] int64, the model layer of each row (-1: trash or a sector no allocator holds)
+    requests:  the requests of this step's batch, in query-row order; query_rows: their query lengths
+    """
+    step: int | str               # 0, 1, ... or "warmup"
+    pool: torch.Tensor
+    regions: dict
+    owned: torch.Tensor
+    may_write: torch.Tensor
+    row_layer: torch.Tensor
+    requests: list = field(default_factory=list)
+    query_rows: list = field(default_factory=list)
+    padded: bool = False
+
+
+@dataclass
+class Generation:
+    """A whole generation. tokens / logprobs: request -> list; logits: per step [n, vocab] float32
+    (None under CUDA graphs); attention: per step {layer: [q_rows, heads, head_dim]} when recorded;
+    steps: per step (requests, query_rows); error: the text of an exception, '' if none."""
+    tokens: dict
+    logprobs: dict
+    logits: list | None = None
+    attention: list | None = None
+    steps: list = field(default_factory=list)
+    error: str = ""
+
+
+class StepHooks(Protocol):
+    def before_step(self, view: StepView) -> None: ...
+    def after_step(self, view: StepView) -> None: ...
+
+
+class EngineAdapter(Protocol):
+    name: str          # e.g. "transformers:paged|eager"
+    reads_pool: str    # "gather" | "padded-gather" | "block-table"
+    graphs: bool       # outputs come from captured graphs (logits and attention outputs unseen)
+
+    def generate(self, hooks: StepHooks | None = None, record_attention: bool = False) -> Generation: ...
+
+
+class NoHooks:
+    """Hooks that do nothing: a plain run through the same code path."""
+    def before_step(self, view: StepView) -> None:
+        pass
+
+    def after_step(self, view: StepView) -> None:
+        pass

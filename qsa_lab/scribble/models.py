@@ -1,0 +1,88 @@
+"""Tiny models built from a config (fixed seed, no download) and named, seeded workloads.
+
+    model = tiny_model("llama-gqa")          # 2 layers, 4 query heads : 2 KV heads, head_dim 16
+    wl = workload("reuse")                   # prompts, new tokens, page size, blocks, batch tokens
+
+The workloads are sized so a small pool does real work: chunked prefill (a prompt longer than
+max_batch_tokens), block reuse (fewer blocks than all requests need at once, so later requests take
+blocks that finished ones freed), and prefix sharing (two prompts with a common first page).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MODELS = {
+    # name: (config class, model class, config fields beyond the shared tiny ones)
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral-swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    "qwen2-hybrid": ("Qwen2Config", "Qwen2ForCausalLM",
+                     {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
+                      "layer_types": ["full_attention", "sliding_attention"]}),
+}
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A seeded generation: prompt lengths, greedy new tokens, and the pool that must hold them.
+    shared_prefix: tokens the last two prompts share (prefix sharing); 0 for none."""
+    name: str
+    prompt_lengths: tuple
+    new_tokens: int
+    page_size: int
+    num_blocks: int
+    max_batch_tokens: int
+    shared_prefix: int = 0
+    seed: int = 0
+
+    def prompts(self, vocab_size: int) -> list:
+        import torch
+        g = torch.Generator().manual_seed(self.seed)
+        out = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in self.prompt_lengths]
+        if self.shared_prefix and len(out) >= 2:
+            out[-1][: self.shared_prefix] = out[-2][: self.shared_prefix]
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+WORKLOADS = {
+    # the issue's CPU reproduction: one chunked prefill (47 > 64 - 5 - 13 - 30 in the first batch)
+    "issue32": Workload("issue32", (5, 13, 30, 47), 6, 16, 32, 64),
+    # 6 requests on 12 blocks of 8 tokens: requests wait for blocks that finished ones free, the
+    # 47-token prompt is prefilled in chunks, and the last two share their first 16 tokens
+    "reuse": Workload("reuse", (5, 13, 30, 47, 21, 21), 8, 8, 12, 32, shared_prefix=16),
+}
+
+
+def workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
+    return WORKLOADS[name]
+
+
+def tiny_model(name: str = "llama-gqa", seed: int = 0, dtype=None, device=None):
+    """A randomly initialised tiny causal LM (torch.manual_seed(seed) before construction)."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)} or a local checkpoint folder, got {name!r}")
+    import torch
+    import transformers
+    config_cls, model_cls, extra = MODELS[name]
+    config = getattr(transformers, config_cls)(**TINY, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    if dtype is not None or device is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model
+
+
+def local_model(path: str, dtype=None, device=None):
+    """A user's checkpoint from a local folder (never downloads)."""
+    from pathlib import Path
+    if not Path(path).is_dir():
+        raise ValueError(f"model: {path} is not a folder")
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+    return model.to(device) if device is not None else model

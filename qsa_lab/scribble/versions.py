@@ -1,0 +1,58 @@
+"""Which transformers the built-in engine adapter was written against. Torch-free.
+
+The adapter hooks private internals of transformers' continuous batching
+(`ContinuousBatchProcessor._generation_step`, `PagedAttentionCache.cache_tensor`, the allocators'
+block tables and trash indexes, `CachePool`), which changed shape in 5.24 (one cache tensor,
+sectors, per-type allocators). Another version is refused with one line, never given a verdict.
+The same list is the `scribble` extra of the package.
+"""
+from __future__ import annotations
+
+from importlib import metadata
+
+SUPPORTED_TRANSFORMERS = ("5.24.0",)
+
+
+def transformers_version() -> str | None:
+    """The installed transformers version, None when it is not installed (no import, no torch)."""
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def refusal(version: str | None = None) -> str | None:
+    """None when `version` (default: the installed one) is supported, else the one line to print."""
+    version = transformers_version() if version is None else version
+    want = " or ".join(SUPPORTED_TRANSFORMERS)
+    if version is None:
+        return f"transformers: not installed; the scribble needs transformers {want} (pip install 'qsa_lab[scribble]')"
+    if version not in SUPPORTED_TRANSFORMERS:
+        return (f"transformers: version {version} is not supported; the scribble reads private internals "
+                f"of transformers {want} (pip install 'qsa_lab[scribble]')")
+    return None
+
+
+class UnsupportedVersion(RuntimeError):
+    """Raised with the one-line refusal as its message."""
+
+
+def require_supported(version: str | None = None) -> None:
+    line = refusal(version)
+    if line is not None:
+        raise UnsupportedVersion(line)
+
+
+def machine_facts() -> dict:
+    """Versions and the machine, for a report or a benchmark (imports torch)."""
+    import platform
+
+    import torch
+
+    from qsa_lab import __version__
+
+    facts = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version(),
+             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+             "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    facts["qsa_lab"] = __version__
+    return facts

@@ -1,0 +1,151 @@
+"""One vocabulary: every surface names a route or fix as routes.labels does (the letters only
+beside a name), and an earlier spelling on the command line is refused with the name it has now."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from qsa_lab.routes import labels
+from qsa_lab.routes.labels import FIXES, GROUPED, ROUTES, SHORT, fix_label, label
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_names_and_letters():
+    assert ROUTES == ("reference", "xqa", "grouped", "grouped+kernel_fix", "grouped+pad_fix", "grouped+both_fixes",
+                      "grouped+masked_load")
+    assert [label(r) for r in ROUTES[2:]] == ["grouped", "grouped+kernel_fix (A)", "grouped+pad_fix (B)",
+                                              "grouped+both_fixes (A+B)", "grouped+masked_load (C)"]
+    assert [fix_label(f) for f in ("unfixed", *FIXES)] == ["unfixed", "kernel_fix (A)", "pad_fix (B)",
+                                                           "both_fixes (A+B)", "masked_load (C)"]
+    assert labels.heading("grouped+pad_fix") == "pad_fix (B)" and labels.heading("xqa") == "xqa"
+    assert labels.slug(["kernel_fix", "grouped+masked_load"]) == "kernel_fix+masked_load" and labels.slug([]) == "none"
+    assert labels.short_key(ROUTES[2:4]) == "grp = grouped, A = grouped+kernel_fix"
+
+
+@pytest.mark.parametrize("old, route", [("fixA", "grouped+kernel_fix"), ("A", "grouped+kernel_fix"),
+                                        ("fix A", "grouped+kernel_fix"), ("grouped+fixA", "grouped+kernel_fix"),
+                                        ("kernel_fix", "grouped+kernel_fix"), ("fixB", "grouped+pad_fix"),
+                                        ("pad-fix", "grouped+pad_fix"), ("both", "grouped+both_fixes"),
+                                        ("A+B", "grouped+both_fixes"), ("grouped+both", "grouped+both_fixes"),
+                                        ("fixC", "grouped+masked_load"), ("C", "grouped+masked_load")])
+def test_earlier_spellings_name_the_route_now(old, route):
+    assert labels.renamed_route(old) == route
+
+
+def test_no_name_of_now_is_an_earlier_spelling():
+    assert all(labels.renamed_route(r) is None for r in ROUTES)
+    assert all(labels.renamed_fix(f) is None for f in (*FIXES, *labels.KERNEL_VARIANTS))
+    assert set(labels.OLD_FIX_NAMES.values()) == set(FIXES)
+
+
+def test_kernel_variants_and_bench_variants_come_from_labels():
+    from qsa_lab.routes import bench, compiled, emulate, run
+
+    assert emulate.VARIANTS == run.VARIANTS == labels.KERNEL_VARIANTS == ("unfixed", "kernel_fix", "masked_load")
+    assert tuple(compiled.VARIANTS)[:3] == labels.KERNEL_VARIANTS
+    assert bench.VARIANTS[:5] == ("unfixed", *FIXES)
+    # each fix variant runs the kernel and plan of its route
+    assert all(bench.GROUPED_VARIANTS[labels.fix_of(r) or "unfixed"] == how for r, how in GROUPED.items())
+    with pytest.raises(ValueError, match="^variants: 'both' is now called 'both_fixes'$"):
+        bench.time_point(None, variants=("unfixed", "both"))
+
+
+def test_the_committed_bench_json_is_read_by_the_names_of_now():
+    from qsa_lab.analysis import bench_data
+
+    raw = json.loads(bench_data.BENCH_JSON.read_text())
+    assert "both" in raw["report_geometry"]["ms"]            # measured before the rename, kept as measured
+    cost = bench_data.fix_cost(raw)
+    assert list(cost["variants"]) == ["unfixed", *FIXES]
+    assert cost["variants"]["both_fixes"]["us_per_tile"] == raw["report_geometry"]["us_per_tile"]["both"]
+    df, _ = bench_data.load_bench()
+    assert "both_fixes" in set(df.route) and "both" not in set(df.route)
+
+
+def _table():
+    import pandas as pd
+
+    row = {"case": "a case", **{f"nan[{r}]": 0 for r in ROUTES}, "differs_from_reference": "grouped",
+           "expected_to_differ": "grouped,grouped+pad_fix", "as_expected": False, "expect": "what it predicts",
+           **{f"max|{r}-xqa|": 1e-3 for r in labels.FIXED_ROUTES}, "max|xqa-reference|": 1e-4,
+           "poisoned_dims": [1, 2], "report_grouped_nan": None}
+    return pd.DataFrame([row])
+
+
+def test_repro_text_table_heads_and_keys_from_labels():
+    from qsa_lab.report.repro import format_table
+
+    lines = format_table(_table()).splitlines()
+    assert lines[0].split()[2:9] == [SHORT[r] for r in ROUTES]
+    key = " ".join(lines[2:4])
+    assert all(f"{SHORT[r]} = {r}" in key for r in ROUTES if SHORT[r] != r)
+    assert lines[-1].endswith("[grp,B]")
+
+
+def test_repro_notebook_table_and_figure_headings_from_labels():
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from qsa_lab.analysis.figure_data import repro_display
+    from qsa_lab.plotting.plots import plot_repro_table
+
+    html = repro_display(_table()).to_html()
+    heads = re.findall(r'class="col_heading[^"]*" >([^<]*)</th>', html)
+    assert heads[2:9] == [SHORT[r] for r in ROUTES]
+    assert labels.short_key() in html                         # the caption spells the abbreviations out
+    ax = plot_repro_table(_table(), ax=Figure().add_subplot())
+    cells = ax.tables[0].get_celld()
+    header = [cells[0, j].get_text().get_text().replace("\n", " ") for j in range(2, 9)]
+    assert header == [labels.heading(r) for r in ROUTES]
+    assert labels.short_key() in ax.get_title()
+
+
+def test_fix_cost_figure_labels_from_labels():
+    import matplotlib
+    matplotlib.use("Agg")
+
+    from qsa_lab.report.figures import fix_cost_figure
+
+    from qsa_lab.plotting.plots import FIX_COLORS
+
+    assert list(FIX_COLORS) == ["unfixed", *FIXES]
+    fig, _ = fix_cost_figure()
+    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert ticks == [fix_label(v) for v in ("unfixed", *FIXES)]
+    legend = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+    assert f"qsa_lab {fix_label('kernel_fix')}" in legend
+
+
+def test_canary_qsa_kernels_are_the_routes():
+    from qsa_lab.canary.kernels import builtin_kernels, resolve_kernel
+
+    assert [k for k in builtin_kernels() if k.startswith("qsa:")] == [f"qsa:{r}" for r in ROUTES]
+    with pytest.raises(ValueError, match=r"^kernels: 'qsa:both' is now called 'qsa:grouped\+both_fixes'$"):
+        resolve_kernel("qsa:both", "emulate")
+
+
+@pytest.mark.parametrize("given, now", [("qsa:fixA", "qsa:grouped+kernel_fix"), ("qsa:A", "qsa:grouped+kernel_fix"),
+                                        ("qsa:both", "qsa:grouped+both_fixes"),
+                                        ("torch:sdpa-math,qsa:grouped+fixC", "qsa:grouped+masked_load")])
+def test_an_earlier_spelling_on_the_command_line_names_the_new_one(given, now, capsys):
+    from qsa_lab.app.cli import main
+
+    assert main(["canary", "--kernels", given]) == 2
+    old = given.split(",")[-1]
+    assert capsys.readouterr().err == f"qsa-lab: error: --kernels: {old!r} is now called {now!r}\n"
+
+
+def test_no_other_module_spells_a_fix_by_its_letter():
+    """The letters and the old spellings live in labels.py alone (widgets.py: the playground's export
+    names move to labels.slug with the playground's split)."""
+    old = re.compile(r"fix [ABC]\b|fix[ABC]\b|\"both\"|'both'")
+    found = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "qsa_lab").rglob("*.py"))
+             if p.name not in ("labels.py", "widgets.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if old.search(line)]
+    found += [p.name for p in sorted((REPO / "notebooks").glob("*.ipynb")) if old.search(p.read_text())]
+    assert found == []
