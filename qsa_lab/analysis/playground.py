@@ -208,8 +208,8 @@ def route_reads(case: Case, plan: GroupedPlan, fixed_plan: GroupedPlan) -> dict:
 
     Every route uses the tokens some row attends. The unfixed grouped kernel also uses
     every token of every microblock in its plan, padding included: mask 0 gives such a
-    token probability 0, but 0 * NaN = NaN. Fix A zeroes unattended panel rows and fix C
-    never loads them, so those variants use attended tokens only."""
+    token probability 0, but 0 * NaN = NaN. kernel_fix (A) zeroes unattended panel rows and
+    masked_load (C) never loads them, so those variants use attended tokens only."""
     n = case.kv_cache.shape[0] * case.geometry.page_size
     index, count = xqa_tokens(case)
     valid = torch.arange(index.shape[1]) < count.long().unsqueeze(1)
