@@ -231,16 +231,16 @@ def run(args) -> int:
     inputs = {**kernel_files, **({"--case": args.case} if args.case else {})}
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, inputs)
     kernels = (args.kernels or []) + (args.kernel or [])
+    second = None
     if args.backend != "cuda" and _overlaps(kernels):
-        from qsa_lab.canary.overlap import start_overlap
+        from qsa_lab.canary.overlap import start
 
-        start_overlap()   # FlexAttention's slow start runs in a second process while this one imports torch
+        second = start()   # FlexAttention's slow start runs in a second process while this one imports torch
     try:
-        return _run(args, outs, kernels, geometry)
+        return _run(args, outs, kernels, geometry, second)
     finally:
-        from qsa_lab.canary.overlap import close_overlap
-
-        close_overlap()   # not taken (bad input found later, a GPU run): ended with the command
+        if second is not None:
+            second.close()   # not taken (bad input found later, a GPU run): ended with the command
 
 
 def _report_inputs(args, kernels: list) -> dict:
@@ -253,7 +253,7 @@ def _report_inputs(args, kernels: list) -> dict:
     return out
 
 
-def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
+def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
     from qsa_lab.app.args import UsageError, blame as _blame
 
     from qsa_lab.canary.case import load_case  # torch from here on: every argument above was checked without it
@@ -270,8 +270,7 @@ def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
         with _blame({"path": "--vllm-src"}, "--vllm-src"):
             set_source(args.vllm_src)
 
-    from qsa_lab.canary.overlap import _SPARE
-    if _SPARE is not None and args.json != "-":
+    if second is not None and args.json != "-":
         import pandas  # noqa: F401 - the matrix printed at the end needs it; this process is ahead of the second one
 
     case = None
@@ -283,7 +282,7 @@ def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
             report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads,
                                 planes=args.planes or ("k", "v"), backend=args.backend,
                                 kv_dtype=args.kv_dtype, dims=args.dims, attend=None if case else args.attend,
-                                case=case, progress=sys.stderr.isatty() and args.json != "-",
+                                case=case, progress=sys.stderr.isatty() and args.json != "-", second=second,
                                 **({"timeout": args.timeout} if args.timeout else {}), **geometry)
     except UsageError as e:
         msg = str(e)
