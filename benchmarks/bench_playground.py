@@ -59,7 +59,8 @@ def forget_poisons(cache) -> None:
 
 
 def bench_preset(preset: str, repeat: int) -> dict:
-    from qsa_lab.widgets import Params, Playground, RunCache
+    from qsa_lab.analysis.playground import Params, RunCache
+    from qsa_lab.widgets import Playground
 
     t0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     import torch
 
     from qsa_lab import __version__
-    from qsa_lab.widgets import PRESETS
+    from qsa_lab.analysis.playground import PRESETS
 
     presets = args.preset or list(PRESETS)
     unknown = [p for p in presets if p not in PRESETS]

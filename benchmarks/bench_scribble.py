@@ -13,6 +13,7 @@ about (2 + regions x payloads) x the scribble time, plus re-runs to localise lea
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 import sys
@@ -40,6 +41,9 @@ def time_modes(engine, repeats: int) -> dict:
     for name in ("guard", "scribble"):
         out[name]["x_plain"] = out[name]["median_s"] / out["plain"]["median_s"]
     return out
+
+
+LOAD_START = os.getloadavg()[0]   # CPU times swing with load: the JSON records it
 
 
 def main(argv=None) -> int:
@@ -74,6 +78,7 @@ def main(argv=None) -> int:
               f"(x{r['guard']['x_plain']:.2f})   scribble {r['scribble']['median_s'] * 1e3:8.1f} ms "
               f"(x{r['scribble']['x_plain']:.2f})   {r['plain']['steps']} steps")
     doc = {"schema": "qsa_lab.bench_scribble/1", "method": __doc__.split("\n\n")[1].replace("\n", " "),
+           "load_avg_1min": {"start": LOAD_START, "end": os.getloadavg()[0]},
            "model": args.model, "workload": workload(args.workload).to_dict(), "attn": args.attn, "device": device,
            "repeats": args.repeats, "facts": machine_facts(), "results": results}
     if args.json:

@@ -1,7 +1,10 @@
 """The canary on the built-in third-party kernels (FlashInfer, vLLM's Triton unified attention)
 at a production geometry: head_dim 128, 8 query heads over 2 KV heads (GQA 4:1), 16-token
 pages, fp16 and e4m3 pools, under the dense, window, window+sink and sparse specs, decode (one
-row per request) and a 4-row prefill chunk. Writes one JSON document and a Markdown table.
+row per request) and a 4-row prefill chunk; plus a padded block table (PADDED: requests of 33, 32
+and 31 tokens hold 3, 2 and 2 pages, so two block-table rows end in a padding entry pointing at
+the null block: vLLM's padded-table path; FlashInfer reads a page list, so its null-block cells
+are n/a there). Writes one JSON document and a Markdown table.
 
     python benchmarks/canary_thirdparty.py --json evidence/canary_thirdparty_h200.json \
         [--vllm-src PATH] [--jobs 12] [--kernels flashinfer:decode,...] [--kv-dtypes fp16,e4m3]
@@ -32,18 +35,24 @@ KERNELS = ("flashinfer:decode", "flashinfer:decode-tc", "flashinfer:prefill", "f
 DECODE_ONLY = ("flashinfer:decode", "flashinfer:decode-tc", "vllm:unified-3d")
 SPECS = ("dense", "window:8", "window:8,sink:4", "sparse")
 GEOMETRY = dict(q_heads=8, kv_heads=2, head_dim=128, page_size=16, requests=3, context=40)
+#: a geometry whose block-table rows carry padding entries (spec, extra geometry), run for every kernel
+PADDED = ("dense", dict(context=33))
 TOPK = {"sparse": 4}          # 4 selected 4-token blocks of ~40 tokens: an unselected region exists
 PREFILL_ROWS = 4
 
 
 def cases(kernel: str, kv_dtype: str):
-    """(attend, query_len, CanaryCase) this kernel runs on."""
+    """(attend, query_len, CanaryCase) this kernel runs on; the padded block table's runs are
+    labelled '<spec> padded-table'."""
     from qsa_lab.canary.case import canary_case
 
     for query_len in ((1,) if kernel in DECODE_ONLY else (1, PREFILL_ROWS)):
         for spec in SPECS:
             geo = dict(GEOMETRY, topk=TOPK.get(spec, 16))
             yield spec, query_len, canary_case(kv_dtype, attend=spec, query_len=query_len, **geo)
+        spec, extra = PADDED
+        yield f"{spec} padded-table", query_len, canary_case(kv_dtype, attend=spec, query_len=query_len,
+                                                             **dict(GEOMETRY, **extra))
 
 
 def summarize(doc: dict) -> str:
@@ -84,7 +93,7 @@ def worker(kernel: str, kv_dtype: str, out: Path) -> None:
         if report_dir and doc["results"] and report.leaks():
             try:
                 write_leak_report(report, Path(report_dir) / f"{kernel.replace(':', '_')}_{kv_dtype}_"
-                                                               f"{spec.replace(':', '').replace(',', '_')}_q{query_len}")
+                                                               f"{spec.replace(':', '').replace(',', '_').replace(' ', '_')}_q{query_len}")
             except Exception as e:  # noqa: BLE001 - the verdicts stand without the report
                 print(f"  report failed: {type(e).__name__}: {e}", flush=True)
         runs.append({"kernel": kernel, "kv_dtype": kv_dtype, "attend": spec, "query_len": query_len,
@@ -192,6 +201,7 @@ def main(argv=None) -> int:
     if args.vllm_rev:
         env["vllm_rev"] = args.vllm_rev
     doc = {"schema": SCHEMA, "label": args.label, "machine": env, "geometry": GEOMETRY, "specs": list(SPECS),
+           "padded_table": {"attend": PADDED[0], "geometry": dict(GEOMETRY, **PADDED[1])},
            "prefill_rows": PREFILL_ROWS, "wall_s": round(time.time() - t0, 1), "runs": runs}
     out.write_text(dump(doc))
     md = table(runs, env)

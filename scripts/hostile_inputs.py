@@ -558,8 +558,8 @@ def analysis_probes(case, d: Path) -> list[Probe]:
 
 def widget_probes() -> list[Probe]:
     """The playground and the notebooks' backend switch."""
-    from qsa_lab.analysis.playground import notebook_backend
-    from qsa_lab.widgets import Params, Playground
+    from qsa_lab.analysis.playground import Params, notebook_backend
+    from qsa_lab.widgets import Playground
 
     P = []
     for kw, needle in [(dict(preset="bogus"), "preset"), (dict(site="x"), "site"), (dict(plane="q"), "plane"),

@@ -3,7 +3,7 @@
 For machines without Jupyter (the GPU node used to check the notebooks on the compiled
 kernels): `QSA_LAB_BACKEND=cuda python scripts/run_notebook_code.py notebooks/02_*.ipynb`.
 Figures are drawn with the Agg backend and not shown. Notebooks that build widgets need
-ipywidgets (the playground's pure data function, qsa_lab.widgets.playground_data, does not).
+ipywidgets (the playground's pure data function, qsa_lab.analysis.playground.playground_data, does not).
 """
 import argparse
 import json

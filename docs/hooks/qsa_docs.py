@@ -365,6 +365,41 @@ PERF = {"tile-rig": tile_rig, "canary-matrix": canary_matrix, "cpu": perf_cpu, "
         "emulate": perf_emulate, "canary-counts": _canary_counts, "thirdparty": thirdparty}
 
 
+def scribble_h200(name: str = "scribble_h200/summary.json") -> str:
+    """Per configuration of the H200 run: every check that was not clean or n/a."""
+    doc = json.loads(evidence(name).read_text())
+    facts = doc["facts"]
+    rows = []
+    for config, got in doc["configs"].items():
+        if "error" in got:
+            rows.append([f"`{config}`", "could not run", ""])
+            continue
+        shown = {}
+        for cell, verdict in got["verdicts"].items():
+            if verdict not in ("clean", "n/a"):
+                check, region, payload = cell.split(":")
+                shown.setdefault((check, region, verdict), []).append(payload)
+        found = "; ".join(f"{check} `{region}`: {verdict} ({', '.join(p)})" for (check, region, verdict), p in shown.items())
+        rows.append([f"`{config}`", found or "every check clean or n/a", str(got["exit_code"])])
+    return (table(["configuration", "what was not clean", "exit"], rows)
+            + f"\n\n*{facts['gpu']}, torch {facts['torch']}, transformers {facts['transformers']}, tiny Llama in fp16, "
+              f"workload issue32; committed {_committed(name)}. Source: `{_where(name)}`.*")
+
+
+def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribble_h200_graphs.json")) -> str:
+    """What one generation costs plain, with the write guard, and with one region scribbled."""
+    rows = []
+    for name in names:
+        doc = json.loads(evidence(name).read_text())
+        where = doc["facts"].get("gpu") or doc["facts"].get("processor") or doc["device"]
+        load = doc.get("load_avg_1min", {}).get("start")
+        for mode, r in doc["results"].items():
+            rows.append([f"{where}, {mode}" + (f" (load {load:.1f})" if load is not None else ""),
+                         f"{1e3 * r['plain']['median_s']:.0f} ms", f"×{r['guard']['x_plain']:.2f}",
+                         f"×{r['scribble']['x_plain']:.2f}", f"`{_where(name)}`"])
+    return table(["machine, mode", "plain generation", "write guard", "guard + one region", "source"], rows)
+
+
 def log_section(spec: str) -> str:
     """`FILE "== header"`: that header's lines up to the next `==` or `#` line, as a code block."""
     m = re.fullmatch(r'(\S+) "(.+)"', spec.strip())
@@ -440,6 +475,10 @@ def expand(markdown: str) -> str:
             return PERF[kind](name) if name else PERF[kind]()
         if kind == "log":
             return log_section(arg)
+        if kind == "scribble_h200":
+            return scribble_h200()
+        if kind == "scribble_cost":
+            return scribble_cost()
         raise ValueError(f"docs: unknown marker qsa:{kind}")
 
     markdown = api_directives(MARKER.sub(marker, markdown))

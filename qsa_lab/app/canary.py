@@ -245,51 +245,50 @@ def run(args) -> int:
     if args.case and (geometry or args.kv_dtype):   # the case file holds its own pool and its dtype
         given = [*geometry, *(["kv_dtype"] if args.kv_dtype else [])]
         raise UsageError(f"--case: takes no geometry option (got {', '.join(FLAGS[n] for n in given)})")
-    kernel_files = {}
+    outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, _inputs(args))
+    kernels = (args.kernels or []) + (args.kernel or [])
+    second = None
+    if args.backend != "cuda" and _overlaps(kernels):
+        from qsa_lab.canary.overlap import start
+
+        second = start()   # FlexAttention's slow start runs in a second process while this one imports torch
+    try:
+        return _run(args, outs, kernels, geometry, second)
+    finally:
+        if second is not None:
+            second.close()   # not taken (bad input found later, a GPU run): ended with the command
+
+
+def _inputs(args) -> dict:
+    """{option: path} of the run's input files (the case, every kernel's source, whichever option
+    and form named it), which no output may be or hold."""
+    out = {"--case": args.case} if args.case else {}
     for flag, specs in (("--kernels", args.kernels), ("--kernel", args.kernel)):
         for spec in specs or []:
             source = kernel_source(spec)
             if source is not None:
-                kernel_files[f"{flag} {spec}"] = source
-    inputs = {**kernel_files, **({"--case": args.case} if args.case else {})}
-    outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, inputs)
-    if args.report:
-        from qsa_lab.app.args import blame
-        from qsa_lab.support.outputs import check_not_inside
-
-        with blame({}, "--report"):
-            check_not_inside(args.report, inputs, "--report")
-    kernels = (args.kernels or []) + (args.kernel or [])
-    if args.backend != "cuda" and _overlaps(kernels):
-        from qsa_lab.canary.overlap import start_overlap
-
-        start_overlap()   # FlexAttention's slow start runs in a second process while this one imports torch
-    try:
-        return _run(args, outs, kernels, geometry)
-    finally:
-        from qsa_lab.canary.overlap import close_overlap
-
-        close_overlap()   # not taken (bad input found later, a GPU run): ended with the command
+                out[f"{flag} {spec}"] = source
+    return out
 
 
-def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
+def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
     from qsa_lab.app.args import UsageError, blame as _blame
 
     from qsa_lab.canary.case import load_case  # torch from here on: every argument above was checked without it
     from qsa_lab.canary.runner import run_canary
+    report_inputs = _inputs(args)
     if args.report:  # checked before any kernel runs
         from qsa_lab.canary.report import check_report_dir
 
         with _blame({"report": "--report"}, "--report"):
-            check_report_dir(args.report, args.force)
+            check_report_dir(args.report, args.force, report_inputs)
     if args.vllm_src:
         from qsa_lab.canary.adapters.vllm import set_source
 
         with _blame({"path": "--vllm-src"}, "--vllm-src"):
             set_source(args.vllm_src)
 
-    from qsa_lab.canary.overlap import _SPARE
-    if _SPARE is not None and args.json != "-":
+    if second is not None and args.json != "-":
         import pandas  # noqa: F401 - the matrix printed at the end needs it; this process is ahead of the second one
 
     case = None
@@ -301,7 +300,7 @@ def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
             report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads,
                                 planes=args.planes or ("k", "v"), backend=args.backend,
                                 kv_dtype=args.kv_dtype, dims=args.dims, attend=None if case else args.attend,
-                                case=case, progress=sys.stderr.isatty() and args.json != "-",
+                                case=case, progress=sys.stderr.isatty() and args.json != "-", second=second,
                                 **({"timeout": args.timeout} if args.timeout else {}), **geometry)
     except UsageError as e:
         msg = str(e)
@@ -322,8 +321,9 @@ def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
         for s in report.skipped:
             what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
             print(f"# skipped {what}: {s['reason']}")
-        checked = sum(r.verdict in ("clean", "nan-leak", "inf-leak", "finite-leak") for r in report.results)
-        print(f"# {len(report.leaks())} leaking of {checked} checks ({len(report.results)} cells)")
+        from qsa_lab.canary.verdicts import summary
+
+        print(f"# {summary(doc['counts'])}")
         if "--json" in outs:
             from qsa_lab.support.outputs import write_text
 
@@ -333,7 +333,12 @@ def _run(args, outs: dict, kernels: list, geometry: dict) -> int:
     if args.report:
         from qsa_lab.canary.report import write_report
 
-        path = write_report(report, args.report, force=args.force, progress=lambda m: print(f"# {m}", file=sys.stderr))
+        import shlex
+
+        with _blame({"report": "--report"}, "--report"):
+            path = write_report(report, args.report, force=args.force, inputs=report_inputs,
+                                command=shlex.join(["qsa-lab", *getattr(args, "argv", ["canary", "..."])]),
+                                progress=lambda m: print(f"# {m}", file=sys.stderr))
         print(f"# wrote {path} (and report.html, leak_matrix.png, calls/)", file=sys.stderr if args.json == "-" else None)
     debug = getattr(args, "debug", False)
     for f in report.failures():

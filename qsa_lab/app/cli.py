@@ -172,30 +172,40 @@ def cmd_repro(args) -> int:
     if not args.no_figures:
         with blame({}, "--figures"):
             check_folder(args.figures, "--figures")
-    from qsa_lab.report import figure_worker as figworker
-    from qsa_lab.support import processes as procs
+    from qsa_lab.support.executor import SecondProcess
+    from qsa_lab.support.processes import idle_core
 
-    if not args.no_figures and args.backend != "cuda" and procs.idle_core():
-        figworker.start()   # figures 01, 03, 05 are rendered in a second process while this one runs the cases
+    second = None
+    if not args.no_figures and args.backend != "cuda" and idle_core():
+        # figures 01, 03, 05 are rendered in a second process while this one runs the cases; started
+        # now, before torch is imported here, so that both processes' imports run at once
+        with contextlib.suppress(OSError):
+            second = SecondProcess("qsa_lab.report.figures")
     try:
-        return _repro(args, out, files)
+        return _repro(args, out, files, second)
     finally:
-        figworker.close()   # not taken (bad input found later, a GPU run, a failure): ended with the command
+        if second is not None:
+            second.close()   # whatever it still runs (bad input found later, a failure): ended with the command
 
 
-def _repro(args, out, files: dict) -> int:
-    from qsa_lab.report import figure_worker as figworker
+def _repro(args, out, files: dict, second=None) -> int:
     from qsa_lab.support.outputs import check_folder, undone_on_failure, writing
     from qsa_lab.routes.run import resolve_backend  # torch from here on
 
     with blame({}, "--backend"):
         backend = resolve_backend(args.backend)
-    figworker.request(backend)
+    ahead = None
+    if second is not None and backend != "emulate":
+        second.close()      # on a GPU it would start CUDA a second time
+    elif second is not None:
+        from qsa_lab.report.figures import draw_ahead
+
+        ahead = draw_ahead(second, backend)
     if backend == "emulate":
-        _fit_threads(started=figworker.running())   # the second process holds a core of its own
+        _fit_threads(started=int(ahead is not None))   # the second process holds a core of its own
     from qsa_lab.report.repro import run_repro
 
-    table, results = run_repro(backend=args.backend, progress=not args.quiet)
+    table, results = run_repro(backend=args.backend, progress=not args.quiet, beside=int(ahead is not None))
     backend = results[0].backend if results else args.backend
     print(f"# backend: {backend}")
     from qsa_lab.report.repro import format_table
@@ -222,7 +232,8 @@ def _repro(args, out, files: dict) -> int:
                     print(f"# drawing the figures into {args.figures} ...", file=sys.stderr, flush=True)
                 # without --force an existing figure is kept and the new one numbered (export_figure)
                 with blame({}, "--figures"):
-                    written += write_repro_figures(results, args.figures, table=table, overwrite=args.force)
+                    written += write_repro_figures(results, args.figures, table=table, overwrite=args.force,
+                                                   ahead=ahead)
     for w in written:
         print(f"# wrote {w}")
     return EXIT_OK
@@ -503,6 +514,7 @@ def _main(argv=None) -> int:
     debug = "--debug" in argv
     try:
         args = parse_args(argv)
+        args.argv = list(argv)   # the command line as given, for what a run records (a report's "Command")
         with warnings.catch_warnings():  # a warning is one line too, e.g. a loaded q holding NaN
             warnings.simplefilter("always", UserWarning)  # every run says it, not only the first in a process
             warnings.showwarning = _show_warning

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from qsa_lab.canary.call import KernelSkipped, PagedCall
-from qsa_lab.canary.overlap import _end, _spawn, recv, send  # noqa: F401 - recv / send: the worker's protocol
+from qsa_lab.support.processes import end as _end, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
 from qsa_lab.model.paged import TENSORS as INPUTS  # the paged call's tensors, declared once
 
 DEFAULT_TIMEOUT = 600.0
@@ -149,7 +149,7 @@ class Worker:
         self.paged_inputs = None
 
     def _start(self) -> None:
-        self.proc = _spawn()
+        self.proc = spawn("qsa_lab.canary.worker")
 
     def _read(self, deadline: float) -> tuple:
         """-> ("msg", obj) | ("timeout", None) | ("eof", returncode)."""

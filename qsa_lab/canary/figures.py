@@ -30,8 +30,15 @@ def leak_matrix(source) -> dict:
         verdicts[kernels.index(r["kernel"])][columns.index((r["region"], r["plane"], r["payload"]))] = r["verdict"]
     reasons = {s["kernel"]: s["reason"] for s in doc.get("skipped", []) if "kernel" in s and "region" not in s}
     return {"kernels": kernels, "columns": columns, "verdicts": verdicts, "skipped": reasons,
-            "title": f"canary: backend {doc.get('backend')}, device {doc.get('device')}, GPU {doc.get('gpu')}, "
-                     f"{doc.get('kv_dtype')} pool, torch {doc.get('torch')}"}
+            "title": _title(doc)}
+
+
+def _title(doc: dict) -> str:
+    """What ran where; the qsa routes' backend only when some ran (never 'backend None')."""
+    parts = [f"qsa routes on {doc['backend']}" if doc.get("backend") else None,
+             f"device {doc.get('device')}", f"GPU {doc.get('gpu')}" if doc.get("gpu") else None,
+             f"{doc.get('kv_dtype')} pool", f"torch {doc.get('torch')}"]
+    return "canary: " + ", ".join(p for p in parts if p)
 
 
 def leak_map(result, title: str = "") -> dict:

@@ -1,110 +1,84 @@
-"""Worker processes of the canary without importing torch: how one starts and ends, the
-length-prefixed pickles on its pipes, and the --overlap process (`qsa-lab canary` starts it
-before it imports torch, so that both imports run at once on two cores).
+"""The canary's slow built-in kernels beside the others: FlexAttention's first call on the CPU
+imports torch._dynamo and traces its operator (~3 s of a default run), so `qsa-lab canary` runs
+those kernels (OVERLAP) in a second process (support.executor.SecondProcess) when a core is idle.
+The command starts it before it imports torch (start), so both imports run at once on two cores,
+and hands it to run_canary(second=...), which uses it for a CPU run of OVERLAP kernels beside
+others (take) and otherwise ends it.
 """
 from __future__ import annotations
 
-import pickle
-import subprocess
+from concurrent.futures import as_completed
 
 from qsa_lab.support import processes as procs
-from qsa_lab.support.processes import recv, send  # noqa: F401 - the worker's protocol
+from qsa_lab.support.executor import SecondProcess
 
-
-def _spawn(*args: str) -> subprocess.Popen:
-    """python -m qsa_lab.canary.worker [args], its stdin / stdout the request / reply pipes."""
-    return procs.spawn("qsa_lab.canary.worker", *args)
-
-
-_end = procs.end
-
-
-# -- the slow built-in kernels beside the others ---------------------------------------------------
-
-#: built-in kernels whose first call on the CPU is slow (FlexAttention imports torch._dynamo and
-#: traces its operator, ~3 s of a default run): `qsa-lab canary` runs them in a second process
-#: when a core is idle, started before it imports torch, while this one runs the other kernels
+#: built-in kernels whose first call on the CPU is slow
 OVERLAP = ("torch:flex", "torch:flex-paged")
-_SPARE = None     # the started process no run has taken yet
-
-
-class Overlap:
-    """The second process (python -m qsa_lab.canary.worker --overlap). It runs the same code
-    as this one would (runner._run_kernel, each call in its main thread, unbounded, on fresh
-    copies, one torch thread) and sends back every result; if it fails in any way, the run
-    calls those kernels here instead, as it does without it."""
-
-    def __init__(self):
-        self.proc, self.names, self.used, self.answered = _spawn("--overlap"), [], False, False
-
-    def submit(self, *job) -> list:
-        """Send the matrix (case, slots, regions, planes, payloads, dims); -> the names it runs."""
-        self.used = True
-        try:
-            send(self.proc.stdin, ("matrix", list(self.names), *job))
-        except (OSError, pickle.PicklingError):
-            self.close()       # collect() then answers None: the kernels run here
-        return list(self.names)
-
-    def collect(self, bar) -> dict | None:
-        """{name: (results, skipped entries)}, updating `bar` per cell; None if the process failed."""
-        cells = 0
-        while self.proc is not None:
-            try:
-                msg = recv(self.proc.stdout)
-            except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
-                msg = None
-            if msg is None or msg[0] == "error":
-                break
-            if msg[0] == "done":
-                self.answered = True
-                return msg[1]
-            bar.update(msg[1])
-            cells += msg[1]
-        bar.update(-cells)     # they run again here
-        self.close()
-        return None
-
-    def close(self) -> None:
-        p, self.proc = self.proc, None
-        _end(p, wait=0.5 if self.used else 0)     # an unused one is still importing: kill it
-
-
-_others_running = procs.others_running
+#: what the second process imports while the command imports its own
+WARM = ("torch.nn.attention.flex_attention", "torch._dynamo", "qsa_lab.canary.runner")
 
 
 def idle_core() -> bool:
     """Is a core free for the second process (procs.idle_core)?"""
-    return procs.idle_core(_others_running())
+    return procs.idle_core()
 
 
-def start_overlap() -> Overlap | None:
-    """Start the second process now; the next run_canary that takes it (take_overlap) uses it."""
-    global _SPARE
-    close_overlap()
+def start() -> SecondProcess | None:
+    """The second process, started now (a plain-Python caller, before torch is imported)."""
     try:
-        _SPARE = Overlap()
+        return SecondProcess(*WARM)
     except OSError:
-        _SPARE = None
-    return _SPARE
-
-
-def close_overlap() -> None:
-    global _SPARE
-    spare, _SPARE = _SPARE, None
-    if spare is not None:
-        spare.close()
-
-
-def take_overlap(named: list, device) -> Overlap | None:
-    """The started process, for a CPU run of named OVERLAP kernels beside others (else None;
-    a started one is ended: one run takes it or none)."""
-    global _SPARE
-    spare, _SPARE = _SPARE, None
-    if spare is None:
         return None
-    spare.names = [n for n, k in named if isinstance(k, str) and k == n and n in OVERLAP]
-    if getattr(device, "type", str(device)) != "cpu" or not spare.names or len(spare.names) == len(named):
-        spare.close()
+
+
+class Overlap:
+    """Kernels `names` of one run in the second process. It runs the same code as this one would
+    (runner.run_overlap: runner._run_kernel, each call in its main thread, unbounded, on fresh
+    copies, one torch thread), one call per kernel; if any fails, the run calls them all here,
+    as it does without it."""
+
+    def __init__(self, second: SecondProcess, names: list):
+        self.second, self.names, self.answered = second, list(names), False
+        self.futures, self.cells = [], 0
+
+    def submit(self, run, case, slots, regions, planes, payloads, dims) -> list:
+        """Send each kernel's matrix to run there (run: runner.run_overlap) -> the names it runs."""
+        self.cells = len(regions) * len(planes)
+        try:
+            self.futures = [self.second.submit(run, [n], case, slots, regions, planes, payloads, dims)
+                            for n in self.names]
+        except Exception:  # noqa: BLE001 - gone, or the case does not pickle: collect() answers None
+            self.futures = []
+        return list(self.names)
+
+    def collect(self, bar) -> dict | None:
+        """{name: (results, skipped entries)}, updating `bar` per kernel; None if a call failed."""
+        got, counted = {}, 0
+        try:
+            if len(self.futures) != len(self.names):
+                raise RuntimeError("not sent")
+            for f in as_completed(self.futures):
+                got.update(f.result())
+                bar.update(self.cells)
+                counted += self.cells
+        except Exception:  # noqa: BLE001 - the kernels run here
+            bar.update(-counted)
+            self.close()
+            return None
+        self.answered = True
+        return got
+
+    def close(self) -> None:
+        self.second.close()
+
+
+def take(second: SecondProcess | None, named: list, device) -> Overlap | None:
+    """An Overlap on `second` for a CPU run of named OVERLAP kernels beside others; else None,
+    and `second` is ended (one run takes it or none)."""
+    if second is None:
         return None
-    return spare
+    names = [n for n, k in named if isinstance(k, str) and k == n and n in OVERLAP]
+    if getattr(device, "type", str(device)) != "cpu" or not names or len(names) == len(named):
+        second.close()
+        return None
+    return Overlap(second, names)

@@ -154,16 +154,19 @@ def run(cfg: Config, report_dir=None, force: bool = False):
             from qsa_lab.canary.report import _slug, write_report
 
             folder = Path(report_dir) / _slug(cfg.name)
-            try:   # as --report: a report already there (perhaps edited) is kept unless asked
+            try:   # the same rules as --report: an existing report (perhaps edited by its user) is kept unless asked
                 write_report(report, folder, force=force,
                              fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel) else None)
             except (ValueError, FileExistsError) as e:
                 kept = f"no report written: {e}"
             else:
-                from qsa_lab.canary.report import _replay_command
+                from qsa_lab.canary.replay import is_builtin
 
-                for f in sorted((folder / "calls").glob("*.safetensors")):
-                    replays[f.name] = _replay_command(f, report.kernels[0])
+                # replay runs a kernel that is not built in only when the command names it
+                named = "" if is_builtin(cfg.name) else f" --kernel {cfg.name}"
+                for f in sorted((folder / "calls").glob("*.safetensors")):   # one per region x plane
+                    replays[tuple(f.stem.split("__")[1:3])] = (f"cd {folder} && python -m qsa_lab.canary.replay "
+                                                               f"calls/{f.name}{named}")
         _runs[cfg] = (report, replays, kept)
     return _runs[cfg]
 
@@ -221,11 +224,8 @@ class Cell:
         msg = (f"{name} leaks {r.payload} from region {self.region} on the {self.plane.upper()} plane: {r.verdict}, "
                f"{what} ({r.nan} NaN, {r.inf} Inf, {r.finite_changed} finite changed; rows {w['rows'][:12]}, "
                f"heads {w['heads']}) [{report.case.describe()}]")
-        from qsa_lab.canary.report import _slug
-
-        slug = _slug(f"{name}__{self.region}__{self.plane}__{self.payload}")
-        if slug + ".safetensors" in replays:
-            msg += f"\n  replay: {replays[slug + '.safetensors']}"
+        if (self.region, self.plane) in replays:
+            msg += f"\n  replay: {replays[self.region, self.plane]}"
         elif kept:
             msg += f"\n  {kept}"
         pytest.fail(msg, pytrace=False)

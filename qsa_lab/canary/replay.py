@@ -4,9 +4,10 @@
 
 Runs the kernel on the control call (the poisoned slots zero-filled) and on the poisoned
 call, compares them bit for bit, and prints the NaN / Inf / changed counts with the rows,
-heads and dims they sit in. Exit 0: clean (the leak no longer shows), 1: it leaks, 2: bad
-input (or a kernel that must be named, below), 3: the kernel raised or could not run here,
-130: interrupted.
+heads and dims they sit in. Exit 1: the leak reproduces, 0: it does not (clean), 3: it cannot
+run or cannot tell here (the kernel does not load or raised, or the control output holds NaN /
+Inf), 2: bad input (not a call file, or a kernel that must be named, below), 130: interrupted.
+The same rule as the report's standalone scripts.
 
 A call file is data, often a stranger's: the kernel it records is text to show. Replay runs a
 built-in kernel it names (qsa:, torch:, flashinfer:, vllm:), looked up in qsa_lab's registry;
@@ -53,6 +54,10 @@ def saved_kernel(path, meta: dict) -> str:
     return recorded
 
 
+class CannotRun(RuntimeError):
+    """The saved call is fine, but its kernel cannot run (or be judged) here: exit 3."""
+
+
 def replay(path, kernel=None, backend: str = "auto") -> dict:
     """-> {"kernel", "verdict", "recorded", "nan", "inf", "finite_changed", "rows", "heads", "dims",
     "outputs", "device"} for the saved call at `path`. kernel: a name or callable to run; None runs
@@ -69,7 +74,10 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     device, qsa_backend, qsa_reason = resolve_devices(backend, control.geometry, qsa)
     if qsa and (control.qsa_unsupported() or qsa_backend is None):
         raise RuntimeError(f"{name} cannot run here: {control.qsa_unsupported() or qsa_reason}")
-    runner = kernel_runner(name, qsa_backend)
+    try:
+        runner = kernel_runner(name, qsa_backend)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not load here cannot run: exit 3, not bad input
+        raise CannotRun(f"the kernel {kernel_name(name)} cannot be loaded here: {type(e).__name__}: {e}") from None
     try:
         ctrl = _outputs(runner, control, device)
         out = _outputs(runner, poisoned, device)
@@ -78,10 +86,13 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     verdict, counts, changed = compare(ctrl, out)
     idx = torch.nonzero(changed)
     where = {k: sorted(set(idx[:, i].tolist())) for i, k in enumerate(("rows", "heads", "dims"))}
+    nan = torch.isnan(out.float()) & changed
     return {"kernel": kernel_name(name), "verdict": verdict,
             "recorded": meta.get("verdict", "?"), "region": meta.get("region", "?"),
-            "plane": meta.get("plane", "?"), "payload": meta.get("payload", "?"), **counts, **where, "outputs": int(out.numel()), "device": str(device),
-            "control_nan": int(torch.isnan(ctrl.float()).sum())}
+            "plane": meta.get("plane", "?"), "payload": meta.get("payload", "?"), **counts, **where,
+            "outputs": int(out.numel()), "device": str(device),
+            "control_nan": int((~torch.isfinite(ctrl.float())).sum()),   # float(): float8 has no isfinite
+            "first_nan": torch.nonzero(nan)[0].tolist() if bool(nan.any()) else None}
 
 
 def main(argv=None) -> int:
@@ -111,6 +122,11 @@ def main(argv=None) -> int:
           f"control {r['control_nan']} NaN; poisoned {r['nan']} NaN, {r['inf']} Inf, "
           f"{r['finite_changed']} finite changed of {r['outputs']} outputs ({where})")
     print(f"verdict {r['verdict']} (recorded when saved: {r['recorded']})")
+    if r["nan"] and r.get("first_nan") is not None:
+        print(f"first NaN at [row, head, dim] {r['first_nan']}")
+    if r["control_nan"]:
+        print("replay: cannot tell: the control output holds NaN", file=sys.stderr)
+        return 3
     return 0 if r["verdict"] == "clean" else 1
 
 

@@ -4,16 +4,34 @@
     from qsa_lab.canary.report import write_report
     write_report(run_canary(["flashinfer:prefill-fa2"], attend="sparse", ...), "leak-report")
 
-DIR/report.md and DIR/report.html hold the leak matrix figure, the versions (qsa_lab, torch,
-CUDA, GPU, driver, the kernels' libraries), the case and its attention spec, every non-clean
-cell, and for each leaking cell the smallest poisoned call found that still leaks: the
-region's slots are halved while one half alone leaks (a few kernel calls per step), and the
-result is saved as DIR/calls/<cell>.safetensors with a one-line replay command
+The folder travels: copy or zip it, and everything in it works from wherever it is unpacked.
 
-    python -m qsa_lab.canary.replay DIR/calls/<cell>.safetensors
+    report.md, report.html  the counts (qsa_lab.canary.verdicts.counts: the same numbers as the
+                            command line and canary.json), the command line that wrote it, the
+                            versions (qsa_lab, torch, CUDA, GPU, driver, libraries), the case and
+                            its attention spec, the leak matrix, then kernel -> region -> plane
+                            with the payloads folded into one entry: verdicts, where the leak
+                            lands (rows, heads, dims, first NaN), the call file, replay line and
+                            standalone script
+    leak_matrix.png, canary.json
+    calls/<cell>.safetensors  per leaking kernel x region x plane, the smallest poisoned call
+                            found that still leaks (the region's slots halved while one half
+                            alone leaks); also a case file for `qsa-lab canary --case`
+    kernels/<file>.py       a user's kernel file (`file.py:function`), copied in
+    repro/<cell>.py         for a built-in third-party kernel (FlashInfer, vLLM): a standalone
+                            script, torch + safetensors + the library only (qsa_lab.canary.standalone)
 
-that re-runs the control and the poisoned call and prints the NaN (qsa_lab.canary.replay).
-A call file is also a case file: `qsa-lab canary --case FILE` reads its control pool.
+Replay lines are relative to the report folder (`cd DIR` first):
+
+    python -m qsa_lab.canary.replay calls/<cell>.safetensors [--kernel kernels/<file>.py:fn]
+
+Exit codes of replay and of every standalone script: 1 the leak reproduces, 0 it does not,
+3 it cannot run or cannot tell here (2: bad input, for replay).
+
+The folder is written whole (qsa_lab.support.outputs.writing_folder): beside its final name,
+renamed into place when complete, so a failed or interrupted run leaves nothing; an existing
+folder is replaced only with force, only when it holds nothing but a report's files (none of
+them a symlink), and never when it holds one of the run's inputs.
 """
 from __future__ import annotations
 
@@ -138,8 +156,12 @@ def smallest_leak(runner, case, region: str, plane: str, payload: str, dims=None
 def save_call(path, case, kernel: str, region: str, plane: str, payload: str, slots: torch.Tensor, dims,
               verdict: str, counts: dict, env: dict) -> Path:
     """One poisoned call as safetensors: the control case (a case file: kv_cache holds the
-    slots zero-filled), kv_cache_poisoned, the slots, and what was seen, in the metadata."""
-    from safetensors.torch import save_file
+    slots zero-filled), kv_cache_poisoned, the slots, the attended tokens ([rows, max_tokens]
+    uint8, what a standalone script builds the library's mask from), and what was seen, in the
+    metadata. Written as a plain new file (the umask's mode, like the rest of the report)."""
+    from safetensors.torch import save
+
+    from qsa_lab.model.regions import attended_tokens
 
     control = _poisoned(case, slots, plane, "zero", dims)
     poisoned = _poisoned(case, slots, plane, payload, dims)
@@ -147,6 +169,7 @@ def save_call(path, case, kernel: str, region: str, plane: str, payload: str, sl
     t["kv_cache_poisoned"] = poisoned.kv_cache.contiguous().cpu()
     t["poisoned_slots"] = slots.to(torch.uint8).cpu()
     t["query_lens"] = case.query_lens().to(torch.int32)
+    t["attend"] = attended_tokens(case).to(torch.uint8).contiguous()
     if case.spec.kind == "mask":
         t["attend_mask"] = case.spec.mask.cpu()
     meta = {"schema": SCHEMA, "kernel": kernel, "region": region, "plane": plane, "payload": payload,
@@ -159,7 +182,7 @@ def save_call(path, case, kernel: str, region: str, plane: str, payload: str, sl
         meta["geometry"] = json.dumps(case.geometry.to_dict())
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(t, str(path), metadata=meta)
+    path.write_bytes(save(t, metadata=meta))
     return path
 
 
@@ -193,52 +216,53 @@ def load_call(path) -> tuple:
 
 # -- the report -----------------------------------------------------------------------------------
 
+#: what a report folder holds: the only names `--force` replaces
+NAMES = ("report.md", "report.html", "leak_matrix.png", "canary.json", "calls", "kernels", "repro")
+BUILT_IN = ("qsa:", "torch:", "flashinfer:", "vllm:")
+FILE_KERNEL = re.compile(r"(.+\.py):(\w+)")
+MATRIX_MAX_PX = 1200   # the leak matrix's width cap: it fits a 1280-px window beside the page margins
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:80]
 
 
-def _replay_command(path: Path, kernel: str) -> str:
-    """The replay line. Replay runs a kernel that is not built in only when it is named on the
-    command line (a call file is data), so the line names it; a kernel given as a Python callable
-    has no name the replay can load."""
-    import re as _re
-    import shlex
-
-    from qsa_lab.canary.replay import is_builtin
-
-    cmd = f"python -m qsa_lab.canary.replay {shlex.quote(str(path))}"
-    if is_builtin(kernel):
-        return cmd
-    loadable = _re.fullmatch(r"[\w.]+:[\w.]+|.+\.py:\w+", kernel)
-    return cmd + (f" --kernel {shlex.quote(kernel)}" if loadable else " --kernel MODULE:FUNCTION")
+def call_stem(kernel: str, region: str, plane: str, payload: str) -> str:
+    """A call file's name without .safetensors: '<kernel>__<region>__<plane>__<payload>', a
+    kernel file named by its stem only (no path of the machine that wrote it)."""
+    m = FILE_KERNEL.fullmatch(kernel) if isinstance(kernel, str) else None
+    name = f"{Path(m.group(1)).stem}.{m.group(2)}" if m else str(kernel)
+    return _slug(f"{name}__{region}__{plane}__{payload}")
 
 
-def check_report_dir(out_dir, force: bool = False) -> Path:
-    """The report folder, checked before any work: a folder that does not exist or is empty
-    (with force: any folder; its report files are replaced)."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"report: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ValueError(f"report: {out} is not empty (add --force to replace the report in it)")
-    return out
+def check_report_dir(out_dir, force: bool = False, inputs: dict | None = None) -> Path:
+    """The report folder, checked before any work (qsa_lab.support.outputs.check_new_folder):
+    absent or empty; with force, a report folder (NAMES only, no symlink among them); never a
+    folder holding one of `inputs` ({option: path}, e.g. --case, a kernel file)."""
+    from qsa_lab.support.outputs import check_new_folder
+
+    return check_new_folder(out_dir, "report", force, NAMES, inputs)
 
 
 def write_report(report, out_dir, force: bool = False, minimize: bool = True, fns: dict | None = None,
-                 progress=None) -> Path:
-    """Write DIR/report.md, DIR/report.html, DIR/leak_matrix.png, DIR/canary.json and one call
-    file per leaking cell (DIR/calls). `fns`: kernel name -> callable (default: resolved from
-    the names; give it for kernels passed as callables). -> the Markdown file's path."""
-    out = check_report_dir(out_dir, force)
-    out.mkdir(parents=True, exist_ok=True)
-    env = environment(report.kernels)
-    doc = report.to_json()
-    (out / "canary.json").write_text(json.dumps(doc, indent=1) + "\n")
-    figure = _figure(report, out / "leak_matrix.png")
-    calls = _leak_calls(report, out, env, minimize, fns or {}, progress)
-    blocks = _blocks(report, doc, env, figure, calls)
-    (out / "report.md").write_text(_markdown(blocks))
-    (out / "report.html").write_text(_html(blocks))
+                 progress=None, command: str | None = None, inputs: dict | None = None) -> Path:
+    """Write the report folder (see the module's docstring), whole: beside `out_dir`, renamed into
+    place when complete. `fns`: kernel name -> callable (default: resolved from the names; give
+    it for kernels passed as callables). `command`: the command line that ran the canary.
+    `inputs`: {option: path} the folder must not hold. -> the Markdown file's path."""
+    from qsa_lab.support.outputs import writing_folder
+
+    out = Path(out_dir)
+    with writing_folder(out, "report", force, NAMES, inputs) as tmp:
+        env = environment(report.kernels)
+        doc = report.to_json()
+        (tmp / "canary.json").write_text(json.dumps(doc, indent=1) + "\n")
+        figure = _figure(report, tmp / "leak_matrix.png")
+        kernel_files = _copy_kernel_files(report.kernels, tmp)
+        calls = _leak_calls(report, tmp, env, minimize, fns or {}, progress, kernel_files)
+        blocks = _blocks(report, doc, env, figure, calls, command, kernel_files)
+        (tmp / "report.md").write_text(_markdown(blocks))
+        (tmp / "report.html").write_text(_html(blocks))
     return out / "report.md"
 
 
@@ -253,23 +277,86 @@ def _figure(report, path: Path) -> str | None:
     from qsa_lab.canary.figures import leak_matrix, plot_leak_matrix
 
     fig = plot_leak_matrix(leak_matrix(report)).figure
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.canvas.draw()
+    width_in = fig.get_tightbbox(fig.canvas.get_renderer()).width + 0.2
+    fig.savefig(path, dpi=min(120, MATRIX_MAX_PX / width_in), bbox_inches="tight")
     plt.close(fig)
     return path.name
 
 
-def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progress) -> list:
+def _copy_kernel_files(kernels, out: Path) -> dict:
+    """A user's `file.py:function` kernels -> {kernel name: 'kernels/<file>.py:function'}, the
+    files copied into the report (a maintainer's replay needs them; a name taken twice is numbered)."""
+    import shutil
+
+    copied, taken = {}, {}
+    for name in kernels:
+        m = FILE_KERNEL.fullmatch(name) if isinstance(name, str) else None
+        if not m or not Path(m.group(1)).is_file():
+            continue
+        src = Path(m.group(1)).resolve()
+        if src not in taken:
+            stem, n = src.stem, 1
+            while f"{stem}.py" in taken.values():
+                n += 1
+                stem = f"{src.stem}_{n}"
+            taken[src] = f"{stem}.py"
+            (out / "kernels").mkdir(exist_ok=True)
+            shutil.copyfile(src, out / "kernels" / taken[src])
+        copied[name] = f"kernels/{taken[src]}:{m.group(2)}"
+    return copied
+
+
+def _replay_command(call_file: str, kernel: str, kernel_files: dict) -> str:
+    """The replay line, relative to the report folder. Built-in names are looked up by replay;
+    a copied kernel file is named on the command line; a Python callable has no loadable name."""
+    cmd = f"python -m qsa_lab.canary.replay {call_file}"
+    if isinstance(kernel, str) and kernel.startswith(BUILT_IN):
+        return cmd
+    if kernel in kernel_files:
+        return f"{cmd} --kernel {kernel_files[kernel]}"
+    if isinstance(kernel, str) and re.fullmatch(r"[\w.]+:[\w.]+", kernel):
+        return f"{cmd} --kernel {kernel}"
+    return cmd + " --kernel MODULE:FUNCTION"
+
+
+PAYLOAD_ORDER = ("nan", "inf", "max", "zero")
+
+
+def _entries(report) -> list:
+    """The leaking (kernel, region, plane) entries, payloads folded: [{"kernel", "region",
+    "plane", "cells": [LeakResult] (leaking, nan first), "where"}], in run order."""
+    groups = {}
+    for r in report.leaks():
+        groups.setdefault((r.kernel, r.region, r.plane), []).append(r)
+    out = []
+    for (kernel, region, plane), cells in groups.items():
+        cells.sort(key=lambda r: PAYLOAD_ORDER.index(r.payload) if r.payload in PAYLOAD_ORDER else 9)
+        out.append({"kernel": kernel, "region": region, "plane": plane, "cells": cells, "where": _where(cells[0])})
+    return out
+
+
+def _where(r) -> dict:
+    """Where a leaking cell's changed outputs land: rows, heads, dims, and the first NaN [row, head, dim]."""
+    w = r.where()
+    first = None
+    if r.output is not None and r.leak is not None:
+        nan = torch.isnan(r.output) & r.leak
+        first = torch.nonzero(nan)[0].tolist() if bool(nan.any()) else None
+    return {**w, "first_nan": first}
+
+
+def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progress, kernel_files: dict) -> list:
+    """One smallest leaking call per (kernel, region, plane), for its first leaking payload; its
+    replay line and, for a built-in third-party kernel, its standalone script."""
+    from qsa_lab.canary.standalone import write_script
     from qsa_lab.model.regions import region_slots
 
-    leaking = [r for r in report.results if r.verdict in LEAKS]
-    seen, calls, runners = set(), [], {}
+    calls, runners = [], {}
     device = torch.device(report.device) if report.device else torch.device("cpu")
     try:
-        for r in leaking:
-            key = (r.kernel, r.region, r.plane, r.payload)
-            if key in seen:
-                continue
-            seen.add(key)
+        for e in _entries(report):
+            r = e["cells"][0]
             slots = region_slots(report.case, r.region)
             verdict, counts = r.verdict, {"nan": r.nan, "inf": r.inf, "finite_changed": r.finite_changed}
             if minimize:
@@ -281,14 +368,18 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
                                                           getattr(report, "timeout", 600.0))
                     slots, verdict, counts = smallest_leak(runners[r.kernel], report.case, r.region, r.plane,
                                                            r.payload, None, device)
-                except Exception as e:  # noqa: BLE001 - keep the whole region; say why
-                    counts = {**counts, "minimize_error": f"{type(e).__name__}: {e}"}
-            name = _slug(f"{r.kernel}__{r.region}__{r.plane}__{r.payload}") + ".safetensors"
-            path = save_call(out / "calls" / name, report.case, r.kernel, r.region, r.plane, r.payload, slots,
-                             None, verdict, counts, env)
-            calls.append({"kernel": r.kernel, "region": r.region, "plane": r.plane, "payload": r.payload,
-                          "verdict": verdict, "counts": counts, "slots": torch.nonzero(slots).tolist(),
-                          "file": f"calls/{name}", "replay": _replay_command(path, r.kernel),
+                except Exception as err:  # noqa: BLE001 - keep the whole region; say why
+                    counts = {**counts, "minimize_error": f"{type(err).__name__}: {err}"}
+            name = call_stem(r.kernel, r.region, r.plane, r.payload)
+            save_call(out / "calls" / f"{name}.safetensors", report.case, r.kernel, r.region, r.plane, r.payload,
+                      slots, None, verdict, counts, env)
+            n = int(slots.sum())
+            script = write_script(out / "repro" / f"{name}.py", r.kernel, report.case, f"{name}.safetensors",
+                                  {"region": r.region, "plane": r.plane, "payload": r.payload, "slots": n})
+            calls.append({**e, "payload": r.payload, "verdict": verdict, "counts": counts,
+                          "slots": torch.nonzero(slots).tolist(), "file": f"calls/{name}.safetensors",
+                          "replay": _replay_command(f"calls/{name}.safetensors", r.kernel, kernel_files),
+                          "script": f"repro/{name}.py" if script else None,
                           "full_region": int(region_slots(report.case, r.region).sum())})
     finally:
         for runner in runners.values():
@@ -296,13 +387,28 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
     return calls
 
 
-def _blocks(report, doc: dict, env: dict, figure, calls) -> list:
+def _span(values: list, limit: int = 12) -> str:
+    """[0, 1, 2, 3, 7] -> '0-3, 7' (at most `limit` runs)."""
+    runs = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:limit])
+    return text + (" ..." if len(runs) > limit else "") if runs else "none"
+
+
+def _blocks(report, doc: dict, env: dict, figure, calls, command, kernel_files) -> list:
+    from qsa_lab.canary.verdicts import summary
+
     c = report.case
-    non_clean = [r for r in report.results if r.verdict not in ("clean", "n/a")]
-    na = list(dict.fromkeys(f"{r.kernel} {r.region}" for r in report.results if r.verdict == "n/a"))
     b = [("h1", "qsa_lab canary leak report"),
-         ("p", f"{len([r for r in report.results if r.verdict in LEAKS])} "
-               f"leaking of {len(report.results)} checks; kernels: {', '.join(report.kernels)}."),
+         ("p", f"{summary(doc['counts'])}; kernels: {', '.join(report.kernels)}. A cell is one kernel x region x "
+               "plane x payload; a check is a cell whose leak check ran (clean or a leak): n/a cells and "
+               "failures (error, unstable control, modified input) are cells but not checks."),
+         ("h2", "Command"),
+         ("code", command or "(written from Python, not from the command line)"),
          ("h2", "Versions"), ("table", ["component", "version"], [[k, str(v)] for k, v in env.items()]),
          ("h2", "Case and attention spec"),
          ("p", c.describe()),
@@ -310,38 +416,61 @@ def _blocks(report, doc: dict, env: dict, figure, calls) -> list:
                "reach is poisoned, one region, plane and payload at a time, and compared bit for bit "
                "against a zero-filled control run of the same kernel)."),
          ("table", ["region", "slots"], [[k, str(v)] for k, v in doc.get("regions", {}).items()])]
+    if kernel_files:
+        b.append(("p", "Kernel files copied into this folder: "
+                       + "; ".join(f"{k} -> {v}" for k, v in kernel_files.items()) + "."))
     if figure:
         b += [("h2", "Leak matrix"), ("img", figure)]
-    b += [("h2", "Cells that are not clean")]
-    if non_clean:
-        b.append(("table", ["kernel", "region", "plane", "payload", "verdict", "NaN", "Inf", "finite changed",
-                            "note"],
-                  [[r.kernel, r.region, r.plane, r.payload, r.verdict, str(r.nan), str(r.inf),
-                    str(r.finite_changed), (r.error or r.note or ", ".join(r.modified))[:200]]
-                   for r in non_clean]))
-    else:
-        b.append(("p", "None: every check ran clean."))
-    if na:
-        b.append(("p", "n/a (the call's inputs reference no byte of the region, so no leak can be drawn): "
-                       + "; ".join(na) + "."))
+    b += [("h2", "Replaying"),
+          ("p", "Every path below is relative to this folder: cd into it (wherever it was copied or unpacked), "
+                "then run a replay line (needs qsa_lab) or a standalone script (needs only the kernel's library, "
+                "torch and safetensors). Exit codes, for both: 1 the leak reproduces, 0 it does not, 3 it "
+                "cannot run or cannot tell here (replay: 2 bad input).")]
+    by_kernel = {}
+    for call in calls:
+        by_kernel.setdefault(call["kernel"], []).append(call)
+    for kernel in report.kernels:
+        b += _kernel_blocks(report, kernel, by_kernel.get(kernel, []))
     if report.skipped:
         b += [("h2", "Not run"),
               ("table", ["what", "reason"], [["/".join(str(s[k]) for k in ("kernel", "region", "plane", "payload")
                                                         if k in s) or "-", s.get("reason", "")]
                                                for s in report.skipped])]
-    if calls:
-        b.append(("h2", "Smallest leaking calls"))
-        for call in calls:
-            n = len(call["slots"])
-            b += [("h3", f"{call['kernel']}: {call['region']} / {call['plane']} / {call['payload']}"),
-                  ("p", f"{call['verdict']}: {call['counts'].get('nan', 0)} NaN, {call['counts'].get('inf', 0)} Inf, "
-                        f"{call['counts'].get('finite_changed', 0)} finite outputs changed when {n} of the "
-                        f"region's {call['full_region']} slots (physical [page, slot]: {call['slots'][:8]}"
-                        f"{' ...' if n > 8 else ''}) hold {call['payload']} on the {call['plane'].upper()} plane "
-                        "and nothing else differs from the control call."),
-                  ("p", f"Call file: {call['file']} (safetensors; also a case file for qsa-lab canary --case). "
-                        "Replay, from the folder the report was written from:"),
-                  ("code", call["replay"])]
+    return b
+
+
+def _kernel_blocks(report, kernel: str, calls: list) -> list:
+    """One kernel: its counts, its leaks (region -> plane, payloads folded), its other non-clean cells."""
+    from qsa_lab.canary.verdicts import counts, summary
+
+    mine = [r for r in report.results if r.kernel == kernel]
+    b = [("h2", f"Kernel {kernel}"), ("p", summary(counts(r.verdict for r in mine)) + ".")]
+    for call in calls:
+        w, n = call["where"], len(call["slots"])
+        payloads = "; ".join(f"{r.payload}: {r.verdict} ({r.nan} NaN, {r.inf} Inf, {r.finite_changed} finite changed)"
+                             for r in call["cells"])
+        b += [("h3", f"{call['region']} / {call['plane'].upper()} plane"),
+              ("p", f"Payloads: {payloads}."),
+              ("p", f"Where it lands: rows {_span(w['rows'])}; heads {_span(w['heads'])}; dims {_span(w['dims'])}; "
+                    f"first NaN at [row, head, dim] {w['first_nan'] if w['first_nan'] is not None else 'none'}."),
+              ("p", f"Smallest call ({call['payload']}): {call['verdict']}, {call['counts'].get('nan', 0)} NaN, "
+                    f"{call['counts'].get('inf', 0)} Inf, {call['counts'].get('finite_changed', 0)} finite changed "
+                    f"with {n} of the region's {call['full_region']} slots poisoned (physical [page, slot]: "
+                    f"{call['slots'][:8]}{' ...' if n > 8 else ''}); nothing else differs from the control call. "
+                    f"Call file: {call['file']}."),
+              ("code", call["replay"] + (f"\npython {call['script']}" if call["script"] else ""))]
+    other = [r for r in mine if r.verdict not in ("clean", "n/a") and r.verdict not in LEAKS]
+    if other:
+        b.append(("table", ["region", "plane", "payload", "verdict", "note"],
+                  [[r.region, r.plane, r.payload, r.verdict, (r.error or r.note or ", ".join(r.modified))[:200]]
+                   for r in other]))
+    na = list(dict.fromkeys(f"{r.region}/{r.plane}" for r in mine if r.verdict == "n/a"))
+    if na:
+        b.append(("p", "n/a (the call's inputs reference no byte of the region, so no leak can be drawn): "
+                       + ", ".join(na) + "."))
+    if not calls and not other:
+        b.append(("p", "No leak: every check ran clean." if any(r.verdict == "clean" for r in mine)
+                  else "No check ran."))
     return b
 
 
@@ -355,7 +484,7 @@ def _markdown(blocks) -> str:
         elif kind == "code":
             out.append("```\n" + rest[0] + "\n```")
         elif kind == "img":
-            out.append(f"![leak matrix]({rest[0]})")
+            out.append(f"<img src=\"{rest[0]}\" alt=\"leak matrix\" style=\"max-width:100%\">")
         elif kind == "table":
             head, rows = rest
             cell = lambda s: str(s).replace("|", "\\|")  # noqa: E731
@@ -367,7 +496,8 @@ def _markdown(blocks) -> str:
 def _html(blocks) -> str:
     e = html.escape
     out = ["<!doctype html><html><head><meta charset='utf-8'><title>qsa_lab canary leak report</title>",
-           "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
+           "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}img{max-width:100%;height:auto}"
+           "table{border-collapse:collapse}"
            "td,th{border:1px solid #bbb;padding:2px 8px;text-align:left}pre{background:#f4f4f4;padding:6px}"
            "</style></head><body>"]
     for kind, *rest in blocks:
@@ -378,7 +508,7 @@ def _html(blocks) -> str:
         elif kind == "code":
             out.append(f"<pre>{e(rest[0])}</pre>")
         elif kind == "img":
-            out.append(f"<img src='{e(rest[0])}' alt='leak matrix'>")
+            out.append(f"<img src='{e(rest[0])}' alt='leak matrix' style='max-width:100%;height:auto'>")
         elif kind == "table":
             head, rows = rest
             out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"

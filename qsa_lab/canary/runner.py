@@ -32,11 +32,12 @@ from qsa_lab.support.processes import torch_threads
 from qsa_lab.model.regions import REGIONS, check_region, region_parts, region_referenced, region_sizes, regions_of
 from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_case
 from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
-from qsa_lab.canary.overlap import take_overlap
+from qsa_lab.canary.overlap import take as take_overlap
 from qsa_lab.canary.execution import bits as _as_bits
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
 
 from qsa_lab.canary.verdicts import CHECKED, DEFAULT_PAYLOADS, FAILURES, LEAKS, VERDICTS  # noqa: F401 - named here too
+from qsa_lab.canary.verdicts import counts as verdict_counts
 
 SCHEMA = "qsa_lab.canary/1"
 PLANES = {"k": 0, "v": 1}
@@ -111,6 +112,10 @@ class CanaryReport:
     def non_clean(self) -> list:
         return [r for r in self.results if r.verdict != "clean"]
 
+    def counts(self) -> dict:
+        """{"cells", "checks", "leaking"} (qsa_lab.canary.verdicts.counts): what every surface prints."""
+        return verdict_counts(r.verdict for r in self.results)
+
     def checks(self, kernel: str) -> int:
         """Cells of `kernel` whose leak check ran (clean or a leak)."""
         return sum(r.kernel == kernel and r.verdict in CHECKED for r in self.results)
@@ -150,7 +155,7 @@ class CanaryReport:
                 "kv_dtype": c.kv_dtype, "attend": str(c.spec), "geometry": c.geometry_dict(),
                 "pool_pages": int(c.kv_cache.shape[0]), "regions": region_sizes(c),
                 "payload_bits": {p: f"0x{payload_bits(c.kv_dtype, p):X}" for p in _available_payloads(c.kv_dtype)},
-                "timeout_s": self.timeout, "kernels": list(self.kernels),
+                "timeout_s": self.timeout, "kernels": list(self.kernels), "counts": self.counts(),
                 "results": [r.to_dict() for r in self.results], "skipped": list(self.skipped),
                 "failures": self.failures(), "exit_code": self.exit_code()}
 
@@ -318,7 +323,7 @@ def _case(case, kv_dtype, attend, geometry) -> CanaryCase:
 
 def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
                case=None, kv_dtype: str | None = None, dims=None, progress: bool = False, attend=None,
-               timeout: float = DEFAULT_TIMEOUT, **geometry) -> CanaryReport:
+               timeout: float = DEFAULT_TIMEOUT, second=None, **geometry) -> CanaryReport:
     """Run the canary matrix.
 
     kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`),
@@ -337,6 +342,9 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
         default sparse (a loaded case without selections: dense).
     dims: head dims to poison (default every dim; one dim shows a kernel's leak pattern: a V
         leak stays on that dim, a K leak spreads over the row). timeout: seconds per call.
+    second: a support.executor.SecondProcess started by the caller (`qsa-lab canary`, before it
+        imports torch: overlap.start); a CPU run of FlexAttention's kernels beside others runs
+        them there (overlap.take); a run that takes it ends it (close() again is harmless).
     """
     requested = kernels is not None
     kernels = list(builtin_kernels()) if kernels is None else (
@@ -383,7 +391,7 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
             r.begin()       # every worker process imports its kernel at once
         for r in runners.values():
             r.load()
-        overlap = take_overlap(named, device)
+        overlap = take_overlap(second, named, device)
         # the canary's tensors are small: on the CPU more threads only contend
         with torch_threads(1) if device.type == "cpu" else contextlib.nullcontext():
             results = _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, skipped, progress,
@@ -447,7 +455,7 @@ def _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, s
     from tqdm.auto import tqdm
 
     cells = [(r, pl) for r in regions for pl in planes]
-    remote = overlap.submit(case, parts, regions, planes, payloads, dims) if overlap else []
+    remote = overlap.submit(run_overlap, case, parts, regions, planes, payloads, dims) if overlap else []
     inputs, meta = _Pools(case, parts, dims), _meta(case)
     done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
@@ -502,13 +510,13 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
     return results, skipped
 
 
-def run_overlap(names, case, parts, regions, planes, payloads, dims, progress) -> dict:
-    """In the second process (execution.Overlap): built-in kernels `names` on the CPU, as run_canary
+def run_overlap(names, case, parts, regions, planes, payloads, dims, progress=None) -> dict:
+    """In the second process (overlap.Overlap): built-in kernels `names` on the CPU, as run_canary
     runs them -> {name: (results, skipped entries)}; progress(n) after each cell."""
     from qsa_lab.canary.kernels import TORCH_KERNELS
 
     class Bar:
-        update = staticmethod(progress)
+        update = staticmethod(progress or (lambda n: None))
 
     inputs, meta, cells = _Pools(case, parts, dims), _meta(case), [(r, pl) for r in regions for pl in planes]
     torch.set_num_threads(1)

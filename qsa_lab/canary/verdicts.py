@@ -15,3 +15,18 @@ FAILURES = ("error", "unstable-control", "input-modified")
 VERDICTS = ("clean",) + LEAKS + FAILURES + ("n/a",)
 CHECKED = ("clean",) + LEAKS        # verdicts that are a leak check that ran
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
+
+
+def counts(verdicts) -> dict:
+    """The run's counts, defined once for the command line, the JSON and the report:
+    cells    every kernel x region x plane x payload with a verdict (n/a and failures included)
+    checks   the cells whose leak check ran (clean or a leak)
+    leaking  the checks that leaked"""
+    verdicts = list(verdicts)
+    return {"cells": len(verdicts), "checks": sum(v in CHECKED for v in verdicts),
+            "leaking": sum(v in LEAKS for v in verdicts)}
+
+
+def summary(c: dict) -> str:
+    """counts() as one line: '36 leaking of 200 checks (264 cells)'."""
+    return f"{c['leaking']} leaking of {c['checks']} checks ({c['cells']} cells)"

@@ -1,5 +1,4 @@
-"""One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary);
-with --overlap, the slow built-in kernels of one run (overlap.Overlap).
+"""One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary).
 
 Requests and replies are length-prefixed pickles on the worker's original stdin / stdout;
 the kernel itself sees stdout redirected to stderr and stdin to /dev/null, ignores Ctrl-C
@@ -25,8 +24,6 @@ def main() -> int:
 
     from qsa_lab.canary.execution import Outcome, call_kernel, load_kernel, recv, send
 
-    if sys.argv[1:] == ["--overlap"]:
-        return _overlap(proto_in, proto_out)
     fn, memo = None, {}
     while True:
         msg = recv(proto_in)
@@ -48,28 +45,6 @@ def main() -> int:
                 Outcome("error", error="no kernel loaded")
             sys.stdout.flush()
             send(proto_out, out)
-
-
-def _overlap(proto_in, proto_out) -> int:
-    """Built-in kernels (overlap.OVERLAP) for one canary run: import what they need while the
-    canary's own process starts, then run the matrix it sends and reply with every result."""
-    import traceback
-
-    from torch.nn.attention import flex_attention  # noqa: F401 - the slow imports, done ahead
-    import torch._dynamo  # noqa: F401
-
-    from qsa_lab.canary.overlap import recv, send
-    from qsa_lab.canary.runner import run_overlap
-
-    msg = recv(proto_in)
-    if msg is None or msg[0] != "matrix":
-        return 0
-    try:
-        done = run_overlap(*msg[1:], progress=lambda n: send(proto_out, ("progress", n)))
-        send(proto_out, ("done", done))
-    except Exception:  # noqa: BLE001 - the canary then runs these kernels itself
-        send(proto_out, ("error", traceback.format_exc()))
-    return 0
 
 
 if __name__ == "__main__":

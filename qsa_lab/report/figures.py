@@ -57,7 +57,7 @@ def fix_cost_figure(bench_path=figdata.BENCH_JSON, upstream_path=figdata.UPSTREA
 
 
 #: the figures that need no repro results: `qsa-lab repro` renders them in a second process
-#: (qsa_lab.report.figure_worker) while this one runs the cases, when a core is idle
+#: (draw_ahead) while this one runs the cases, when a core is idle
 INDEPENDENT = ("01_e4m3_code_table", "01_fp16_byte_nan_rates", "01_page0_byte_maps", "03_playground_default",
                "05_fix_cost")
 #: figures of the results that process renders too, once done with INDEPENDENT, while this one
@@ -117,7 +117,8 @@ def figure_specs(results, table=None, backend: str = "none"):
 
     # 03: the playground's default view, drawn statically
     def playground():
-        from qsa_lab.widgets import Params, playground_data, render_playground
+        from qsa_lab.analysis.playground import Params, playground_data
+        from qsa_lab.plotting.playground import render_playground
 
         pd_ = playground_data(Params(backend=backend if backend in ("emulate", "cuda") else "emulate"))
         return render_playground(pd_), {"case": pd_["case"], "backend": backend}
@@ -147,34 +148,70 @@ def render_spec(spec: Spec):
     return render_figure(fig, spec.name, meta)
 
 
-def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = False) -> list[Path]:
+def render_named(name: str, backend: str):
+    """In the second process: figure `name` of INDEPENDENT for `backend` -> export.Rendered (its
+    Spec is made there: the data functions of those figures do not pickle)."""
+    return render_spec(next(s for s in figure_specs([], None, backend) if s.name == name))
+
+
+def draw_ahead(second, backend: str):
+    """Ask the second process (support.executor.SecondProcess) for INDEPENDENT's figures now,
+    while this one runs the cases -> the Relay to give to write_repro_figures."""
+    from qsa_lab.support.executor import Relay
+
+    ahead = Relay(second)
+    for name in INDEPENDENT:
+        ahead.add(name, render_named, name, backend)
+    return ahead
+
+
+def collect(ahead, specs: list) -> dict:
+    """{name: export.Rendered} of `specs`, asked of the second process: this one renders, from the
+    last one back, those not sent to it yet (the two meet in the middle), then takes its answers.
+    An answer is used only when it is whole and drawn by this code on this machine (commit, csrc,
+    GPU, version); any other, or a call that failed, is rendered here."""
+    from qsa_lab.plotting.export import META_KEYS, Rendered, full_meta
+
+    here = {k: v for k, v in full_meta(None).items() if k not in ("case", "backend")}
+    out = {}
+    for s in reversed(specs):
+        if not ahead.take(s.name):
+            break
+        out[s.name] = render_spec(s)
+    for s in specs:
+        if s.name not in out:
+            r = ahead.result(s.name)
+            ok = isinstance(r, Rendered) and r.name == s.name and set(META_KEYS) <= set(r.meta) and \
+                all(r.meta[k] == v for k, v in here.items())
+            out[s.name] = r if ok else render_spec(s)
+    return out
+
+
+def write_repro_figures(results, out_dir=None, table=None, overwrite: bool = False, ahead=None) -> list[Path]:
     """results: the list[RunResult] of repro.run_repro; table: its DataFrame (recomputed from
     the results' route tables when absent); out_dir: default export.figures_dir().
     -> paths written (3 per figure).
 
-    Every figure is rendered before the first file is written. With the second process
-    `qsa-lab repro` started (qsa_lab.report.figure_worker), it renders INDEPENDENT and HANDED and this one
-    the others, then those it has not rendered yet, from the last one back
-    (figworker.Drawer.collect). A figure identical to the one on disk keeps its files; a
-    different one is numbered unless overwrite (`make demo` passes --force to refresh its own
-    figures).
+    Every figure is rendered before the first file is written. With `ahead` (draw_ahead's Relay for
+    the results' backend: `qsa-lab repro` started a second process), that process renders INDEPENDENT and HANDED and
+    this one the others, then those it has not been sent yet, from the last one back (collect).
+    A figure identical to the one on disk keeps its files; a different one is numbered unless
+    overwrite (`make demo` passes --force to refresh its own figures).
     """
-    from qsa_lab.report import figure_worker as figworker
-
     out_dir = Path(out_dir) if out_dir is not None else figures_dir()
     results = list(results)
     backend = results[0].backend if results else "none"
     specs = list(figure_specs(results, table, backend))
-    drawer = figworker.take(backend)
     theirs = []
-    if drawer is not None:
+    if ahead is not None:
         handed = [s for s in specs if s.name in HANDED]
-        drawer.hand(handed)
+        for s in handed:
+            ahead.add(s.name, render_spec, s)
         theirs = [s for s in specs if s.name in INDEPENDENT] + handed
     names = {t.name for t in theirs}
     rendered = {s.name: render_spec(s) for s in specs if s.name not in names}
-    if drawer is not None:
-        rendered.update(drawer.collect(theirs, render_spec))
+    if ahead is not None:
+        rendered.update(collect(ahead, theirs))
     paths: list[Path] = []
     for s in specs:
         paths.extend(save_rendered(rendered[s.name], out_dir, overwrite))

@@ -119,25 +119,26 @@ def summarize(rc: ReproCase, result: RunResult, repeat: RunResult | None = None,
 
 
 def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: bool = True,
-              geometry_overrides: dict | None = None, parallel: bool | None = None):
+              geometry_overrides: dict | None = None, parallel: bool | None = None, beside: int = 0):
     """-> (DataFrame, list[RunResult]). Each case runs twice when `repeat` to check bit-identity.
 
-    The repeats run in a second process (qsa_lab.report.repeat_worker) beside the cases when `parallel`
-    (default: on the emulation when a core is idle, procs.idle_core), from the last case back
-    while this one runs the cases and then the repeats from the first on; torch's threads are
-    shared between the two. Else here, after each case, on the threads the cores free now give
-    (the previous count restored after; a user's OMP_NUM_THREADS or MKL_NUM_THREADS is kept).
-    Either way a repeat rebuilds, poisons and runs again from nothing it shares with the first
-    run, and the outputs do not depend on the process or thread count."""
+    The repeats run in a second process (support.executor.SecondProcess) beside the cases when
+    `parallel` (default: on the emulation when a core is idle, procs.idle_core, counting the
+    `beside` processes the caller already runs, e.g. `qsa-lab repro`'s figures): it takes them
+    from the last case back while this one runs the cases and then the repeats from the first on,
+    each taking back only what was not sent yet (executor.Relay), and torch's threads are shared
+    between the two. Else here, after each case, on the threads the cores free now give (the
+    previous count restored after; a user's OMP_NUM_THREADS or MKL_NUM_THREADS is kept). Either
+    way a repeat rebuilds, poisons and runs again from nothing it shares with the first run, and
+    the outputs do not depend on the process or thread count."""
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from qsa_lab.report import figure_worker as figworker
-    from qsa_lab.report.repeat_worker import Repeats
+    from qsa_lab.support.executor import Relay, SecondProcess
 
     cases = REPRO_CASES if cases is None else list(cases)
     report = report_rows()
-    others = max(procs.others_running(), figworker.running())   # `qsa-lab repro`'s figure process holds a core
+    others = max(procs.others_running(), beside)
     if parallel is None:
         parallel = repeat and len(cases) > 1 and _emulated(backend) and procs.idle_core(others)
     mine, theirs = _threads(2 if parallel else 1, others)
@@ -146,22 +147,25 @@ def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: 
     results, again = [], {}
     bar = tqdm(total=len(cases) * (2 if repeat else 1), disable=not progress,
                desc="repro: each case twice, the repeats in a second process" if parallel and repeat else "repro")
-    second = None
+    second = relay = None
     try:
         with procs.torch_threads(mine) if mine else contextlib.nullcontext():
             if parallel and repeat:
                 with contextlib.suppress(OSError):   # no second process: the repeats run here
-                    second = Repeats(cases, backend, geometry_overrides, theirs, on_repeat=lambda: bar.update(1))
+                    second = SecondProcess(__name__)
+                    relay = Relay(second, answered=lambda key: bar.update(1))
+                    for i in reversed(range(len(cases))):
+                        relay.add(i, repeat_outputs, cases[i], backend, geometry_overrides, theirs)
             for rc in cases:
                 results.append(run_case(rc, backend, geometry_overrides, builds))
                 bar.update(1)
             for i, rc in enumerate(cases if repeat else ()):
-                if second is not None and not second.claim(i):
+                if relay is not None and not relay.take(i):
                     break   # the second process has this one and every one after it
                 again[i] = run_case(rc, backend, geometry_overrides, rebuilds).outputs
                 bar.update(1)
             for i in range(len(again), len(cases) if repeat else 0):
-                out = second.wait(i)
+                out = relay.result(i)
                 if out is None:          # it failed: this process runs what it did not answer
                     out = run_case(cases[i], backend, geometry_overrides, rebuilds).outputs
                     bar.update(1)
@@ -174,6 +178,18 @@ def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: 
                       report.get(rc.report_key) if rc.report_key else None)
             for i, (rc, res) in enumerate(zip(cases, results))]
     return pd.DataFrame(rows), results
+
+
+#: the second process's builds, one per geometry, kept across its repeats (that process's own:
+#: a repeat shares nothing with the caller's first run)
+_REPEAT_BUILDS: dict = {}
+
+
+def repeat_outputs(rc: ReproCase, backend: str, geometry_overrides: dict | None, threads: int | None) -> dict:
+    """In run_repro's second process: case `rc` again, built, poisoned and run there -> its outputs."""
+    if threads:
+        torch.set_num_threads(threads)
+    return run_case(rc, backend, geometry_overrides, _REPEAT_BUILDS).outputs
 
 
 @dataclass
@@ -197,7 +213,7 @@ def _threads(processes: int, others: float) -> tuple:
     (None, None) where the user set OMP_NUM_THREADS or MKL_NUM_THREADS."""
     if procs.threads_set_by_user():
         return None, None
-    free = max(processes, procs._cores() - others)
+    free = max(processes, procs.cores() - others)
     mine = int(min(torch.get_num_threads(), max(1, free // processes)))
     return mine, int(max(1, min(free - mine, torch.get_num_threads()))) if processes > 1 else None
 

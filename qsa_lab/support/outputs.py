@@ -16,26 +16,22 @@ through here, so they share one set of rules:
 - A symlink at the path counts as an existing file: refused without `force`, and with
   `force` the link itself is replaced by the new file, never written through (a link must
   not redirect a write somewhere the user did not name).
-- `undone_on_failure()` records every file and folder this process creates inside the block
-  (by `writing`, `check_folder(create=True)`, `writing_folder`); when the block fails it removes
-  exactly those, and only while each is still the one it made (same inode): a path that
-  appeared during the run, another run's result above all, is never touched.
-- `writing_folder(path)` hands the caller a temporary folder beside `path` to fill and renames
-  it into place once complete: a reader never sees half a folder, and a failed or interrupted
-  run leaves nothing (Ctrl-C, SIGTERM, SIGHUP: qsa_lab.support.signals removes it). Nothing is
-  ever written through a symlink: a link at `path` is refused, naming it.
-- `check_not_inside(folder, inputs)`: no output folder may equal or contain an input.
+
+A folder of outputs (a leak report) is written the same way, whole: `check_new_folder` before
+any work, then `writing_folder` hands the caller a fresh folder beside the target and renames
+it into place once complete. An interrupted or failed run leaves nothing (the next run is not
+refused); with `force` the old folder is replaced only when it holds nothing but the names the
+writer owns and none of them is a symlink; a folder holding an input is never replaced.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
-import shutil
 import stat
 from pathlib import Path
 
-_ledgers: list[list] = []   # the open undone_on_failure blocks: [(path, (st_dev, st_ino))]
+_ledgers: list[list] = []   # the open undone_on_failure blocks: [(path, an open descriptor of it)]
 
 
 def _record(path) -> None:
@@ -59,7 +55,7 @@ def undone_on_failure():
     are removed, newest first (a folder only when empty), each only while it is still the very
     file or folder this process made; then the exception goes on. A file replaced with force
     stays (its old bytes cannot come back), and nothing that appeared meanwhile is touched."""
-    made: list = []    # (path, an open descriptor of what was made there)
+    made: list = []
     _ledgers.append(made)
     try:
         yield
@@ -201,7 +197,7 @@ def _publish(tmp: Path, path: Path, force: bool, arg: str) -> None:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
     tmp.unlink()
-    _record(path)       # after the unlink: it changes the file's link count, and so its change time
+    _record(path)       # after the unlink: the file is complete and its own
 
 
 @contextlib.contextmanager
@@ -226,6 +222,80 @@ def writing(path, arg: str = "path", force: bool = False):
         signals.untrack(tmp)
 
 
+def check_new_folder(path, arg: str, force: bool = False, names=(), inputs: dict | None = None) -> Path:
+    """Refuse, before any work, a folder `writing_folder` may not publish at `path` (ValueError
+    naming arg): a symlink, a file, a folder that is not empty (without force), and with force
+    one holding anything but `names` or any of them as a symlink; or one that holds an input
+    ({option: path}: it would be replaced with the folder)."""
+    if path is None or (isinstance(path, str) and not path.strip()):
+        raise ValueError(f"{arg}: empty path")
+    folder = Path(os.fspath(path))
+    st = _lstat(folder, arg)
+    for opt, given in (inputs or {}).items():
+        if given is None:
+            continue
+        real, top = os.path.realpath(os.fspath(given)), os.path.realpath(folder)
+        if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{arg}: {_show(folder)} holds the input {opt} {_show(given)}; writing the folder "
+                             "would replace it (choose another folder)")
+    if st is None:
+        parent = folder.parent
+        if parent.exists():
+            check_folder(parent, arg)
+        return folder               # missing parents are made when the folder is written
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{arg}: {_show(folder)} is a symlink; refusing to write through it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{arg}: {_show(folder)} exists and is not a folder")
+    entries = sorted(os.listdir(folder))
+    if entries and not force:
+        raise ValueError(f"{arg}: {_show(folder)} is not empty (add --force to replace it)")
+    for name in entries:
+        if name not in names:
+            raise ValueError(f"{arg}: {_show(folder)} holds {_show(name)}, which this writer did not write; "
+                             "kept the folder (choose another one)")
+        if (folder / name).is_symlink():
+            raise ValueError(f"{arg}: {_show(folder / name)} is a symlink; refusing to write through it")
+    check_folder(folder, arg)
+    return folder
+
+
+@contextlib.contextmanager
+def writing_folder(path, arg: str = "path", force: bool = False, names=(), inputs: dict | None = None):
+    """Yield a new empty folder beside `path` to fill; on success it becomes `path` by a rename
+    (with force an old folder of `names` only is replaced; without, one that appeared meanwhile
+    is kept: FileExistsError). On any error, or a signal on the command line, it is removed."""
+    import shutil
+
+    from qsa_lab.support import signals
+
+    folder = check_new_folder(path, arg, force, names, inputs)
+    tmp = folder.with_name(f".{folder.name}.partial-{secrets.token_hex(4)}")
+    signals.track(tmp)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(tmp, 0o777)       # 0o777 & ~umask, as any folder a program makes
+        yield tmp
+        old = None
+        if folder.is_dir() and os.listdir(folder):
+            check_new_folder(folder, arg, force, names, inputs)   # again: it may have changed during the run
+            old = folder.with_name(f".{folder.name}.old-{secrets.token_hex(4)}")
+            os.rename(folder, old)
+        try:
+            os.rename(tmp, folder)     # onto nothing or an empty folder: atomic
+        except OSError:
+            if old is not None:
+                os.rename(old, folder)
+            raise FileExistsError(f"{arg}: {_show(folder)} appeared during the run; kept it") from None
+        _record(folder)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        signals.untrack(tmp)
+
+
 def write_bytes(path, data: bytes, arg: str = "path", force: bool = False) -> Path:
     with writing(path, arg, force) as tmp:
         tmp.write_bytes(data)
@@ -236,20 +306,6 @@ def write_text(path, text: str, arg: str = "path", force: bool = False) -> Path:
     return write_bytes(path, text.encode("utf-8"), arg, force)
 
 
-def check_not_inside(folder, inputs: dict, arg: str) -> None:
-    """{name: path}: refuse an output folder that is, or holds, one of the inputs."""
-    if folder is None:
-        return
-    top = os.path.realpath(os.fspath(folder))
-    for name, path in inputs.items():
-        if path is None:
-            continue
-        real = os.path.realpath(os.fspath(path))
-        if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
-            raise ValueError(f"{arg}: {_show(folder)} holds the input {name} {_show(path)}; "
-                             "write the output somewhere else")
-
-
 def check_no_links(folder, names, arg: str) -> None:
     """Refuse, naming it, an entry `names` of `folder` that is a symlink: a write must never
     follow one out of the folder it was given."""
@@ -257,66 +313,3 @@ def check_no_links(folder, names, arg: str) -> None:
         p = Path(folder) / name
         if p.is_symlink():
             raise ValueError(f"{arg}: {_show(p)} is a symlink; refusing to write through it (remove the link)")
-
-
-def _rmtree(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(path)
-
-
-@contextlib.contextmanager
-def writing_folder(path, arg: str = "path", force: bool = False):
-    """Yield a new empty folder beside `path` (`.NAME.XXXX.tmp`) to fill; once the block ends
-    without an error, rename it into place as `path`. Then:
-
-    - `path` absent: the folder appears whole, in one rename;
-    - `path` an existing folder: refused (FileExistsError) unless `force`, which swaps the new
-      folder in and only then removes the old one (its files were asked to be replaced);
-    - `path` a symlink, a file or a special file: refused before the block runs (ValueError);
-      a folder that appeared during the run is kept and the new one dropped without `force`.
-
-    On an error or a signal inside the block the temporary folder is removed: nothing is left.
-    The folder is made with mode 0o777 & ~umask, like any folder a program creates."""
-    from qsa_lab.support import signals
-
-    if path is None or (isinstance(path, str) and not path.strip()):
-        raise ValueError(f"{arg}: empty path")
-    path = Path(os.fspath(path))      # a trailing '/' names the same folder
-    st = _lstat(path, arg)
-    if st is not None and stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"{arg}: {_show(path)} is a symlink; refusing to write through it (remove the link)")
-    if st is not None and not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{arg}: {_show(path)} exists and is not a folder")
-    if st is not None and not force:
-        raise FileExistsError(f"{arg}: {_show(path)} exists (add --force to replace it)")
-    check_folder(path.parent, arg)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    signals.track_folder(tmp)   # a signal from here on removes it
-    try:
-        os.mkdir(tmp, 0o777)
-        yield tmp
-        _publish_folder(tmp, path, force, arg)
-    finally:
-        _rmtree(tmp)
-        signals.untrack_folder(tmp)
-
-
-def _publish_folder(tmp: Path, path: Path, force: bool, arg: str) -> None:
-    st = _lstat(path, arg)
-    if st is None:
-        try:
-            os.rename(tmp, path)   # fails on a non-empty folder or a file that appeared meanwhile
-        except OSError as e:
-            raise FileExistsError(f"{arg}: {_show(path)} appeared during the run; kept it ({e.strerror})") from None
-        _record(path)
-        return
-    if not force or not stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
-        raise FileExistsError(f"{arg}: {_show(path)} appeared during the run; kept it")
-    old = path.with_name(f".{path.name}.{secrets.token_hex(4)}.old")
-    os.rename(path, old)
-    try:
-        os.rename(tmp, path)
-    except OSError:
-        os.rename(old, path)       # put the old folder back: the run failed, nothing changed
-        raise
-    _rmtree(old)

@@ -1,19 +1,17 @@
-"""A second Python process beside a command, started before the command imports torch: the
-length-prefixed pickles on its pipes, whether a core is idle for it, and ending it with its
-parent. Plain Python only (no torch): `qsa-lab canary --overlap` and `qsa-lab repro`'s figure
-process (qsa_lab.report.figure_worker) use it before their imports.
+"""Processes and cores, in plain Python (no torch): whether a core is idle for a second process
+(qsa_lab.support.executor starts it), how many torch threads fit the cores free now, and the
+pipes of the canary's user-kernel worker (length-prefixed pickles; qsa_lab.canary.execution),
+which must also kill a call on a timeout and so is started here, not by the executor.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import pickle
-import queue
 import signal
 import struct
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 
@@ -30,35 +28,6 @@ def recv(stream):
         return None
     (n,) = struct.unpack("<Q", head)
     return pickle.loads(stream.read(n))
-
-
-def reader(stream) -> tuple:
-    """The messages on a spawned process's stdout, read by a thread into a queue as they come;
-    None once it ended (or sent something unreadable). -> (queue, thread)"""
-    inbox = queue.Queue()
-
-    def read():
-        while True:
-            try:
-                msg = recv(stream)
-            except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ImportError):
-                msg = None
-            inbox.put(msg)
-            if msg is None:
-                return
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return inbox, thread
-
-
-def try_send(stream, obj) -> bool:
-    """send(), False where the process is gone (or `obj` does not pickle)."""
-    try:
-        send(stream, obj)
-        return True
-    except (OSError, ValueError, AttributeError, pickle.PicklingError):
-        return False
 
 
 def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:
@@ -111,28 +80,15 @@ def idle_core(others: float | None = None) -> bool:
     """Is a core free for a second process, beside this one and whatever else runs now
     (`others`: default others_running())? On a busy machine it would only add its own imports
     to the work."""
-    return (others_running() if others is None else others) <= _cores() - 2
+    return (others_running() if others is None else others) <= cores() - 2
 
 
-def _cores() -> int:
+def cores() -> int:
     """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def worker_pipes() -> tuple:
-    """In a spawned process (spawn), first: its (request, reply) pipes as binary files, with
-    stdin and stdout moved to the null device (nothing it prints reaches the parent's output),
-    Ctrl-C ignored (the parent decides) and death with the parent (die_with_parent)."""
-    pipes = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-    return pipes
 
 
 def die_with_parent() -> None:
@@ -163,7 +119,7 @@ def fit_torch_threads(started: int = 0) -> int:
 
     if threads_set_by_user():
         return torch.get_num_threads()
-    free = max(1, _cores() - max(others_running(), started))     # others: inf where unknown
+    free = max(1, cores() - max(others_running(), started))     # others: inf where unknown
     n = int(min(torch.get_num_threads(), free))
     if n != torch.get_num_threads():
         torch.set_num_threads(n)

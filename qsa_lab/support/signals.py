@@ -48,28 +48,16 @@ def untrack(path) -> None:
     _temporaries.discard(os.fspath(path))
 
 
-_folders: set[str] = set()
-
-
-def track_folder(path) -> None:
-    """track() for a temporary folder: removed with everything in it."""
-    _folders.add(os.fspath(path))
-
-
-def untrack_folder(path) -> None:
-    _folders.discard(os.fspath(path))
-
-
 def _cleanup() -> None:
     import shutil
 
     for path in list(_temporaries):
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)   # a folder being written beside its final name (outputs.writing_folder)
+            else:
+                os.unlink(path)
     _temporaries.clear()
-    for path in list(_folders):
-        shutil.rmtree(path, ignore_errors=True)
-    _folders.clear()
 
 
 def _handler(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature

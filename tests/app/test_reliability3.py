@@ -54,7 +54,7 @@ def test_a_failing_repro_leaves_the_other_runs_files(tmp_path, monkeypatch, caps
             p.parent.mkdir(exist_ok=True)
             p.write_text(text)
 
-    def draw(results, out_dir, table=None, overwrite=False):
+    def draw(results, out_dir, table=None, overwrite=False, **_):
         outputs.check_folder(out_dir, "--figures", create=True, parents=True)   # as export.save_rendered
         mine = [outputs.write_text(Path(out_dir) / f"mine_{i}.png", "run 2", "--figures") for i in range(2)]
         other_run_publishes()

@@ -57,7 +57,8 @@ def _canary(dims):
 
 
 def _playground(**kw):
-    from qsa_lab.widgets import Params, Playground
+    from qsa_lab.analysis.playground import Params
+    from qsa_lab.widgets import Playground
 
     return Playground(Params(**kw))
 

@@ -276,3 +276,41 @@ def test_vllm_refuses_sinks_and_masks_with_the_reason(vllm_cpu, spec, why):
 def test_vllm_src_that_is_not_a_checkout_is_refused(tmp_path):
     with pytest.raises(ValueError, match="path: .* is not a vLLM checkout"):
         vllm_adapter.set_source(tmp_path)
+
+
+# -- how an adapter reads the pool decides n/a -----------------------------------------------------------
+
+PADDED = dict(context=33)   # 33, 32, 31 tokens on 16-token pages: 3, 2, 2 pages, so block-table rows carry padding
+
+
+def _attend_all_pages(call):
+    """A correct dense kernel over each row's whole block table (padding entries masked)."""
+    mask = call.attend_mask()
+    k, v = call.pages("k", heads="q").float(), call.pages("v", heads="q").float()
+    v = v.masked_fill(~mask[:, :, None, None], 0.0)
+    s = torch.einsum("rhd,rshd->rhs", call.q.float(), torch.nan_to_num(k)) * call.sm_scale
+    return torch.einsum("rhs,rshd->rhd", torch.softmax(s.masked_fill(~mask[:, None, :], float("-inf")), -1), v)
+
+
+@pytest.mark.parametrize("reads,want", [("page_table", "n/a"), ("block_table", "clean")])
+def test_a_kernel_that_reads_a_page_list_gets_n_a_on_the_null_block(reads, want):
+    def kernel(call):
+        return _attend_all_pages(call)
+    kernel.paged_inputs = reads
+    report = run_canary({"fake:kernel": kernel}, case=case("dense", **PADDED), backend="emulate",
+                        regions=["null-block"], payloads=["nan"])
+    assert report.results and _verdicts(report) == {want}, [r.describe() for r in report.results]
+
+
+@pytest.mark.parametrize("name", ["flashinfer:decode", "flashinfer:decode-tc", "flashinfer:prefill",
+                                  "flashinfer:prefill-fa2"])
+def test_flashinfer_kernels_declare_a_page_list_so_their_null_block_cells_are_n_a(flashinfer_cpu, name):
+    flashinfer_cpu()
+    assert KERNELS[name][1].paged_inputs == "page_table"
+    report = run_canary([name], case=case("dense", 1, **PADDED), backend="emulate", regions=["null-block"],
+                        payloads=["nan"])
+    assert report.results and _verdicts(report) == {"n/a"}, [r.describe() for r in report.results]
+
+
+def test_vllm_kernels_declare_the_padded_block_table():
+    assert {KERNELS[n][1].paged_inputs for n in ("vllm:unified", "vllm:unified-3d")} == {"block_table"}

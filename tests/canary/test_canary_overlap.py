@@ -1,11 +1,12 @@
-"""The second process of `qsa-lab canary` (qsa_lab.canary.overlap): FlexAttention's kernels run
-there while this one runs the others. Whatever happens to it, the report is the one the run
+"""The second process of `qsa-lab canary` (qsa_lab.canary.overlap, on support.executor):
+FlexAttention's kernels run there while this one runs the others. Whatever happens to it, the report is the one the run
 gives without it, bit for bit: verdicts, counts, NaN masks, outputs, skipped reasons, order."""
 import pytest
 import torch
 
 from qsa_lab.canary import overlap, run_canary
 from qsa_lab.canary.execution import same_bits
+from qsa_lab.support import processes as procs
 
 # qsa routes and SDPA around both FlexAttention kernels, on poisoned cells of every kind they give:
 # NaN leaks (flex V null block, paged flex V free pages), clean (K), n/a (flex, free pages)
@@ -27,28 +28,49 @@ def _same_report(a, b):
 
 @pytest.fixture(scope="module")
 def in_process():
-    overlap.close_overlap()
     return run_canary(KERNELS, **MATRIX)
 
 
-def test_the_second_process_gives_the_same_report(in_process):
-    spare = overlap.start_overlap()
-    report = run_canary(KERNELS, **MATRIX)
-    assert spare.answered and spare.proc is None and overlap._SPARE is None   # it ran them, and it is ended
+def _taken(monkeypatch) -> list:
+    """The Overlaps run_canary makes, as it takes them."""
+    seen, take = [], overlap.take
+    monkeypatch.setattr("qsa_lab.canary.runner.take_overlap",
+                        lambda *a: seen.append(take(*a)) or seen[-1])
+    return seen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_second_process_gives_the_same_report(in_process, monkeypatch):
+    seen = _taken(monkeypatch)
+    second = overlap.start()
+    report = run_canary(KERNELS, **MATRIX, second=second)
+    assert seen[0].answered and seen[0].names == ["torch:flex", "torch:flex-paged"]   # it ran them
+    assert second._pool is None and not _alive(second.pid)                             # and it is ended
     _same_report(report, in_process)
     for kernel in ("torch:flex", "torch:flex-paged"):
         assert {r.verdict for r in report.results if r.kernel == kernel} == {"nan-leak", "clean", "n/a"}
 
 
-def test_a_second_process_that_dies_leaves_the_run_to_this_one(in_process):
-    spare = overlap.start_overlap()
-    spare.proc.kill()
-    report = run_canary(KERNELS, **MATRIX)
-    assert not spare.answered
+def test_a_second_process_that_dies_leaves_the_run_to_this_one(in_process, monkeypatch):
+    import os
+    import signal
+
+    seen = _taken(monkeypatch)
+    second = overlap.start()
+    os.kill(second.pid, signal.SIGKILL)
+    report = run_canary(KERNELS, **MATRIX, second=second)
+    assert seen[0] is not None and not seen[0].answered
     _same_report(report, in_process)
 
 
-class _Spare:
+class _Second:
     closed = False
 
     def close(self):
@@ -61,44 +83,41 @@ class _Spare:
     ([("torch:flex", lambda call: call.q), ("qsa:xqa", "qsa:xqa")], "cpu"),      # a callable of that name
     ([("qsa:xqa", "qsa:xqa")], "cpu"),
 ])
-def test_a_run_it_cannot_help_ends_it(monkeypatch, named, device):
-    spare = _Spare()
-    monkeypatch.setattr(overlap, "_SPARE", spare)
-    assert overlap.take_overlap(named, torch.device(device)) is None
-    assert spare.closed and overlap._SPARE is None
+def test_a_run_it_cannot_help_ends_it(named, device):
+    second = _Second()
+    assert overlap.take(second, named, torch.device(device)) is None
+    assert second.closed
 
 
-def test_one_run_takes_it():
-    spare = _Spare()
-    overlap._SPARE = spare
-    try:
-        got = overlap.take_overlap([("qsa:xqa", "qsa:xqa"), ("torch:flex-paged", "torch:flex-paged")],
-                                   torch.device("cpu"))
-        assert got is spare and got.names == ["torch:flex-paged"] and not spare.closed
-        assert overlap.take_overlap([("qsa:xqa", "qsa:xqa"), ("torch:flex", "torch:flex")], "cpu") is None
-    finally:
-        overlap._SPARE = None
+def test_a_run_takes_it_for_its_flex_kernels():
+    second = _Second()
+    got = overlap.take(second, [("qsa:xqa", "qsa:xqa"), ("torch:flex-paged", "torch:flex-paged")],
+                       torch.device("cpu"))
+    assert got.second is second and got.names == ["torch:flex-paged"] and not second.closed
+    assert overlap.take(None, [("qsa:xqa", "qsa:xqa"), ("torch:flex", "torch:flex")], "cpu") is None
 
 
 @pytest.mark.parametrize("others,started", [(0, True), (1, False)])
 def test_the_cli_starts_it_only_with_a_core_to_spare(monkeypatch, capsys, others, started):
     from qsa_lab.app.cli import main
 
-    monkeypatch.setattr(overlap, "_others_running", lambda: others)      # besides the CLI itself, on 2 cores
-    monkeypatch.setattr(overlap.procs.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(procs, "others_running", lambda: others)      # besides the CLI itself, on 2 cores
+    monkeypatch.setattr(procs.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     seen = []
-    start = overlap.start_overlap
-    monkeypatch.setattr(overlap, "start_overlap", lambda: seen.append(start()) or seen[-1])
+    start = overlap.start
+    monkeypatch.setattr(overlap, "start", lambda: seen.append(start()) or seen[-1])
+    taken = _taken(monkeypatch)
     argv = ["canary", "--kernels", "qsa:xqa,torch:flex-paged", "--regions", "null-block", "--planes", "v",
             "--payloads", "nan", "--backend", "emulate", "--json", "-"]
     assert main(argv) == 1
     doc = capsys.readouterr().out
-    assert [s.answered for s in seen] == ([True] if started else []) and overlap._SPARE is None
+    assert len(seen) == int(started) and [o.answered for o in taken if o] == [True] * started
+    assert all(s._pool is None for s in seen)                             # ended with the command
     assert '"verdict": "nan-leak"' in doc and '"kernel": "torch:flex-paged"' in doc
     if started:
-        monkeypatch.setattr(overlap, "_others_running", lambda: 3)
+        monkeypatch.setattr(procs, "others_running", lambda: 3)
         assert main(argv) == 1 and capsys.readouterr().out == doc and len(seen) == 1
 
 
 def test_others_running_reads_this_machine():
-    assert overlap._others_running() >= 0
+    assert procs.others_running() >= 0

@@ -47,32 +47,92 @@ def window_report(tmp_path_factory):
     return once_per_run(tmp_path_factory, "window-report", build)
 
 
-def test_report_has_figure_versions_case_spec_and_every_non_clean_cell(window_report):
+def test_report_has_figure_versions_case_spec_grouped_per_kernel_region_plane(window_report):
     report, out = window_report
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
-    assert (out / "leak_matrix.png").stat().st_size > 1000 and "![leak matrix](leak_matrix.png)" in md
+    assert (out / "leak_matrix.png").stat().st_size > 1000 and 'src="leak_matrix.png"' in md
     for text in ("| torch |", "| gpu |", "| driver |", "| cuda |", "attend window:8", "Hkv 2", "D 32"):
         assert text in md, text
     leaks = report.leaks()
     assert leaks and all(r.kernel == LEAKY for r in leaks)
-    for r in leaks:
-        assert f"| {LEAKY} | {r.region} | {r.plane} | {r.payload} | {r.verdict} | {r.nan} | {r.inf} |" in md
-    assert "<table>" in page and "leak_matrix.png" in page and "python -m qsa_lab.canary.replay" in page
+    assert md.count(f"## Kernel {LEAKY}") == 1 and md.count(f"## Kernel {MASKED}") == 1
+    for r in leaks:   # one entry per region x plane, every leaking payload folded into it
+        assert md.count(f"### {r.region} / {r.plane.upper()} plane") == 1
+        assert f"{r.payload}: {r.verdict} ({r.nan} NaN, {r.inf} Inf" in md
+        w = r.where()
+        assert f"rows {w['rows'][0]}-{w['rows'][-1]}" in md
+    assert "first NaN at [row, head, dim] [" in md
+    assert "<table>" in page and "max-width:100%" in page and "python -m qsa_lab.canary.replay" in page
     assert json.loads((out / "canary.json").read_text())["schema"] == "qsa_lab.canary/1"
+    assert "backend None" not in md and "backend None" not in page
 
 
-def test_each_leaking_cell_gets_its_smallest_call_one_poisoned_slot(window_report):
+def test_the_leak_matrix_fits_a_1280_px_window_and_never_says_backend_none():
+    from PIL import Image
+
+    from qsa_lab.canary.figures import leak_matrix
+
+    report = run_canary([MASKED], case=canary_case("fp16", attend="window:8", **GQA), payloads=["nan", "inf", "max"])
+    assert "backend" not in leak_matrix(report)["title"]   # no qsa route ran: no backend to name
+    wide = report.to_json()
+    wide["results"] = [dict(r, region=f"{r['region']}{i}") for i in range(4) for r in wide["results"]]
+    from qsa_lab.canary import report as rep
+
+    class Doc:   # 4x the columns of a real run: the width cap must hold
+        results = True
+
+        def to_json(self):
+            return wide
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        rep._figure(Doc(), Path(d) / "m.png")
+        assert Image.open(Path(d) / "m.png").width <= rep.MATRIX_MAX_PX
+
+
+def test_each_leaking_region_and_plane_gets_its_smallest_call_one_poisoned_slot(window_report):
     report, out = window_report
     files = sorted((out / "calls").glob("*.safetensors"))
-    assert len(files) == len(report.leaks())
+    assert len(files) == len({(r.region, r.plane) for r in report.leaks()})
     for f in files:
+        assert f.stat().st_mode & 0o777 == (out / "report.md").stat().st_mode & 0o777   # 0644, not 0600
         with safe_open(str(f), framework="pt") as g:
             meta, slots = g.metadata(), g.get_tensor("poisoned_slots")
         assert int(slots.sum()) == 1, f"{f.name}: one NaN V slot is enough to leak through 0 * V"
         control, poisoned, _ = load_call(f)
-        assert meta["kernel"] == LEAKY and meta["plane"] == "v"
+        assert meta["kernel"] == LEAKY and meta["plane"] == "v" and "/" not in f.name and "work" not in f.name
         assert (control.kv_cache != poisoned.kv_cache).any() and control.spec.kind == "window"
-        assert f"python -m qsa_lab.canary.replay {f}" in (out / "report.md").read_text()
+        assert (f"python -m qsa_lab.canary.replay calls/{f.name} --kernel kernels/canary_kernels.py:leaky"
+                in (out / "report.md").read_text())
+    assert (out / "kernels" / "canary_kernels.py").read_bytes() == (DATA / "canary_kernels.py").read_bytes()
+
+
+def test_the_report_travels_zipped_and_its_replay_lines_run_from_the_unpacked_folder(window_report, tmp_path):
+    import re
+    import shutil
+    import zipfile
+
+    _, out = window_report
+    copy = tmp_path / "written"
+    shutil.copytree(out, copy)
+    archive = shutil.make_archive(str(tmp_path / "report"), "zip", copy)
+    shutil.rmtree(copy)                                  # nothing of the writing machine's folder is left
+    unpacked = tmp_path / "elsewhere" / "unpacked"
+    zipfile.ZipFile(archive).extractall(unpacked)
+    lines = re.findall(r"^python -m qsa_lab\.canary\.replay .*$", (unpacked / "report.md").read_text(), re.M)
+    assert lines
+    for line in lines[:1]:
+        r = subprocess.run([sys.executable, *line.split()[1:]], cwd=unpacked, capture_output=True, text=True,
+                           timeout=300, env=ENV)
+        assert r.returncode == 1 and "verdict nan-leak" in r.stdout, r.stdout + r.stderr
+    call = line.split()[3]
+    missing = in_process_replay(unpacked / call, "--kernel", str(tmp_path / "nope.py:leaky"))
+    assert missing == 3                                  # a kernel that cannot load: cannot run, not bad input
+
+
+def in_process_replay(*argv):
+    from qsa_lab.canary.replay import main
+
+    return main([str(a) for a in argv])
 
 
 def test_the_replay_command_recreates_the_nan_and_a_masked_kernel_is_clean(window_report, capsys):
@@ -80,8 +140,7 @@ def test_the_replay_command_recreates_the_nan_and_a_masked_kernel_is_clean(windo
     call = next((out / "calls").glob("*out-of-window__v__nan.safetensors"))
     unnamed = in_process(capsys, "qsa_lab.canary.replay", str(call))   # a file.py kernel runs only when named
     assert unnamed.returncode == 2 and "verdict" not in unnamed.stdout and "--kernel" in unnamed.stderr
-    # the command the report prints, in a fresh process
-    leaked = run("-m", "qsa_lab.canary.replay", str(call), "--kernel", LEAKY)
+    leaked = in_process(capsys, "qsa_lab.canary.replay", str(call), "--kernel", LEAKY)
     assert leaked.returncode == 1, leaked.stderr
     assert "control 0 NaN; poisoned" in leaked.stdout and "verdict nan-leak" in leaked.stdout
     nan = int(leaked.stdout.split("poisoned ")[1].split(" NaN")[0])
@@ -113,7 +172,7 @@ def test_a_clean_kernel_gets_a_report_without_calls(tmp_path):
     report = run_canary([MASKED], case=canary_case("fp16", attend="window:8", **GQA), backend="emulate",
                         payloads=["nan"])
     write_report(report, tmp_path / "r")
-    assert "None: every check ran clean." in (tmp_path / "r" / "report.md").read_text()
+    assert "No leak: every check ran clean." in (tmp_path / "r" / "report.md").read_text()
     assert not (tmp_path / "r" / "calls").exists()
 
 
@@ -162,7 +221,7 @@ def test_pytest_plugin_one_test_per_cell_and_leaks_fail_naming_the_cell(pytester
         assert f"FAILED test_kernels.py::test_leaky[{c}]" in out
     region = "out-of-window"
     assert (f"leaks nan from region {region} on the V plane: nan-leak" in out
-            and "output(s) NaN" in out and "replay: python -m qsa_lab.canary.replay" in out), out
+            and "output(s) NaN" in out and "&& python -m qsa_lab.canary.replay calls/" in out), out
     # the masked kernel passes wherever the cell ran, the absent library fails with its reason
     assert "flashinfer is not installed" in out and "the gate would pass on nothing" in out
     assert outcomes.get("passed", 0) >= len(cells) - len(leaking)

@@ -120,7 +120,7 @@ OTHER_PROGRAMS = {
     "--qsa-canary-report": "the pytest plugin", "--allow-root": "jupyter", "--ip": "jupyter",
     "--ptx": "benchmarks/ptx70_check.py", "--log": "benchmarks/ptx70_check.py",
     "--data": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
-    "--tensor-cores": "scripts/flashinfer_decode_window_nan.py",
+    "--tensor-cores": "a leak report's generated FlashInfer decode script (repro/*.py)",
 }
 
 
@@ -245,16 +245,21 @@ RUNNABLE = sorted({c for _, c in documented_commands() if _runnable(c)})
 @pytest.mark.parametrize("line", RUNNABLE)
 def test_a_documented_command_runs_as_shown(line, tmp_path):
     """Each command the pages show that needs no GPU runs in a fresh folder; `diff` exits 0, the
-    canary 0 or 1 (1: a leak, which the default matrix has: the unfixed grouped route)."""
+    canary 0 or 1 (1: a leak, which the default matrix has: the unfixed grouped route), the scribble
+    0 or 1 (1: the read-trash leak of padded inputs)."""
     env = {**os.environ, "QSA_LAB_FIGURES": str(tmp_path / "figures")}
     argv = [sys.executable, "-m", "qsa_lab", *shlex.split(line)[1:]]
     out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    allowed = (0, 1) if argv[3] == "canary" else (0,)
+    allowed = (0, 1) if argv[3] in ("canary", "scribble") else (0,)
     assert out.returncode in allowed, f"`{line}` exit {out.returncode}: {out.stderr[-2000:]}"
     if line.startswith("qsa-lab diff decode --poison targeted"):
         assert "20 NaN bytes" in out.stdout + out.stderr
         row = next(r for r in out.stdout.splitlines() if r.startswith("grouped "))
         assert " 480 " in row and "102,152,168,170,230" in row, row
+    if argv[3] == "scribble":   # what the page says it finds: padded, the read trash leaks; unpadded, nothing
+        leaks = [r.split()[1] for r in out.stdout.splitlines() if r.startswith("read ") and "-leak" in r]
+        assert leaks == (["read-trash"] * len(leaks) if "--pad" in line else []) and (leaks or "--pad" not in line), \
+            out.stdout
 
 
 # --------------------------------------------------------------------------- the site

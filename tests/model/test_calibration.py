@@ -15,7 +15,7 @@ def test_the_table_covers_the_presets_and_is_used(monkeypatch):
     """Building every geometry preset asks only for tabled keys; and the table's value, not a
     computed one, is what a case of such a key is built with."""
     from qsa_lab.report.repro import REPRO_CASES
-    from qsa_lab.widgets import PRESETS
+    from qsa_lab.analysis.playground import PRESETS
 
     asked = []
     monkeypatch.setattr(C, "_calibrated_rho", lambda *key: asked.append(key) or 0.5)

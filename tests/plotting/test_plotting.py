@@ -166,19 +166,19 @@ def test_export_lays_out_once_and_gives_the_figure_back(tmp_path):
 
 
 def test_write_repro_figures(tmp_path, request):
-    from qsa_lab.report import figures, figure_worker as figworker
+    from qsa_lab.report import figures
     from qsa_lab.report.figures import write_repro_figures
     from qsa_lab.report.repro import REPRO_CASES, run_repro
+    from qsa_lab.support.executor import SecondProcess
 
-    drawer = figworker.start()          # the second process `qsa-lab repro` starts, rendering beside this test
-    figworker.request("emulate")
-    figworker._SPARE = None             # taken by this test, not by write_repro_figures
-    request.addfinalizer(drawer.close)
+    second = SecondProcess("qsa_lab.report.figures")   # the second process `qsa-lab repro` starts
+    request.addfinalizer(second.close)
+    ahead = figures.draw_ahead(second, "emulate")      # rendering beside this test's cases
     cases = [c for c in REPRO_CASES if c.report_key == "rows19-targeted" or c.poison.get("site") == "stale-tail"]
     table, results = run_repro(backend="emulate", cases=cases, progress=False, repeat=False,
                                geometry_overrides=dict(context=512, topk=32))
     figs = tmp_path / "figs"
-    paths = write_repro_figures(results, figs, table=table)
+    paths = write_repro_figures(results, figs, table=table)      # all of them here
     stems = {p.stem for p in paths}
     assert {"01_e4m3_code_table", "01_fp16_byte_nan_rates", "01_page0_byte_maps", "02_plan", "02_nan_maps",
             "02_attribution", "02_routes", "03_playground_default", "04_repro_table",
@@ -186,26 +186,24 @@ def test_write_repro_figures(tmp_path, request):
     assert all(p.exists() for p in paths) and len(paths) == 3 * len(stems)
     meta = read_png_meta(figs / "05_fix_cost.png")
     assert "committed NVIDIA H200 run, data/bench_h200.json" in meta["timings_from"] and meta["git_commit"]
-    # the second process renders 01, 03, 05 and 04: the one-process bytes
-    drawer.hand([s for s in figures.figure_specs(results, table, "emulate") if s.name in figures.HANDED])
-    answers, want = [], set(figures.INDEPENDENT + figures.HANDED)
-    while want - {m[1].name for m in answers}:
-        m = drawer.inbox.get(timeout=600)
-        assert m is not None and m[0] in ("figure", "done"), m
-        answers += [m] if m[0] == "figure" else []
     one = {p.name: p.read_bytes() for p in paths}
-    assert all(blob == one[f"{m[1].name}.{f}"] for m in answers for f, blob in m[1].blobs.items())
-    # a second run into the same folder writes those answers, rendering only the others here, and
-    # leaves no numbered copies: every figure the same bytes as the first run's
-    figworker._SPARE = _fake_drawer(tmp_path, answers, stay=True)   # gives those answers back
+    # a second run into the same folder with the second process: its figures (01, 03, 05, then 04
+    # handed to it) are the one-process bytes, this process renders only the others, and no
+    # numbered copy appears
+    want = set(figures.INDEPENDENT + figures.HANDED)
+    for name in figures.INDEPENDENT:
+        assert ahead.result(name, timeout=600) is not None, name      # rendered there, before the run below
     here = []
     render = figures.render_spec
     figures.render_spec = lambda spec: here.append(spec.name) or render(spec)
     try:
-        again = write_repro_figures(results, figs, table=table)
+        again = write_repro_figures(results, figs, table=table, ahead=ahead)
     finally:
         figures.render_spec = render
-    assert sorted(here) == sorted(stems - want) and figworker._SPARE is None
+    assert not set(here) & set(figures.INDEPENDENT) and set(here) >= stems - want
+    theirs = {name: ahead.result(name) for name in want}
+    assert all(r is not None for n, r in theirs.items() if n not in here)   # what it did not answer, here
+    assert all(blob == one[f"{r.name}.{f}"] for r in theirs.values() if r is not None for f, blob in r.blobs.items())
     assert again == paths
     assert sorted(p.name for p in figs.iterdir()) == sorted(p.name for p in paths)
     assert {p.name: p.read_bytes() for p in paths} == one
@@ -333,70 +331,77 @@ def test_plan_draws_no_bar_for_zero_on_log_scale():
     assert sum(t.get_text() == "0" for t in ax.texts) == 3  # but are still labelled
 
 
-FAKE_WORKER = ("import sys; sys.stdin.buffer.read(8); sys.stdout.buffer.write(open(sys.argv[1], 'rb').read()); "
-               "sys.stdout.flush(); sys.argv[2:] and sys.stdin.buffer.read()")
+class _Answers:
+    """A stand-in for the second process: each call sent answers `answers[name]` (an exception is
+    raised there), or never while `hold` (a slow process); the calls sent, in order."""
+
+    def __init__(self, answers, hold=()):
+        self.answers, self.hold, self.sent = answers, hold, []
+
+    def submit(self, fn, name, *args):
+        from concurrent.futures import Future
+
+        self.sent.append(name)
+        f = Future()
+        if name not in self.hold:
+            a = self.answers.get(name, RuntimeError("no answer"))
+            f.set_exception(a) if isinstance(a, Exception) else f.set_result(a)
+        return f
 
 
-def _fake_drawer(tmp_path, messages, stay=False):
-    """A figworker.Drawer whose process answers the request with `messages`, then exits (or,
-    with stay, waits for the end of its input); returned once its answer has been read."""
-    import subprocess
-    import sys
-    import time
+def _ahead(answers, names, hold=()):
+    from qsa_lab.support.executor import Relay
 
-    from qsa_lab.report import figure_worker as figworker
-    from qsa_lab.support import processes as procs
-
-    with open(tmp_path / "answer", "wb") as f:
-        for m in messages:
-            procs.send(f, m)
-    d = figworker.Drawer(subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(tmp_path / "answer")]
-                                          + ["stay"] * stay, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
-    d.request("emulate")
-    if not stay:
-        d.reader.join(60)
-    deadline = time.monotonic() + 60
-    while d.inbox.qsize() < len(messages) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return d
+    relay = Relay(_Answers(answers, hold))
+    for n in names:
+        relay.add(n, None, n)
+    return relay
 
 
-def test_the_second_process_answers_are_used_only_from_this_code_and_whole(tmp_path):
+def test_the_second_process_answers_are_used_only_from_this_code_and_whole():
     from qsa_lab.plotting.export import Rendered, full_meta
-    from qsa_lab.report.figures import Spec
+    from qsa_lab.report.figures import Spec, collect
 
     meta = full_meta({"case": "c", "backend": "emulate"})
     a, b = (Rendered(n, meta, {"png": n.encode(), "svg": b"", "pdf": b""}) for n in ("a", "b"))
     other = Rendered("b", {**meta, "git_commit": "0" * 40}, b.blobs)
     specs = [Spec("a", plotting.plot_plan), Spec("b", plotting.plot_plan)]
-    rendered = []
+    rendered, busy = [], []
 
     def here(spec):
         rendered.append(spec.name)
+        if busy and spec.name == "b":
+            busy.pop().set_result(a)    # the second process answers its call while this one renders b
         return ("here", spec.name)
 
-    d = _fake_drawer(tmp_path, [("figure", a), ("figure", b), ("done",)])
-    assert d.collect(specs, here) == {"a": a, "b": b} and rendered == [] and d.proc is None
-    for answer in ([],                                            # ended before answering
-                   [("figure", a)],                                # ended part-way
-                   [("figure", a), ("error", "Traceback ...")],    # failed part-way
-                   [("figure", a), ("figure", other), ("done",)],  # drawn by another commit
-                   [("figure", "not a figure"), ("done",)]):
+    from qsa_lab.report import figures
+
+    real = figures.render_spec
+    figures.render_spec = here
+    try:
+        assert collect(_ahead({"a": a, "b": b}, "ab"), specs) == {"a": a, "b": b} and rendered == []
+        for answers in ({},                                      # ended before answering
+                        {"a": RuntimeError("Traceback ...")},    # failed part-way
+                        {"a": other, "b": other},                # drawn by another commit
+                        {"a": "not a figure", "b": a}):          # not a figure, or another figure
+            rendered.clear()
+            assert collect(_ahead(answers, "ab"), specs) == {"a": ("here", "a"), "b": ("here", "b")}, answers
+            assert sorted(rendered) == ["a", "b"]
+        # a slow process, busy with its first call: this one renders, from the last one back, what
+        # was not sent to it yet (it never gets those), and takes the answer of the one it had
         rendered.clear()
-        d = _fake_drawer(tmp_path, answer)
-        assert d.collect(specs, here) == {"a": ("here", "a"), "b": ("here", "b")}, answer    # every one here
-        assert sorted(rendered) == ["a", "b"] and d.proc is None
-    # a slow process: this one renders, from the last one back, what it has not answered yet
-    rendered.clear()
-    d = _fake_drawer(tmp_path, [("figure", a)], stay=True)
-    assert d.collect(specs + [Spec("c", plotting.plot_plan)], here) == {"a": a, "b": ("here", "b"),
-                                                                        "c": ("here", "c")}
-    assert rendered == ["c", "b"] and d.proc is None
+        ahead = _ahead({}, "abc", hold="a")
+        busy.append(ahead._sent["a"])
+        assert collect(ahead, specs + [Spec("c", plotting.plot_plan)]) == {"a": a, "b": ("here", "b"),
+                                                                           "c": ("here", "c")}
+        assert rendered == ["c", "b"] and ahead._second.sent == ["a"]
+    finally:
+        figures.render_spec = real
 
 
 def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, monkeypatch):
     """A second process that failed: every figure rendered here, the bytes export_figure writes."""
-    from qsa_lab.report import figures, figure_worker as figworker
+    from qsa_lab.report import figures
 
     def tiny(name):
         fig = Figure(figsize=(2, 2))
@@ -406,10 +411,9 @@ def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, m
     names = ["01_e4m3_code_table", "02_plan", "04_repro_table", "05_fix_cost"]
     monkeypatch.setattr(figures, "figure_specs", lambda results, table, backend: [
         figures.Spec(n, lambda n=n: tiny(n)) for n in names])
-    figworker._SPARE = _fake_drawer(tmp_path, [("error", "Traceback ...")])
-    figworker._SPARE.backend = "none"
-    paths = figures.write_repro_figures([], tmp_path / "figs")
-    assert figworker._SPARE is None and [p.name for p in paths[::3]] == [f"{n}.png" for n in names]
+    ahead = _ahead({n: RuntimeError("Traceback ...") for n in names}, [n for n in names if n in figures.INDEPENDENT])
+    paths = figures.write_repro_figures([], tmp_path / "figs", ahead=ahead)
+    assert [p.name for p in paths[::3]] == [f"{n}.png" for n in names]
     for n, p in zip(names, paths[::3]):
         assert p.read_bytes() == export_figure(tiny(n)[0], n, tiny(n)[1], out_dir=tmp_path / "direct")[0].read_bytes()
 
@@ -419,29 +423,28 @@ def test_write_repro_figures_renders_what_the_second_process_did_not(tmp_path, m
 def test_repro_starts_the_second_process_only_for_figures_and_an_idle_core(monkeypatch, tmp_path, argv, idle,
                                                                             started):
     from qsa_lab.app import cli
-    from qsa_lab.report import figure_worker as figworker
-    from qsa_lab.support import processes as procs
+    from qsa_lab.support import executor, processes as procs
 
     monkeypatch.setattr(procs, "idle_core", lambda others=None: idle)
     seen = []
-    monkeypatch.setattr(cli, "_repro", lambda args, out, files: seen.append(figworker._SPARE) or 0)
+    monkeypatch.setattr(cli, "_repro", lambda args, out, files, second: seen.append(second) or 0)
     assert cli.main(["repro", "--out", str(tmp_path / "r"), "--figures", str(tmp_path / "f"), *argv]) == 0
-    assert (seen[0] is not None) == started and figworker._SPARE is None    # ended with the command
+    assert (seen[0] is not None) == started
     if started:
-        assert seen[0].proc is None
+        assert isinstance(seen[0], executor.SecondProcess) and seen[0]._pool is None    # ended with the command
+        assert not os.path.exists(f"/proc/{seen[0].pid}") or _ended(seen[0].pid)
 
 
 SIGNAL_WRAPPER = r'''
 import runpy, sys, time
-import qsa_lab.report.figure_worker as fw, qsa_lab.support.outputs as outputs, qsa_lab.support.processes as procs
+import qsa_lab.support.executor as executor, qsa_lab.support.outputs as outputs, qsa_lab.support.processes as procs
 mode, argv = sys.argv[1], sys.argv[2:]
 procs.idle_core = lambda others=None: True        # a core to spare, whatever the test machine runs
-start = fw.start
-def started():
-    d = start()
-    sys.stderr.write(f"PID {d.proc.pid}\n")
-    return d
-fw.start = started
+init = executor.SecondProcess.__init__
+def started(self, *warm):
+    init(self, *warm)
+    sys.stderr.write(f"PID {self.pid}\n")
+executor.SecondProcess.__init__ = started
 
 def mark(text):
     sys.stderr.write(f"MARK {text}\n")
@@ -449,8 +452,8 @@ def mark(text):
 
 import qsa_lab.report.repro as repro        # one small case (the full table takes minutes)
 real = repro.run_repro
-def small(backend="auto", progress=True):
-    kw = dict(cases=repro.REPRO_CASES[:1], progress=False, repeat=False,
+def small(backend="auto", progress=True, beside=0):
+    kw = dict(cases=repro.REPRO_CASES[:1], progress=False, repeat=False, beside=beside,
               geometry_overrides=dict(context=256, topk=16, head_dim=32))
     if mode == "compute":            # the second process is rendering: the signal comes now
         mark("computing")

@@ -93,7 +93,7 @@ def test_bench_playground_writes_results_and_warns_on_a_miss(tmp_path, monkeypat
     slow = {"geometry": {}, "backend": "emulate", "first_draw_s": 9.0, "first_draw_cpu_s": 1.0, "changes": {},
             "median_redraw_s": 5.0, "worst_median_s": 5.0, "limit_s": 0.3, "first_draw_limit_s": 2.0}
     monkeypatch.setattr(bench, "bench_preset", lambda preset, repeat: dict(slow))
-    preset = next(iter(__import__("qsa_lab.widgets", fromlist=["PRESETS"]).PRESETS))
+    preset = next(iter(__import__("qsa_lab.analysis.playground", fromlist=["PRESETS"]).PRESETS))
     out = tmp_path / "r" / "b.json"
     assert bench.main(["--preset", preset, "--json", str(out)]) == 0       # a miss on a loaded machine: a warning
     err = capsys.readouterr().err

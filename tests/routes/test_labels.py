@@ -141,11 +141,11 @@ def test_an_earlier_spelling_on_the_command_line_names_the_new_one(given, now, c
 
 
 def test_no_other_module_spells_a_fix_by_its_letter():
-    """The letters and the old spellings live in labels.py alone (widgets.py: the playground's export
-    names move to labels.slug with the playground's split)."""
+    """The letters and the old spellings live in labels.py alone (the playground's export names too:
+    labels.slug)."""
     old = re.compile(r"fix [ABC]\b|fix[ABC]\b|\"both\"|'both'")
     found = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "qsa_lab").rglob("*.py"))
-             if p.name not in ("labels.py", "widgets.py")
+             if p.name != "labels.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if old.search(line)]
     found += [p.name for p in sorted((REPO / "notebooks").glob("*.ipynb")) if old.search(p.read_text())]
     assert found == []

@@ -52,8 +52,8 @@ elif mode.startswith("write"):        # a temporary file, written whole, waits t
 if "small-repro" in mode:   # repro on two tiny cases (the full table takes minutes)
     import qsa_lab.report.repro as repro
     real_repro = repro.run_repro
-    repro.run_repro = lambda backend="auto", progress=True: real_repro(
-        backend=backend, cases=repro.REPRO_CASES[:2], progress=False, repeat=False,
+    repro.run_repro = lambda backend="auto", progress=True, beside=0: real_repro(
+        backend=backend, cases=repro.REPRO_CASES[:2], progress=False, repeat=False, beside=beside,
         geometry_overrides=dict(context=256, topk=16, head_dim=32))
 sys.argv = ["qsa-lab", *argv]
 runpy.run_module("qsa_lab", run_name="__main__", alter_sys=True)
@@ -150,11 +150,11 @@ def test_repro_on_a_full_disk_publishes_nothing(tmp_path, monkeypatch, capsys):
     from qsa_lab.app.cli import main
 
     real = qsa_lab.report.repro.run_repro
-    monkeypatch.setattr(qsa_lab.report.repro, "run_repro", lambda backend="auto", progress=True: real(
-        backend=backend, cases=qsa_lab.report.repro.REPRO_CASES[:1], progress=False, repeat=False,
+    monkeypatch.setattr(qsa_lab.report.repro, "run_repro", lambda backend="auto", progress=True, beside=0: real(
+        backend=backend, cases=qsa_lab.report.repro.REPRO_CASES[:1], progress=False, repeat=False, beside=beside,
         geometry_overrides=dict(context=256, topk=16, head_dim=32)))
 
-    def full_disk(results, out_dir, table=None, overwrite=False):
+    def full_disk(results, out_dir, table=None, overwrite=False, ahead=None):
         Path(out_dir, "01_e4m3_code_table.png").write_bytes(b"half a figure set")
         raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -17,12 +17,15 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 from qsa_lab import widgets as W  # noqa: E402
+from qsa_lab.analysis import playground as D  # noqa: E402 - the data
+from qsa_lab.plotting import playground as R  # noqa: E402 - the render
 from qsa_lab.model.case import Geometry  # noqa: E402
 from qsa_lab.plotting.export import read_png_meta  # noqa: E402
+from qsa_lab.routes.labels import ROUTES  # noqa: E402
 from qsa_lab.routes.run import run_routes  # noqa: E402
 
-CACHE = W.RunCache(size=32)
-DEFAULT, REPORT = list(W.PRESETS)[0], list(W.PRESETS)[1]
+CACHE = D.RunCache(size=32)
+DEFAULT, REPORT = list(D.PRESETS)[0], list(D.PRESETS)[1]
 TAIL_3REQ = "3-req scatter causal, 24 rows, ctx 2048 (partial tail)"
 
 
@@ -98,9 +101,9 @@ def test_route_table_built_on_first_look_is_route_nans_own(pg):
 
 def test_widget_figure_equals_static_figure(pg):
     pg.set(dims="3,200", pad_fix=False)
-    static = W.render_playground(W.playground_data(pg.last_data["params"], W.RunCache()))
+    static = R.render_playground(D.playground_data(pg.last_data["params"], D.RunCache()))
     assert np.array_equal(pixels(pg.figure), pixels(static))
-    again = W.render_playground(pg.last_data)
+    again = R.render_playground(pg.last_data)
     assert np.array_equal(pixels(pg.figure), pixels(again))
 
 
@@ -120,19 +123,19 @@ def test_figure_png_of_any_figure_is_its_pixels():
 
     fig = Figure(figsize=(3, 2), dpi=60)
     fig.add_subplot().plot([0, 1, 2], [2, 0, 1], color="#ff0055")
-    assert np.array_equal(decoded(W.figure_png(fig)), pixels(fig)[..., :3])
+    assert np.array_equal(decoded(R.figure_png(fig)), pixels(fig)[..., :3])
 
 
 def test_redrawn_image_equals_a_full_draw(pg):
     """A redraw repaints only the parts that changed, and the PNG on screen has exactly the
     pixels of a full draw of a new figure of the same data, after every kind of change (a
     new NaN map, colour bar, NaN dims, route counts; an amber overlay coming and going)."""
-    assert np.array_equal(shown(pg), pixels(W.render_playground(pg.last_data))[..., :3])   # the first draw
+    assert np.array_equal(shown(pg), pixels(R.render_playground(pg.last_data))[..., :3])   # the first draw
     repainted = []
     for change in ({"dims": "3,200"}, {"site": "random"}, {"seed": "4"}, {"nan_map": "grouped+pad_fix"},
                    {"site": "attended-k"}, {"site": "targeted"}, {"kernel_fix": False}, {"dims": "5"}):
         assert pg.set(**change), pg.message.value
-        assert np.array_equal(shown(pg), pixels(W.render_playground(pg.last_data))[..., :3]), change
+        assert np.array_equal(shown(pg), pixels(R.render_playground(pg.last_data))[..., :3]), change
         repainted.append(pg.figure.qsa_drawn["repainted"])
     assert repainted[6] is None                      # a route toggled off: a new layout, drawn whole
     assert all(repainted[:6] + repainted[7:]) and "map" in repainted[0]
@@ -149,7 +152,7 @@ def test_redraw_falls_back_to_a_full_draw_when_a_part_grows(pg):
     last["boxes"]["routes title"] = (300, 400, 400, 500)
     assert pg.set(dims="8,9")
     assert pg.figure.qsa_drawn["repainted"] is None
-    assert np.array_equal(shown(pg), pixels(W.render_playground(pg.last_data))[..., :3])
+    assert np.array_equal(shown(pg), pixels(R.render_playground(pg.last_data))[..., :3])
 
 
 def test_figure_is_replaced_in_place_and_fills_the_width(pg):
@@ -189,7 +192,7 @@ def test_changes_during_a_redraw_coalesce_to_the_latest_value(monkeypatch):
     pg = W.Playground(cache=CACHE, background=True)
     assert pg.redraws == 1
     gate, entered = threading.Event(), threading.Event()
-    real = W.playground_data
+    real = D.playground_data
 
     def slow(p, cache=None, **kw):      # hold the first background redraw until all clicks are in
         entered.set()
@@ -243,8 +246,8 @@ def test_attended_k_view_shows_the_silent_drop(pg):
 def test_report_3req_preset_uses_the_report_seed():
     from qsa_lab.report.repro import CAUSAL3, CAUSAL3_SEED
 
-    name = next(n for n in W.PRESETS if n.startswith("3-req") and "8192" in n)
-    assert "report" in name and W.PRESETS[name] == CAUSAL3 and W.PRESETS[name].seed == CAUSAL3_SEED == 63
+    name = next(n for n in D.PRESETS if n.startswith("3-req") and "8192" in n)
+    assert "report" in name and D.PRESETS[name] == CAUSAL3 and D.PRESETS[name].seed == CAUSAL3_SEED == 63
 
 
 def test_status_describes_only_the_case_drawn(pg):
@@ -280,13 +283,13 @@ def test_bad_input_shows_message_and_keeps_state(pg, name, bad, word):
     good = {"dims": "102", "seed": "0", "backend": "emulate", "geometry": DEFAULT, "site": "targeted",
             "kv_dtype": "e4m3", "kernel_fix": True}[name]
     if pg.controls.get(name, pg.toggles.get(name)).value == good:
-        good = {"site": "random", "kernel_fix": False, "geometry": list(W.PRESETS)[2], "kv_dtype": "e5m2"}[name]
+        good = {"site": "random", "kernel_fix": False, "geometry": list(D.PRESETS)[2], "kv_dtype": "e5m2"}[name]
     assert pg.set(**{name: good}), pg.message.value  # recovers
     assert pg.last_data is not data
 
 
 def test_stale_tail_reachable_from_the_controls(pg):
-    tails = [name for name, g in W.PRESETS.items() if W.has_partial_tail(g)]
+    tails = [name for name, g in D.PRESETS.items() if D.has_partial_tail(g)]
     assert tails and "partial tail" in tails[0] and all("partial tail" in t for t in tails)
     assert pg.set(geometry=tails[0], site="stale-tail"), pg.message.value
     t = pg.last_data["table"]
@@ -295,14 +298,14 @@ def test_stale_tail_reachable_from_the_controls(pg):
 
 
 def test_poison_change_reruns_only_routes_that_read_the_changed_bytes():
-    cache = W.RunCache()
-    W.playground_data(W.Params(), cache)
+    cache = D.RunCache()
+    D.playground_data(D.Params(), cache)
     first = list(cache.computed)
-    assert {k[3] for k in first} == set(W.ROUTES) | {W.REMAINDER}
-    W.playground_data(W.Params(dims=(1, 2, 3)), cache)
+    assert {k[3] for k in first} == set(ROUTES) | {D.REMAINDER}
+    D.playground_data(D.Params(dims=(1, 2, 3)), cache)
     new = cache.computed[len(first):]
     assert [k[3] for k in new] == ["grouped"]        # only the unfixed grouped route reads page 0
-    W.playground_data(W.Params(dims=(1, 2, 3), fixes=("kernel_fix",)), cache)
+    D.playground_data(D.Params(dims=(1, 2, 3), fixes=("kernel_fix",)), cache)
     assert len(cache.computed) == len(first) + 1     # a fix toggled off and on again: nothing to run
 
 
@@ -310,7 +313,7 @@ def test_poison_change_reruns_only_routes_that_read_the_changed_bytes():
 def test_changed_tokens_are_those_with_a_changed_byte(kv_dtype):
     """Compared 8 bytes at a time, but every single changed byte counts: one byte flipped in
     each of a few tokens (either plane, any byte of an element) flags exactly those tokens."""
-    base = CACHE.base(W.Params(kv_dtype=kv_dtype).geometry)
+    base = CACHE.base(D.Params(kv_dtype=kv_dtype).geometry)
     case = base.case.clone()
     raw = case.kv_cache.view(torch.uint8)          # [pages, 2, page_size, 1, bytes]
     flips = [(0, 0, 0, 0), (3, 1, 5, raw.shape[-1] - 1), (7, 0, 31, 9)]
@@ -318,24 +321,24 @@ def test_changed_tokens_are_those_with_a_changed_byte(kv_dtype):
         raw[page, plane, token, 0, byte] ^= 1
     expected = torch.zeros(raw.shape[0] * raw.shape[2], dtype=torch.bool)
     expected[[page * raw.shape[2] + token for page, _, token, _ in flips]] = True
-    assert torch.equal(W.changed_tokens(base.case, case), expected)
-    assert not W.changed_tokens(base.case, base.case.clone()).any()
+    assert torch.equal(D.changed_tokens(base.case, case), expected)
+    assert not D.changed_tokens(base.case, base.case.clone()).any()
 
 
 @pytest.fixture
 def tiny_preset(monkeypatch):
-    presets = dict(W.PRESETS)
+    presets = dict(D.PRESETS)
     presets["tiny"] = Geometry(rows=19, requests=3, layout="scatter", context=301, topk=40, head_dim=32)
-    monkeypatch.setattr(W, "PRESETS", presets)
+    monkeypatch.setattr(D, "PRESETS", presets)
     return "tiny"
 
 
-@pytest.mark.parametrize("site", W.SITES)
+@pytest.mark.parametrize("site", D.SITES)
 def test_cached_outputs_equal_run_routes_bit_for_bit(tiny_preset, site):
-    cache = W.RunCache()
+    cache = D.RunCache()
     for plane in ("v", "k", "kv"):
         for kv in ("e4m3", "e5m2", "fp16"):
-            res = cache.result(W.Params(site=site, plane=plane, kv_dtype=kv, preset=tiny_preset, dims=(3, 17), seed=4))
+            res = cache.result(D.Params(site=site, plane=plane, kv_dtype=kv, preset=tiny_preset, dims=(3, 17), seed=4))
             ref = run_routes(res.case, backend="emulate")
             assert torch.equal(ref.reference64.view(torch.int64), res.reference64.view(torch.int64))
             for r, o in ref.outputs.items():
@@ -347,10 +350,10 @@ def test_one_cpu_thread_changes_no_output_bit():
     every route's output is bit for bit what run_routes gives on the default threads, and the
     thread count is restored after."""
     threads = torch.get_num_threads()
-    preset = next(p for p in W.PRESETS if p.startswith("3-req scatter causal, 24 rows, ctx 8192"))
-    with W.one_cpu_thread():
+    preset = next(p for p in D.PRESETS if p.startswith("3-req scatter causal, 24 rows, ctx 8192"))
+    with D.one_cpu_thread():
         assert torch.get_num_threads() == 1
-        res = W.RunCache().result(W.Params(preset=preset, dims=(1, 2)))
+        res = D.RunCache().result(D.Params(preset=preset, dims=(1, 2)))
     assert torch.get_num_threads() == threads
     ref = run_routes(res.case, backend="emulate")
     assert torch.equal(ref.reference64.view(torch.int64), res.reference64.view(torch.int64))
@@ -370,7 +373,7 @@ def test_first_draw_computes_beside_the_imports_on_an_idle_core(monkeypatch):
 
     from qsa_lab.support import processes as procs
 
-    real, where = W.compute_routes, []
+    real, where = D.compute_routes, []
 
     def spy(*args, **kw):
         where.append(threading.current_thread().name)
@@ -378,19 +381,19 @@ def test_first_draw_computes_beside_the_imports_on_an_idle_core(monkeypatch):
             raise RuntimeError("worker failure")
         return real(*args, **kw)
 
-    monkeypatch.setattr(W, "compute_routes", spy)
+    monkeypatch.setattr(D, "compute_routes", spy)
     drawn = {}
     for idle, fail_in_worker in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(procs, "idle_core", lambda *a, idle=idle: idle)
         where.clear()
-        cache = W.RunCache()
+        cache = D.RunCache()
         pg = W.Playground(cache=cache)
         assert pg.last_ok and len(cache.computed) == len(set(cache.computed))   # no route computed twice
         drawn[idle, fail_in_worker] = bytes(pg.image.value), pg.table.value, set(where)
-        assert pg.last_data["table"].equals(W.playground_data(pg.params, cache)["table"])
+        assert pg.last_data["table"].equals(D.playground_data(pg.params, cache)["table"])
         assert (pg.figure.qsa_drawn["repainted"] is None) is not idle   # idle: the blank figure, repainted
         assert pg.set(dims="3,200"), pg.message.value
-        assert np.array_equal(shown(pg), pixels(W.render_playground(pg.last_data))[..., :3])
+        assert np.array_equal(shown(pg), pixels(R.render_playground(pg.last_data))[..., :3])
     assert drawn[False, False][2] == {"MainThread"}
     assert drawn[True, False][2] == {"qsa-lab playground compute"}
     assert drawn[True, True][2] == {"qsa-lab playground compute", "MainThread"}
@@ -404,7 +407,7 @@ def test_export_name_and_metadata_say_what_is_shown(pg, tmp_path):
     assert all(p.is_absolute() for p in paths) and all(str(p) in pg.message.value for p in paths)
     stem = paths[0].stem
     assert "targeted-v" in stem and "d7-168-170" in stem and "_ps" not in stem and "ctx2048" in stem
-    assert "gs0" in stem and "fixA+B+AB_" in stem and stem.endswith("emulate")
+    assert "gs0" in stem and "_fixes-kernel_fix+pad_fix+both_fixes_" in stem and stem.endswith("emulate")
     meta = read_png_meta(paths[0])
     assert meta["backend"] == "emulate" and "rows 19" in meta["case"] and meta["qsa_lab_version"] and meta["gpu"]
     assert meta["dims"] == "7,168,170" and meta["poison_seed"] == "" and meta["site"] == "targeted"
@@ -436,12 +439,12 @@ def test_export_button_uses_env_dir(tmp_path, monkeypatch):
 
 def test_default_figures_dir_is_the_checkouts(monkeypatch):
     monkeypatch.delenv("QSA_LAB_FIGURES", raising=False)
-    d = W.figures_dir()
+    d = R.figures_dir()
     assert d.is_absolute() and d == Path(W.__file__).resolve().parent.parent / "figures"
 
 
 def test_widget_descriptions_are_stable(pg):
     labels = {w.description for w in list(pg.controls.values()) + list(pg.toggles.values())}
     assert labels == {"site", "plane", "dims", "seed", "kv_dtype", "geometry", "backend", "nan_map",
-                      "kernel_fix", "pad_fix", "both_fixes", "masked_load"}
+                      "kernel_fix (A)", "pad_fix (B)", "both_fixes (A+B)", "masked_load (C)"}
     assert pg.export_button.description == "Export"

@@ -4,7 +4,8 @@ The call's pool is FlashInfer's own "NHD" paged layout already ([pages, 2, page_
 kv_heads, head_dim], plane 0 K, 1 V), so it is passed as is (fp8 codes viewed as
 torch.float8_e4m3fn / float8_e5m2, with k_scale / v_scale given to run()). FlashInfer reads
 only the pages listed for each request (`PagedCall.page_table()`: indptr, indices,
-last_page_len), so the null block and free pages are never in its inputs.
+last_page_len), so the null block and free pages are never in its inputs: every kernel here
+declares `paged_inputs = "page_table"`, and a clean null-block cell says n/a, not clean.
 
 Spec mapping:
     dense            decode: the whole request; prefill: causal=True
@@ -152,3 +153,7 @@ def prefill(call) -> torch.Tensor:
 def prefill_fa2(call) -> torch.Tensor:
     """flashinfer:prefill-fa2: BatchPrefillWithPagedKVCacheWrapper, backend fa2."""
     return _prefill(call, "fa2", "flashinfer:prefill-fa2")
+
+
+for _kernel in (decode, decode_tc, prefill, prefill_fa2):
+    _kernel.paged_inputs = "page_table"   # page_table(): each request's used pages, never a padding entry

@@ -233,3 +233,7 @@ def unified(call) -> torch.Tensor:
 def unified_3d(call) -> torch.Tensor:
     """vllm:unified-3d: decode split over 16 KV segments, then reduce_segments."""
     return _run(call, True, "vllm:unified-3d")
+
+
+for _kernel in (unified, unified_3d):
+    _kernel.paged_inputs = "block_table"  # the block table as is: its padding entries point at the null block
