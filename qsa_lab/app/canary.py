@@ -81,8 +81,8 @@ def add_parser(sub, parents=()):
                    help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim], run in a worker process "
                         "(repeatable; default: none)")
     k.add_argument("--regions", type=_name_list, metavar="R,..",
-                   help="null-block, stale-tail, stale-microblock, free-pages and the spec's in-range one: unselected "
-                        "(sparse), out-of-window (window) (default: all of the spec)")
+                   help="null-block, stale-tail, stale-microblock, free-pages, other-requests and the spec's "
+                        "in-range one: unselected (sparse), out-of-window (window) (default: all of the spec)")
     k.add_argument("--payloads", type=_name_list, metavar="P,..", help="nan, inf, max, zero (default nan,inf,max)")
     k.add_argument("--planes", type=_name_list, metavar="P,..", help="k, v (default k,v)")
     k.add_argument("--dims", type=_int_list, metavar="D,..", help="head dims to poison (default: every dim)")
@@ -266,7 +266,7 @@ def _inputs(args) -> dict:
     for flag, specs in (("--kernels", args.kernels), ("--kernel", args.kernel)):
         for spec in specs or []:
             source = kernel_source(spec)
-            if source is not None:
+            if source is not None and source not in out.values():   # two kernels of one file: one input
                 out[f"{flag} {spec}"] = source
     return out
 

@@ -203,7 +203,8 @@ def load_call(path) -> tuple:
             extra = {k: f.get_tensor(k) for k in ("kv_cache_poisoned", "attend_mask") if k in f.keys()}
     except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
         raise ValueError(f"path: {path} is not a safetensors file ({type(e).__name__})") from None
-    if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra or not {"attend", "mla", "v_head_dim"} <= set(meta):
+    needed = {"attend", "mla", "v_head_dim"}
+    if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra or not needed <= set(meta):
         raise ValueError(f"path: {path} is not a {SCHEMA} call file (written by --report)")
     spec = meta["attend"]
     if spec.startswith("mask"):
