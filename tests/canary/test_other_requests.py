@@ -65,3 +65,16 @@ def test_splits_cover_every_ordered_pair_of_requests(n):
         assert any(r in judged and s in poisoned for judged, poisoned in splits), (r, s)
     assert all(not (judged & poisoned) for judged, poisoned in splits)
     assert len(splits) <= max(n, 2 * (n - 1).bit_length())
+
+
+def test_a_report_writes_no_call_file_for_a_cross_request_leak(tmp_path):
+    """A call file is judged on every row, and the poisoned requests' own rows attend those pages:
+    a replay of it would blame a correct kernel. The report shows where the leak lands, no call."""
+    from qsa_lab.canary.report import write_report
+
+    rep = run_canary({"other": ck.reads_other_request_page}, regions=["other-requests", "stale-tail"],
+                     payloads=["nan"], planes=["v"], backend="emulate")
+    assert {r.region: r.verdict for r in rep.results} == {"other-requests": "nan-leak", "stale-tail": "clean"}
+    text = write_report(rep, tmp_path / "r", minimize=False).read_text()
+    assert not list((tmp_path / "r" / "calls").glob("*other-requests*"))
+    assert "other-requests / V plane" in text and "No call file: this region is judged one request at a time" in text
