@@ -466,7 +466,8 @@ def plot_bench(data, ax=None):
 
 
 #: bench variant (unfixed or a fix of routes.labels) -> its colour in the fix-cost figure
-FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816", "both_fixes": "#e8590c",
+#: (both_fixes purple: two oranges for kernel_fix and both_fixes could not be told apart)
+FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816", "both_fixes": "#9c36b5",
               "masked_load": "#1c7ed6"}
 
 
@@ -541,7 +542,8 @@ def plot_fix_cost(data: dict, fig=None):
         ax.set_xlabel("µs per 32-token tile")
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
         ax.set_title(f"upstream's kernel beside ours, {up['gpu']}", fontsize=10)
-    src = f" ({data['source']})" if data.get("source") else ""
+    # the source on a line of its own: one line of both outgrew a 14-inch figure at both ends
+    src = f"\n{data['source']}" if data.get("source") else ""
     fig.suptitle(f"What the fix costs: per tile at the report's geometry ({data['geometry']}, "
                  f"{data['tiles_per_group']:.0f} tiles per group){src}", fontsize=11)
     return fig

@@ -520,3 +520,32 @@ def test_a_signal_ends_repro_and_its_second_process_and_publishes_nothing(tmp_pa
     assert _ended(pid), "the second process outlived the command"
     left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file())
     assert not any(".tmp" in f or f.startswith("results") for f in left), left
+
+
+def _inside(box, bounds, tol=0.5) -> bool:
+    return (box.x0 >= bounds.x0 - tol and box.x1 <= bounds.x1 + tol and box.y0 >= bounds.y0 - tol
+            and box.y1 <= bounds.y1 + tol)
+
+
+def test_fix_cost_title_lies_inside_the_figure():
+    """The title was one line wider than the 14-inch figure, clipped at both ends (issue 31)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from qsa_lab.report.figures import fix_cost_figure
+
+    fig, _ = fix_cost_figure()
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [fig._suptitle] + [ax.title for ax in fig.axes]
+    assert all(_inside(t.get_window_extent(renderer), fig.bbox) for t in texts), \
+        [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+
+
+def test_fix_colours_are_told_apart():
+    """kernel_fix and both_fixes were two oranges 0.07 apart in RGB (issue 31)."""
+    from itertools import combinations
+
+    rgb = {k: np.array(mcolors.to_rgb(c)) for k, c in plotting.FIX_COLORS.items()}
+    close = [(a, b, round(float(np.linalg.norm(rgb[a] - rgb[b])), 2)) for a, b in combinations(rgb, 2)
+             if np.linalg.norm(rgb[a] - rgb[b]) < 0.35]
+    assert not close, close
