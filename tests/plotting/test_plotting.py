@@ -549,3 +549,42 @@ def test_fix_colours_are_told_apart():
     close = [(a, b, round(float(np.linalg.norm(rgb[a] - rgb[b])), 2)) for a, b in combinations(rgb, 2)
              if np.linalg.norm(rgb[a] - rgb[b]) < 0.35]
     assert not close, close
+
+
+def test_byte_map_rings_are_drawn_whole_and_the_grey_has_a_key():
+    """Stale-tail rings sit on the page's last token: clipped at the axis edge they were half
+    rings; the grey shading had no key (issue 31)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PathCollection
+
+    maps = figdata.page_byte_maps()
+    fig = Figure(figsize=(15, 7.5), layout="constrained")
+    axes = list(fig.subplots(3, 2).flat)
+    for d, ax in zip(maps, axes):
+        plotting.plot_page_bytes(d, ax=ax)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    tail = axes[[m["site"] for m in maps].index("stale-tail")]
+    assert tail.collections and max(tail.collections[0].get_offsets()[:, 1]) == maps[3]["codes"].shape[0] - 1
+    for ax in axes:
+        for rings in [c for c in ax.collections if isinstance(c, PathCollection)]:
+            if rings.get_clip_on():   # clipped: every ring, its radius and line included, inside the axes
+                r = (np.sqrt(rings.get_sizes().max()) / 2 + rings.get_linewidths().max()) * fig.dpi / 72
+                xy = ax.transData.transform(rings.get_offsets())
+                box = ax.get_window_extent(renderer)
+                assert ((xy - r >= [box.x0, box.y0]) & (xy + r <= [box.x1, box.y1])).all(), ax.get_title()
+        cbar = getattr(ax, "qsa_cbar", None)
+        assert cbar is not None and "byte" in cbar.ax.get_ylabel(), ax.get_title()
+        assert [t.get_text() for t in cbar.ax.get_yticklabels()] == ["0x00", "0x7F", "0xFF"]
+
+
+def test_route_annotations_put_the_count_before_nan(result):
+    """"NaN 0 |Δxqa| ..." read as a value NaN; the count comes first (issue 31)."""
+    import re
+
+    ax = plotting.plot_route_comparison(figdata.route_nans(result), ax=new_ax())
+    texts = [t.get_text() for t in ax.qsa_texts]
+    assert texts and all(re.match(r"\s*\d+ NaN  (\|Δxqa\| +(-|\d\.\de[+-]\d\d)|\d+ dropped)$", t) for t in texts), texts
+    assert not any(t.lstrip().startswith("NaN") for t in texts), texts
+    grouped = texts[figdata.route_nans(result)["routes"].index("grouped")]
+    assert re.match(r"\s*480 NaN  \|Δxqa\| +-$", grouped), grouped
