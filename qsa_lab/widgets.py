@@ -71,6 +71,21 @@ def table_html(rows: list[dict]) -> str:
     return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
+def export_html(paths: list, kept: bool) -> str:
+    """The export message: the folder once (relative to the notebook's folder when near it, the
+    absolute paths on hover) and the file names, whole; `kept`: a second click on an unchanged
+    figure, which finds its files already there and writes nothing."""
+    import os
+
+    folder, stem = paths[0].parent, paths[0].stem
+    rel = os.path.relpath(folder)
+    shown = rel if not rel.startswith(os.path.join("..", "..", "..")) else str(folder)
+    names = f"{stem}{paths[0].suffix}, " + ", ".join(p.suffix for p in paths[1:])
+    what = "already exported, unchanged:" if kept else "exported:"
+    return (f"<span style='color:#2b8a3e' title='{_esc(chr(10).join(map(str, paths)))}'>{what} "
+            f"<span style='overflow-wrap:anywhere'>{_esc(names)}</span> in {_esc(shown)}</span>")
+
+
 def make_controls(p: Params) -> tuple[dict, dict]:
     """(controls, fix toggles) for `p`; descriptions are stable (the browser test finds them)."""
     import ipywidgets as W
@@ -346,14 +361,17 @@ class Playground:
         if self.figure is None or self._data is None:
             self.message.value = "<span style='color:#c00'>nothing to export yet</span>"
             return []
+        before = {p: _stamp(p) for p in self.last_export}
         try:
-            self.last_export = export_view(self.figure, self._data, self.out_dir, name)
+            paths = export_view(self.figure, self._data, self.out_dir, name)
         except Exception as e:  # noqa: BLE001
             self.message.value = f"<span style='color:#c00;font-weight:bold'>&#9888; export: {_esc(e)}</span>"
             return []
-        self.message.value = ("<span style='color:#2b8a3e'>exported: "
-                              + ", ".join(_esc(str(x)) for x in self.last_export) + "</span>")
-        return self.last_export
+        # the same files, untouched since this playground wrote them: a second click wrote nothing
+        kept = all(before.get(p) is not None and before[p] == _stamp(p) for p in paths)
+        self.last_export = paths
+        self.message.value = export_html(paths, kept)
+        return paths
 
     def _repr_mimebundle_(self, **kw):
         return self.widget._repr_mimebundle_(**kw)
@@ -365,6 +383,15 @@ def _poison_words(p: Params) -> str:
     if p.site in SEEDED_SITES:
         s += f"seed {p.seed}"
     return (s + " | " if s else "") + f"fixes {','.join(p.fixes) or 'none'}"
+
+
+def _stamp(path):
+    """(inode, mtime) of a file, None when absent: a file replaced or rewritten changes it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _esc(x) -> str:
