@@ -12,23 +12,15 @@ __version__ = "0.1.0"
 # The names below are imported on first use (PEP 562; `qsa_lab.build_case` imports torch then):
 # `import qsa_lab.app.cli` and `qsa-lab --help` stay free of torch, and `python -m qsa_lab` / `qsa-lab`
 # install their signal handling (qsa_lab.support.signals) before the seconds-long torch import.
-_LAZY = {"Case": "model.case", "Geometry": "model.geometry", "build_case": "model.case",
-         "apply_poison": "model.poison", "plan_groups": "model.plan", "pad_fix": "model.plan",
-         "ROUTES": "routes.labels", "run_routes": "routes.run"}
+from .support.lazy import lazy  # noqa: E402 - plain Python, imports nothing
+
+_LAZY = {"Case": ".model.case", "Geometry": ".model.geometry", "build_case": ".model.case",
+         "apply_poison": ".model.poison", "plan_groups": ".model.plan", "pad_fix": ".model.plan",
+         "ROUTES": ".routes.labels", "run_routes": ".routes.run"}
 
 __all__ = ["Case", "Geometry", "build_case", "apply_poison", "plan_groups", "pad_fix", "ROUTES",
            "run_routes", "__version__"]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy(__name__, _LAZY)
+del lazy

@@ -10,7 +10,7 @@ The call and its geometry: qsa_lab.canary.case (CanaryCase, canary_case, load_ca
 Payloads: qsa_lab.model.poison.PAYLOAD_BITS. Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
 Names load on first use, so `qsa-lab canary --help` needs no torch.
 """
-import importlib
+from qsa_lab.support.lazy import lazy
 
 _NAMES = {
     "AttentionSpec": "qsa_lab.model.regions", "attended_tokens": "qsa_lab.model.regions",
@@ -22,14 +22,4 @@ _NAMES = {
 }
 __all__ = list(_NAMES)
 
-
-def __getattr__(name):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'qsa_lab.canary' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_NAMES[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy(__name__, _NAMES)

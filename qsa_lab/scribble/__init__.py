@@ -13,7 +13,7 @@ logprobs and logits with a clean run; and guard every row the step must not writ
 The contract an engine adapter implements: qsa_lab.scribble.contract (StepView, EngineAdapter).
 Names load on first use, so `qsa-lab scribble --help` needs neither torch nor transformers.
 """
-import importlib
+from qsa_lab.support.lazy import lazy
 
 _NAMES = {
     "REGIONS": ".verdicts", "PAYLOADS": ".verdicts", "SCHEMA": ".verdicts", "STRAY": ".verdicts",
@@ -27,14 +27,4 @@ _NAMES = {
 }
 __all__ = list(_NAMES)
 
-
-def __getattr__(name):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'qsa_lab.scribble' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_NAMES[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy(__name__, _NAMES)
