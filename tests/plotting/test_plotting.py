@@ -588,3 +588,27 @@ def test_route_annotations_put_the_count_before_nan(result):
     assert not any(t.lstrip().startswith("NaN") for t in texts), texts
     grouped = texts[figdata.route_nans(result)["routes"].index("grouped")]
     assert re.match(r"\s*480 NaN  \|Δxqa\| +-$", grouped), grouped
+
+
+def test_fix_cost_table_is_rounded():
+    """Notebook 05's table printed raw floats (3.488375; issue 31)."""
+    cost = figdata.fix_cost(figdata.bench_doc(False), figdata.load_upstream())
+    from qsa_lab.analysis.bench_data import fix_cost_frame
+
+    t = fix_cost_frame(cost)
+    assert list(t.index)[:2] == ["unfixed", "kernel_fix (A)"] and t.loc["unfixed", "µs per tile"] == 3.49
+    for col, places in (("µs per tile", 2), ("extra µs", 2), ("× unfixed", 3)):
+        assert t[col].dtype == float and (t[col] == t[col].round(places)).all(), t[col]
+    assert t.loc["kernel_fix (A)", "× over the sweep"] == "1.056–1.076"
+    assert "3.488375" not in t.to_string() and "3.4883" not in t.to_string()
+
+
+def test_leak_matrix_tick_labels_are_readable():
+    """The committed H200 matrix was drawn with 7 pt tick labels, ~7 px in a notebook (issue 31)."""
+    from qsa_lab.canary import figures as cf
+    from qsa_lab.canary import load_canary
+    from qsa_lab.support.package_data import locate
+
+    ax = cf.plot_leak_matrix(cf.leak_matrix(load_canary(locate("data") / "canary_h200.json")), ax=new_ax())
+    labels = ax.get_xticklabels() + ax.get_yticklabels() + [t for c in ax.child_axes for t in c.get_xticklabels()]
+    assert labels and min(t.get_fontsize() for t in labels) >= 9, sorted({t.get_fontsize() for t in labels})
