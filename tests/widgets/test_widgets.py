@@ -480,3 +480,24 @@ def test_clean_export_has_no_blank_band_at_the_top(pg):
         rgb = np.asarray(im.convert("RGB"))
     inked = np.nonzero((rgb < 245).any(axis=(1, 2)))[0]
     assert inked[0] <= 0.1 * 150 + 2, f"first drawn row {inked[0]} of {rgb.shape[0]}"   # pad_inches 0.1 at 150 dpi
+
+
+def test_controls_sit_beside_the_figure_above_a_fixed_height_table(pg):
+    """The playground was 1,174 px tall, controls above the table above the figure, and the
+    table's height changed with the routes shown (issue 31). Declared here; measured at
+    1440x900 in JupyterLab by tests/e2e/test_playground_e2e.py (step fits-1440x900)."""
+    import ipywidgets
+
+    top = [w for w in pg.widget.children if isinstance(w, ipywidgets.HBox)]
+    assert len(top) == 1, "one row: the controls' column and the figure"
+    column, figure = top[0].children
+    inside = set()
+    todo = list(column.children)
+    while todo:
+        w = todo.pop()
+        inside.add(id(w))
+        todo += list(getattr(w, "children", ()))
+    assert all(id(w) in inside for w in [*pg.controls.values(), *pg.toggles.values(), pg.export_button])
+    assert pg.image in figure.children and column.layout.width == W.COLUMN
+    assert pg.table.layout.height == W.TABLE_HEIGHT and pg.table.layout.overflow == "hidden"
+    assert list(pg.widget.children).index(pg.table) > list(pg.widget.children).index(top[0])
