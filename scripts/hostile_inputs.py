@@ -558,7 +558,8 @@ def analysis_probes(case, d: Path) -> list[Probe]:
 
 def widget_probes() -> list[Probe]:
     """The playground and the notebooks' backend switch."""
-    from qsa_lab.analysis.playground import Params, notebook_backend
+    from qsa_lab.analysis.notebook import notebook_backend
+    from qsa_lab.analysis.playground import Params
     from qsa_lab.widgets import Playground
 
     P = []

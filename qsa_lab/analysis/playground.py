@@ -1,8 +1,8 @@
 """The poison playground's data, no drawing: its parameters (Params, the geometry PRESETS,
-check_params), what a redraw computes (playground_data over a RunCache) and the input checks
-of the notebooks. qsa_lab.plotting.playground draws it; qsa_lab.widgets wires controls to both.
+check_params), what a redraw computes (playground_data over a RunCache) and the check of a
+playground's parameters (playground_params). qsa_lab.plotting.playground draws it; qsa_lab.widgets wires controls to both.
 
-    BACKEND = notebook_backend()            # $QSA_LAB_BACKEND, checked
+    BACKEND = notebook_backend()            # qsa_lab.analysis.notebook: $QSA_LAB_BACKEND, checked
     data = playground_data(Params(site="random", backend=BACKEND))   # pure: a dict of what is shown
 
 Why a redraw is fast: `RunCache` keeps, per geometry, the clean case, its plans and the set of
@@ -16,8 +16,6 @@ draw's routes are computed in a worker thread while the caller loads its modules
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
@@ -31,35 +29,6 @@ from qsa_lab.routes.labels import FIXES, GROUPED, ROUTES, fix_of
 from qsa_lab.routes.reference import reference_forward
 from qsa_lab.routes.run import (BACKENDS, RunResult, backend_module, emulated_remainder, emulated_routes,
                                 grouped_output, resolve_backend, xqa_output)
-
-BACKEND_ENV = "QSA_LAB_BACKEND"
-
-
-def notebook_backend(value: str | None = None, env: str = BACKEND_ENV) -> str:
-    """`value` (default: $QSA_LAB_BACKEND, else 'auto') if it is a backend this machine can run:
-    'auto', 'emulate', or 'cuda' when the compiled kernels load. Anything else ('bogus', '',
-    'CUDA', 'cuda' without a GPU) prints one line saying why and returns 'emulate'."""
-    if value is None:
-        value = os.environ.get(env, "auto")
-    if isinstance(value, str) and value in ("auto", "emulate"):   # no torch needed (notebook 05 on a CPU)
-        return value
-    from qsa_lab.routes.run import BACKENDS, resolve_backend
-
-    if not isinstance(value, str) or value not in BACKENDS:
-        hint = " (names are lower case)" if isinstance(value, str) and value.lower() in BACKENDS else ""
-        return _fallback(f"{env}: {value!r} is not one of {', '.join(BACKENDS)}{hint}")
-    if value == "cuda":
-        try:
-            resolve_backend("cuda")
-        except ValueError as e:
-            return _fallback(f"{env}: {str(e).splitlines()[0]}")
-    return value
-
-
-def _fallback(why: str) -> str:
-    print(f"{why}; using the emulation", file=sys.stderr)
-    return "emulate"
-
 
 def playground_params(params=None):
     """Params for a Playground (None: the defaults), checked before any control is built:

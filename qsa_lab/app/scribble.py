@@ -45,7 +45,7 @@ def add_parser(sub, parents=()):
     p.add_argument("--json", default=None, metavar="PATH|-",
                    help="write the report (schema qsa_lab.scribble/1) to PATH, or - for stdout (default: none)")
     p.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
-    p.add_argument("--no-localise", action="store_true", help="skip the re-runs that localise a leak")
+    p.add_argument("--no-localise", action="store_true", help="skip the re-runs that localise a leak (default: localise it)")
     p.set_defaults(func=run)
     return p
 

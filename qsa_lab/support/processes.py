@@ -33,10 +33,8 @@ def recv(stream):
 def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:
     """python -m module [args] with this qsa_lab first on its path; its stdin / stdout the
     request / reply pipes."""
-    import qsa_lab
-
     env = dict(os.environ)
-    root = str(Path(qsa_lab.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])   # the folder holding this qsa_lab
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

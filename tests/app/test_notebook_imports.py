@@ -24,7 +24,7 @@ def test_notebook_05_on_the_emulation_never_imports_torch(tmp_path):
 
 
 def test_notebook_backend_accepts_auto_and_emulate_without_torch():
-    run = subprocess.run([sys.executable, "-c", "import sys; from qsa_lab.analysis.playground import notebook_backend; "
+    run = subprocess.run([sys.executable, "-c", "import sys; from qsa_lab.analysis.notebook import notebook_backend; "
                           "print(notebook_backend('auto'), notebook_backend('emulate'), 'torch' in sys.modules)"],
                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
                                                                             "PYTHONPATH": str(REPO)})

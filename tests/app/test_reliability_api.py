@@ -333,7 +333,7 @@ def test_a_file_rewritten_under_a_running_load_is_refused_or_replayed_never_diff
 
 @pytest.mark.parametrize("value", ["bogus", "", "CUDA"] + ([] if torch.cuda.is_available() else ["cuda"]))
 def test_notebook_backend_falls_back_to_the_emulation_in_one_line(value, capsys):
-    from qsa_lab.analysis.playground import notebook_backend
+    from qsa_lab.analysis.notebook import notebook_backend
 
     assert notebook_backend(value) == "emulate"
     err = capsys.readouterr().err.strip().splitlines()
