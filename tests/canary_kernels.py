@@ -138,3 +138,30 @@ def returns_ints(call):
 
 def returns_meta(call):
     return torch.empty(call.q.shape, dtype=torch.float16, device="meta")
+
+
+def _plus_zero_weight_page(call, page_of_request):
+    """reference() plus 0 x (K and V of one extra page per row, summed over its slots): the
+    P@V of a page the row reads with zero weight, where 0 * NaN = NaN.
+    page_of_request(indptr, indices) -> [requests] physical page (-1: none)."""
+    indptr, indices, _ = call.page_table()
+    extra = page_of_request(indptr.long(), indices.long())[call.token_to_req.long()]      # [rows]
+    ps = call.page_size
+    slots = extra.clamp(min=0).unsqueeze(1) * ps + torch.arange(ps, device=extra.device)  # [rows, ps]
+    kv = (call.pool("k")[slots].float() + call.pool("v")[slots].float()).sum(1)           # [rows, Hkv, D]
+    kv = kv.repeat_interleave(call.q_heads // call.kv_heads, dim=1)[..., :call.out_dim]
+    leak = torch.where((extra >= 0).view(-1, 1, 1), 0.0 * kv, 0.0)
+    return (reference(call).float() + leak).to(torch.float16)
+
+
+def reads_past_last_page(call):
+    """An off-by-one in a request's page count: each request also reads the entry after its
+    last one in the packed page list (FlashInfer's kv_indices), i.e. the next request's first page."""
+    return _plus_zero_weight_page(call, lambda indptr, indices: torch.where(
+        indptr[1:] < indices.numel(), indices[indptr[1:].clamp(max=indices.numel() - 1)], -1))
+
+
+def reads_other_request_page(call):
+    """A wrong block-table row: each request also reads the first page of the previous request
+    (request 0 the last one's)."""
+    return _plus_zero_weight_page(call, lambda indptr, indices: indices[indptr[:-1].roll(1)])

@@ -81,8 +81,8 @@ def add_parser(sub, parents=()):
                    help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim], run in a worker process "
                         "(repeatable; default: none)")
     k.add_argument("--regions", type=_name_list, metavar="R,..",
-                   help="null-block, stale-tail, stale-microblock, free-pages and the spec's in-range one: unselected "
-                        "(sparse), out-of-window (window) (default: all of the spec)")
+                   help="null-block, stale-tail, stale-microblock, free-pages, other-requests and the spec's "
+                        "in-range one: unselected (sparse), out-of-window (window) (default: all of the spec)")
     k.add_argument("--payloads", type=_name_list, metavar="P,..", help="nan, inf, max, zero (default nan,inf,max)")
     k.add_argument("--planes", type=_name_list, metavar="P,..", help="k, v (default k,v)")
     k.add_argument("--dims", type=_int_list, metavar="D,..", help="head dims to poison (default: every dim)")
@@ -216,20 +216,36 @@ def _overlaps(kernels: list) -> bool:
     return mixed and idle_core()
 
 
+def kernel_source(spec: str) -> str | None:
+    """The file a user's kernel `file.py:function` or `module:function` is read from (found on
+    sys.path as the worker would, nothing imported); None for a built-in name or a module not found."""
+    from pathlib import Path
+
+    name = spec.rpartition(":")[0]
+    if not name or spec.startswith(("qsa:", "torch:", "flashinfer:", "vllm:")):
+        return None
+    if name.endswith(".py"):
+        return name
+    parts = name.split(".")
+    for entry in ["", *sys.path]:   # the worker finds modules in the current folder too
+        base = Path(entry or ".", *parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return str(candidate)
+    return None
+
+
 def run(args) -> int:
     from qsa_lab.app.args import UsageError, check_outputs as _outputs
 
     geometry = {n: getattr(args, n) for n in GEOMETRY if getattr(args, n, None) is not None}
+    for flag, value in (("--case", args.case), ("--report", args.report)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag}: empty path")
     if args.case and (geometry or args.kv_dtype):   # the case file holds its own pool and its dtype
         given = [*geometry, *(["kv_dtype"] if args.kv_dtype else [])]
         raise UsageError(f"--case: takes no geometry option (got {', '.join(FLAGS[n] for n in given)})")
-    kernel_files = {}
-    for spec in args.kernel or []:
-        path = spec.rpartition(":")[0]
-        if path.endswith(".py"):
-            kernel_files[f"--kernel {spec}"] = path
-    inputs = {**kernel_files, **({"--case": args.case} if args.case else {})}
-    outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, inputs)
+    outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, _inputs(args))
     kernels = (args.kernels or []) + (args.kernel or [])
     second = None
     if args.backend != "cuda" and _overlaps(kernels):
@@ -243,13 +259,15 @@ def run(args) -> int:
             second.close()   # not taken (bad input found later, a GPU run): ended with the command
 
 
-def _report_inputs(args, kernels: list) -> dict:
-    """{option: path} of the run's input files, which the report folder must not hold."""
+def _inputs(args) -> dict:
+    """{option: path} of the run's input files (the case, every kernel's source, whichever option
+    and form named it), which no output may be or hold."""
     out = {"--case": args.case} if args.case else {}
-    for k in kernels:
-        path = k.rpartition(":")[0]
-        if path.endswith(".py"):
-            out[f"kernel {k}"] = path
+    for flag, specs in (("--kernels", args.kernels), ("--kernel", args.kernel)):
+        for spec in specs or []:
+            source = kernel_source(spec)
+            if source is not None and source not in out.values():   # two kernels of one file: one input
+                out[f"{flag} {spec}"] = source
     return out
 
 
@@ -258,7 +276,7 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
 
     from qsa_lab.canary.case import load_case  # torch from here on: every argument above was checked without it
     from qsa_lab.canary.runner import run_canary
-    report_inputs = _report_inputs(args, kernels)
+    report_inputs = _inputs(args)
     if args.report:  # checked before any kernel runs
         from qsa_lab.canary.report import check_report_dir
 

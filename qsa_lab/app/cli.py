@@ -189,9 +189,7 @@ def cmd_repro(args) -> int:
 
 
 def _repro(args, out, files: dict, second=None) -> int:
-    from pathlib import Path
-
-    from qsa_lab.support.outputs import check_folder, writing
+    from qsa_lab.support.outputs import check_folder, undone_on_failure, writing
     from qsa_lab.routes.run import resolve_backend  # torch from here on
 
     with blame({}, "--backend"):
@@ -218,10 +216,10 @@ def _repro(args, out, files: dict, second=None) -> int:
                       "cases": json.loads(table.to_json(orient="records"))}, indent=2) + "\n"
     written = list(files.values())
     # everything is written before repro.csv / repro.json are published: a run that fails part-way
-    # (a full disk, a signal) leaves neither of them, nor figures of its own
-    with _new_files_removed_on_failure([out] + ([] if args.no_figures else [Path(args.figures)])):
-        with blame({}, "--out"):
-            check_folder(out, "--out", create=True)
+    # (a full disk, a result file that appeared meanwhile: exit 2) leaves neither of them, nor
+    # figures or folders of its own; what another run wrote meanwhile stays untouched
+    with undone_on_failure(), blame({}, "--out"):
+        check_folder(out, "--out", create=True)
         with writing(files["repro.csv"], "--out", force=args.force) as csv_tmp, \
                 writing(files["repro.json"], "--out", force=args.force) as json_tmp:
             with blame({}, "--out"):
@@ -239,26 +237,6 @@ def _repro(args, out, files: dict, second=None) -> int:
     for w in written:
         print(f"# wrote {w}")
     return EXIT_OK
-
-
-@contextlib.contextmanager
-def _new_files_removed_on_failure(folders):
-    """On an exception inside: remove the files (and folders) that appeared in `folders` during
-    the block. Files that were there before stay (a --force replacement cannot be undone)."""
-    before = {f: set(os.listdir(f)) if os.path.isdir(f) else None for f in map(str, folders)}
-    try:
-        yield
-    except BaseException:
-        for folder, names in before.items():
-            if not os.path.isdir(folder):
-                continue
-            for name in set(os.listdir(folder)) - (names or set()):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(folder, name))
-            if names is None:
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
-        raise
 
 
 def cmd_bench(args) -> int:
@@ -320,7 +298,41 @@ def cmd_lab(args) -> int:
         for w in copy_notebooks(args.dir, keep=True):   # the user's own copies stay as they are
             print(f"# wrote {w}")
     extra = [f"--port={args.port}"] * (args.port is not None) + ["--no-browser"] * args.no_browser
-    return subprocess.call(lab_command(args.dir, extra))
+    server = subprocess.Popen(lab_command(args.dir, extra))
+    return _wait_forwarding_signals(server)
+
+
+def _wait_forwarding_signals(child) -> int:
+    """Wait for `child` (the JupyterLab server); Ctrl-C, SIGTERM and SIGHUP sent to qsa-lab are
+    passed on to it and qsa-lab waits for it to end, so the server never outlives the command.
+    -> the child's exit code, or 128 + the signal that ended qsa-lab."""
+    import signal
+    import subprocess
+    import threading
+
+    from qsa_lab.support.signals import EXITS
+
+    got = []
+
+    def forward(signum, frame):  # noqa: ARG001 - the signal module's signature
+        got.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in EXITS} if main_thread else {}
+    try:
+        code = child.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        if child.poll() is None:      # this process is failing: take the server down with it
+            child.terminate()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    return 128 + got[0] if got else code
 
 
 # -- canary -----------------------------------------------------------------------------------------

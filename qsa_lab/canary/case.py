@@ -267,9 +267,15 @@ def _read_tensors(path) -> tuple[dict, dict]:
 
     p = Path(path)
     if not p.is_file():
+        if p.exists():   # a FIFO or a device would block the read
+            raise ValueError(f"case: {p} is not a regular file")
         raise FileNotFoundError(f"case: no file {p}")
     if p.suffix in (".pt", ".pth"):
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        try:   # weights_only: a pickle that names code to run is refused, never run
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - UnpicklingError, a truncated file ...: bad input
+            raise ValueError(f"case: {p} is not a tensor file torch loads safely (weights_only): "
+                             f"{type(e).__name__}") from None
         if not isinstance(obj, dict):
             raise ValueError(f"case: {p} holds a {type(obj).__name__}, expected a dict of tensors")
         meta = {k: v for k, v in obj.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}

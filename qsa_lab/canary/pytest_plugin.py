@@ -19,14 +19,17 @@ per region of the spec x plane x payload. The canary runs once per marker (the f
 runs it; the others read its results). A leak fails its test with a message naming the
 kernel, region, plane, payload, the verdict and the NaN / Inf / changed counts; a cell the
 call's inputs never reach, or a kernel that cannot run here (KernelSkipped), is skipped with
-the reason; a kernel error fails every cell. `pytest --qsa-canary-report DIR` also writes a
-leak report (qsa_lab.canary.report) per leaking marker, and the failure message gives the
-replay command of its smallest leaking call.
+the reason; a kernel error fails every cell. A gate is never green on nothing: when no cell of
+a marker ran a leak check at all (every cell n/a or skipped), its cells fail instead of
+skipping, and a marked test that returns without calling `qsa_canary_cell.check()` fails.
+`pytest --qsa-canary-report DIR` also writes a leak report (qsa_lab.canary.report) per leaking
+marker, and the failure message gives the replay command of its smallest leaking call; a
+report folder already there is kept (`--qsa-canary-report-force` replaces it).
 
 Marker arguments: the kernel (a callable or a built-in name such as "flashinfer:decode"), then
 the keywords of qsa_lab.canary.run_canary / canary_case: attend, kv_dtype, kv_heads, q_heads,
 head_dim, page_size, rows, requests, context, query_len, seed, regions, payloads, planes,
-backend, case.
+backend, case, timeout (seconds one call of the kernel may take; default the CLI's, 600).
 """
 from __future__ import annotations
 
@@ -36,13 +39,15 @@ import pytest
 
 CASE_KEYS = ("kv_heads", "q_heads", "head_dim", "page_size", "rows", "requests", "context", "query_len", "seed",
              "topk", "free_pages", "mla", "v_head_dim")
-RUN_KEYS = ("attend", "kv_dtype", "regions", "payloads", "planes", "backend", "case", "dims")
+RUN_KEYS = ("attend", "kv_dtype", "regions", "payloads", "planes", "backend", "case", "dims", "timeout")
 _runs: dict = {}
 
 
 def pytest_addoption(parser):
     parser.addoption("--qsa-canary-report", metavar="DIR", default=None,
                      help="qsa_lab canary: write a leak report (with replayable calls) per leaking kernel under DIR")
+    parser.addoption("--qsa-canary-report-force", action="store_true", default=False,
+                     help="qsa_lab canary: replace a leak report already under DIR (default: keep it)")
 
 
 def pytest_configure(config):
@@ -130,70 +135,88 @@ def cells(cfg: Config) -> list:
             for pl in ([planes] if isinstance(planes, str) else planes) for p in payloads]
 
 
-def run(cfg: Config, report_dir=None):
-    """The marker's canary report, run once per session."""
+def run(cfg: Config, report_dir=None, force: bool = False):
+    """The marker's canary report, run once per session -> (report, replay commands by call file,
+    why no report was written or '')."""
     if cfg not in _runs:
+        from qsa_lab.canary.execution import DEFAULT_TIMEOUT
         from qsa_lab.canary.runner import run_canary
 
         kw = _unwrap(cfg.kwargs)
         case = build_case(cfg)
         report = run_canary([cfg.kernel], case=case, regions=kw.get("regions"), payloads=kw.get("payloads"),
                             planes=kw.get("planes") or ("k", "v"), backend=kw.get("backend", "auto"),
-                            dims=kw.get("dims"))
-        replays = {}
+                            dims=kw.get("dims"), timeout=kw.get("timeout", DEFAULT_TIMEOUT))
+        replays, kept = {}, ""
         if report_dir and report.leaks():
             from pathlib import Path
 
             from qsa_lab.canary.report import _slug, write_report
 
             folder = Path(report_dir) / _slug(cfg.name)
-            try:   # the same rules as --report: an existing report (perhaps edited by its user) is kept
-                write_report(report, folder, fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel) else None)
+            try:   # the same rules as --report: an existing report (perhaps edited by its user) is kept unless asked
+                write_report(report, folder, force=force,
+                             fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel) else None)
             except (ValueError, FileExistsError) as e:
-                import warnings
+                kept = f"no report written: {e}"
+            else:
+                from qsa_lab.canary.replay import is_builtin
 
-                warnings.warn(f"qsa_lab canary: no report written: {e}", stacklevel=1)
-            for f in sorted((folder / "calls").glob("*.safetensors")):   # one per region x plane
-                replays[tuple(f.stem.split("__")[1:3])] = f"cd {folder} && python -m qsa_lab.canary.replay calls/{f.name}"
-        _runs[cfg] = (report, replays)
+                # replay runs a kernel that is not built in only when the command names it
+                named = "" if is_builtin(cfg.name) else f" --kernel {cfg.name}"
+                for f in sorted((folder / "calls").glob("*.safetensors")):   # one per region x plane
+                    replays[tuple(f.stem.split("__")[1:3])] = (f"cd {folder} && python -m qsa_lab.canary.replay "
+                                                               f"calls/{f.name}{named}")
+        _runs[cfg] = (report, replays, kept)
     return _runs[cfg]
 
 
 class Cell:
     """One region x plane x payload of a marker's canary run; check() asserts it is clean."""
 
-    def __init__(self, cfg: Config, region: str, plane: str, payload: str, report_dir=None):
+    def __init__(self, cfg: Config, region: str, plane: str, payload: str, report_dir=None, force: bool = False):
         self.cfg, self.region, self.plane, self.payload, self.report_dir = cfg, region, plane, payload, report_dir
+        self.force, self.checked = force, False
 
     def __repr__(self):
         return f"{self.cfg.name} {self.region}/{self.plane}/{self.payload}"
 
     def result(self):
-        report, _ = run(self.cfg, self.report_dir)
+        report = run(self.cfg, self.report_dir, self.force)[0]
         for r in report.results:
             if (r.region, r.plane, r.payload) == (self.region, self.plane, self.payload):
                 return r
         return None
 
     def check(self) -> None:
-        report, replays = run(self.cfg, self.report_dir)
+        self.checked = True
+        report, replays, kept = run(self.cfg, self.report_dir, self.force)
         name = report.kernels[0]
         r = self.result()
+        here = f"{name} {self.region}/{self.plane}/{self.payload}"
+
+        def skip(text):   # only while some other cell of the marker ran a check: never green on nothing
+            if report.checks(name) == 0:
+                pytest.fail(f"{text}; and no cell of this marker ran a leak check (every one n/a or "
+                            "skipped): the gate would pass on nothing (skip the test where the kernel cannot "
+                            "run, e.g. pytest.mark.skipif)", pytrace=False)
+            pytest.skip(text)
+
         if r is None:
             why = _reason(report, self.region, self.plane, self.payload)
             if why is None:
-                pytest.fail(f"{name} {self.region}/{self.plane}/{self.payload}: no result and no reason", pytrace=False)
+                pytest.fail(f"{here}: no result and no reason", pytrace=False)
             kind, text = why
             if kind == "skip":
-                pytest.skip(f"{name} {self.region}/{self.plane}/{self.payload}: {text}")
-            pytest.fail(f"{name} {self.region}/{self.plane}/{self.payload}: {text}", pytrace=False)
+                skip(f"{here}: {text}")
+            pytest.fail(f"{here}: {text}", pytrace=False)
         if r.verdict == "clean":
             return
         leaks = {"nan-leak", "inf-leak", "finite-leak"}
         if r.verdict not in leaks:  # n/a and the verdicts of a kernel that cannot be judged
-            text = f"{name} {self.region}/{self.plane}/{self.payload}: {r.verdict}"
+            text = f"{here}: {r.verdict}"
             if r.verdict == "n/a":
-                pytest.skip(text + " (the call's inputs reference no byte of this region)")
+                skip(text + " (the call's inputs reference no byte of this region)")
             pytest.fail(text + _note(r), pytrace=False)
         what = {"nan-leak": f"{r.nan} output(s) NaN", "inf-leak": f"{r.inf} output(s) +-Inf",
                 "finite-leak": f"{r.finite_changed} finite output(s) changed"}[r.verdict]
@@ -203,6 +226,8 @@ class Cell:
                f"heads {w['heads']}) [{report.case.describe()}]")
         if (self.region, self.plane) in replays:
             msg += f"\n  replay: {replays[self.region, self.plane]}"
+        elif kept:
+            msg += f"\n  {kept}"
         pytest.fail(msg, pytrace=False)
 
 
@@ -233,5 +258,17 @@ def pytest_generate_tests(metafunc):
                                 "@pytest.mark.qsa_canary(kernel, ...) marker")
     cfg = Config.from_marker(marker)
     report_dir = metafunc.config.getoption("--qsa-canary-report", None)
-    params = [Cell(cfg, *c, report_dir=report_dir) for c in cells(cfg)]
+    force = metafunc.config.getoption("--qsa-canary-report-force", False)
+    params = [Cell(cfg, *c, report_dir=report_dir, force=force) for c in cells(cfg)]
     metafunc.parametrize("qsa_canary_cell", params, ids=[f"{c.region}-{c.plane}-{c.payload}" for c in params])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A marked test that returns without calling check() fails: it checked nothing."""
+    result = yield
+    cell = getattr(pyfuncitem, "funcargs", {}).get("qsa_canary_cell")
+    if isinstance(cell, Cell) and not cell.checked:
+        pytest.fail(f"{cell!r}: the test never called qsa_canary_cell.check(), so it checked nothing",
+                    pytrace=False)
+    return result

@@ -6,12 +6,52 @@ Runs the kernel on the control call (the poisoned slots zero-filled) and on the 
 call, compares them bit for bit, and prints the NaN / Inf / changed counts with the rows,
 heads and dims they sit in. Exit 1: the leak reproduces, 0: it does not (clean), 3: it cannot
 run or cannot tell here (the kernel does not load or raised, or the control output holds NaN /
-Inf), 2: bad input (not a call file). The same rule as the report's standalone scripts.
+Inf), 2: bad input (not a call file, or a kernel that must be named, below), 130: interrupted.
+The same rule as the report's standalone scripts.
+
+A call file is data, often a stranger's: the kernel it records is text to show. Replay runs a
+built-in kernel it names (qsa:, torch:, flashinfer:, vllm:), looked up in qsa_lab's registry;
+anything else (module:function, file.py:function) runs only when you name it yourself with
+--kernel (or `kernel=` in Python). Without that it runs nothing, prints the recorded name and
+the command that would run it, and exits 2.
 """
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+
+BUILTIN_PREFIXES = ("qsa:", "torch:", "flashinfer:", "vllm:")
+
+
+class KernelNotNamed(ValueError):
+    """The call file records a kernel that is not a built-in: replay runs it only when named."""
+
+    def __init__(self, path, recorded: str):
+        self.recorded = recorded
+        self.command = f"python -m qsa_lab.canary.replay {shlex.quote(str(path))} --kernel {shlex.quote(recorded)}"
+        super().__init__(f"kernel: the call file records the kernel {show(recorded)}, not a built-in; replay runs "
+                         f"code only when you name it: check that kernel, then run: {self.command}")
+
+
+def show(text: str) -> str:
+    """Text from a file as it may appear on a terminal (control bytes escaped)."""
+    return repr(text) if not text.isprintable() else f"'{text}'"
+
+
+def is_builtin(name) -> bool:
+    """A name qsa_lab's registry resolves itself: it never names a module or a file to import."""
+    from qsa_lab.canary.kernels import registered
+
+    return isinstance(name, str) and (name.startswith(BUILTIN_PREFIXES) or name in registered())
+
+
+def saved_kernel(path, meta: dict) -> str:
+    """The kernel a call file records, when replay may run it unnamed (a built-in); else KernelNotNamed."""
+    recorded = meta.get("kernel", "")
+    if not is_builtin(recorded):
+        raise KernelNotNamed(path, str(recorded))
+    return recorded
 
 
 class CannotRun(RuntimeError):
@@ -20,7 +60,8 @@ class CannotRun(RuntimeError):
 
 def replay(path, kernel=None, backend: str = "auto") -> dict:
     """-> {"kernel", "verdict", "recorded", "nan", "inf", "finite_changed", "rows", "heads", "dims",
-    "outputs", "device"} for the saved call at `path` (kernel: a name or callable, default the saved one)."""
+    "outputs", "device"} for the saved call at `path`. kernel: a name or callable to run; None runs
+    the saved one only when it is a built-in (KernelNotNamed, a ValueError, otherwise)."""
     import torch
 
     from qsa_lab.canary.kernels import kernel_name
@@ -28,7 +69,7 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     from qsa_lab.canary.runner import compare, resolve_devices
 
     control, poisoned, meta = load_call(path)
-    name = meta["kernel"] if kernel is None else kernel
+    name = saved_kernel(path, meta) if kernel is None else kernel
     qsa = isinstance(name, str) and name.startswith("qsa:")
     device, qsa_backend, qsa_reason = resolve_devices(backend, control.geometry, qsa)
     if qsa and (control.qsa_unsupported() or qsa_backend is None):
@@ -45,26 +86,33 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     verdict, counts, changed = compare(ctrl, out)
     idx = torch.nonzero(changed)
     where = {k: sorted(set(idx[:, i].tolist())) for i, k in enumerate(("rows", "heads", "dims"))}
+    nan = torch.isnan(out.float()) & changed
     return {"kernel": kernel_name(name), "verdict": verdict,
-            "recorded": meta["verdict"], "region": meta["region"], "plane": meta["plane"],
-            "payload": meta["payload"], **counts, **where, "outputs": int(out.numel()), "device": str(device),
-            "control_nan": int((~torch.isfinite(ctrl)).sum()),
-            "first_nan": torch.nonzero(torch.isnan(out) & changed)[0].tolist() if bool((torch.isnan(out) & changed).any())
-            else None}
+            "recorded": meta.get("verdict", "?"), "region": meta.get("region", "?"),
+            "plane": meta.get("plane", "?"), "payload": meta.get("payload", "?"), **counts, **where,
+            "outputs": int(out.numel()), "device": str(device),
+            "control_nan": int((~torch.isfinite(ctrl.float())).sum()),   # float(): float8 has no isfinite
+            "first_nan": torch.nonzero(nan)[0].tolist() if bool(nan.any()) else None}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qsa_lab.canary.replay", description=__doc__.splitlines()[0])
     p.add_argument("path", help="a call file written by qsa-lab canary --report (DIR/calls/*.safetensors)")
-    p.add_argument("--kernel", help="run this kernel instead of the saved one (module:function, file.py:function, "
-                                    "or a built-in name)")
+    p.add_argument("--kernel", help="the kernel to run (module:function, file.py:function, or a built-in name); "
+                                    "default: the saved one when it is a built-in")
     p.add_argument("--backend", default="auto", choices=("auto", "emulate", "cuda"),
                    help="where qsa: and torch: kernels run (default auto)")
     args = p.parse_args(argv)
+    if args.kernel is not None and not args.kernel.strip():
+        print("replay: error: --kernel: empty name", file=sys.stderr)
+        return 2
     try:
         r = replay(args.path, args.kernel, args.backend)
+    except KeyboardInterrupt:
+        print("replay: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"replay: error: {e}", file=sys.stderr)
+        print(f"replay: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a kernel failure is its own exit code
         print(f"replay: {type(e).__name__}: {e}", file=sys.stderr)

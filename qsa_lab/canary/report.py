@@ -195,13 +195,16 @@ def load_call(path) -> tuple:
     from qsa_lab.model.regions import AttentionSpec
     from qsa_lab.canary.case import load_case
 
+    if not Path(path).is_file():   # a FIFO or a device would block the read
+        raise ValueError(f"path: {path} is not a regular file")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             extra = {k: f.get_tensor(k) for k in ("kv_cache_poisoned", "attend_mask") if k in f.keys()}
     except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
         raise ValueError(f"path: {path} is not a safetensors file ({type(e).__name__})") from None
-    if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra:
+    needed = {"attend", "mla", "v_head_dim"}
+    if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra or not needed <= set(meta):
         raise ValueError(f"path: {path} is not a {SCHEMA} call file (written by --report)")
     spec = meta["attend"]
     if spec.startswith("mask"):
@@ -344,6 +347,12 @@ def _where(r) -> dict:
     return {**w, "first_nan": first}
 
 
+#: regions judged part by part on some rows only (qsa_lab.model.regions.region_parts): a call file
+#: judges every row, and the poisoned requests' own rows attend those pages, so a replay would blame
+#: a correct kernel. Such a leak is reported with where it lands, without a call file.
+JUDGED_BY_PART = ("other-requests",)
+
+
 def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progress, kernel_files: dict) -> list:
     """One smallest leaking call per (kernel, region, plane), for its first leaking payload; its
     replay line and, for a built-in third-party kernel, its standalone script."""
@@ -355,6 +364,9 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
     try:
         for e in _entries(report):
             r = e["cells"][0]
+            if r.region in JUDGED_BY_PART:
+                calls.append({**e, "payload": r.payload, "verdict": r.verdict, "slots": [], "file": None})
+                continue
             slots = region_slots(report.case, r.region)
             verdict, counts = r.verdict, {"nan": r.nan, "inf": r.inf, "finite_changed": r.finite_changed}
             if minimize:
@@ -450,8 +462,13 @@ def _kernel_blocks(report, kernel: str, calls: list) -> list:
         b += [("h3", f"{call['region']} / {call['plane'].upper()} plane"),
               ("p", f"Payloads: {payloads}."),
               ("p", f"Where it lands: rows {_span(w['rows'])}; heads {_span(w['heads'])}; dims {_span(w['dims'])}; "
-                    f"first NaN at [row, head, dim] {w['first_nan'] if w['first_nan'] is not None else 'none'}."),
-              ("p", f"Smallest call ({call['payload']}): {call['verdict']}, {call['counts'].get('nan', 0)} NaN, "
+                    f"first NaN at [row, head, dim] {w['first_nan'] if w['first_nan'] is not None else 'none'}.")]
+        if call["file"] is None:
+            b.append(("p", "No call file: this region is judged one request at a time (each request's rows "
+                           "against the other requests' pages), which a replayed call, judged on every row, "
+                           "cannot express. Run the canary again with --regions " + call["region"] + "."))
+            continue
+        b += [("p", f"Smallest call ({call['payload']}): {call['verdict']}, {call['counts'].get('nan', 0)} NaN, "
                     f"{call['counts'].get('inf', 0)} Inf, {call['counts'].get('finite_changed', 0)} finite changed "
                     f"with {n} of the region's {call['full_region']} slots poisoned (physical [page, slot]: "
                     f"{call['slots'][:8]}{' ...' if n > 8 else ''}); nothing else differs from the control call. "

@@ -29,7 +29,7 @@ import torch
 from qsa_lab import __version__
 from qsa_lab.model.poison import PAYLOADS, int_list, payload_bits
 from qsa_lab.support.processes import torch_threads
-from qsa_lab.model.regions import (REGIONS, check_region, region_referenced, region_sizes, region_slots, regions_of)
+from qsa_lab.model.regions import REGIONS, check_region, region_parts, region_referenced, region_sizes, regions_of
 from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_case
 from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
 from qsa_lab.canary.overlap import take as take_overlap
@@ -193,11 +193,13 @@ def compare(control: torch.Tensor, poisoned: torch.Tensor) -> tuple[str, dict, t
                          f"{list(control.shape)} {control.dtype}")
     if not control.is_floating_point():
         raise TypeError(f"kernel output must be a floating-point tensor, got {control.dtype}")
-    both_nan = torch.isnan(control) & torch.isnan(poisoned)
+    # isnan / isinf in float32: float8 dtypes have no such kernels (every float dtype converts exactly)
+    c, p = control.float(), poisoned.float()
+    both_nan = torch.isnan(c) & torch.isnan(p)
     changed = (_as_bits(control) != _as_bits(poisoned)) & ~both_nan
-    counts = {"nan": int((changed & torch.isnan(poisoned)).sum()),
-              "inf": int((changed & torch.isinf(poisoned)).sum()),
-              "finite_changed": int((changed & torch.isfinite(poisoned)).sum())}
+    counts = {"nan": int((changed & torch.isnan(p)).sum()),
+              "inf": int((changed & torch.isinf(p)).sum()),
+              "finite_changed": int((changed & torch.isfinite(p)).sum())}
     verdict = ("nan-leak" if counts["nan"] else "inf-leak" if counts["inf"] else
                "finite-leak" if counts["finite_changed"] else "clean")
     return verdict, counts, changed
@@ -368,9 +370,10 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     usable = _available_payloads(case.kv_format)
     skipped += [{"payload": p, "reason": f"{case.kv_format} has no {p} code"} for p in payloads if p not in usable]
     payloads = [p for p in payloads if p in usable]
-    slots = {r: region_slots(case, r) for r in regions}
-    skipped += [{"region": r, "reason": "empty in this case"} for r in regions if not slots[r].any()]
-    regions = [r for r in regions if slots[r].any()]
+    parts = {r: region_parts(case, r) for r in regions}     # [(slots, judged rows or None)] per region
+    empty = [r for r in regions if not any(slots.any() for slots, _ in parts[r])]
+    skipped += [{"region": r, "reason": "empty in this case"} for r in empty]
+    regions = [r for r in regions if r not in empty]
     if not payloads:
         raise ValueError(f"payloads: {case.kv_format} has a code for none of them (it has {usable})")
     if not regions:
@@ -391,7 +394,7 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
         overlap = take_overlap(second, named, device)
         # the canary's tensors are small: on the CPU more threads only contend
         with torch_threads(1) if device.type == "cpu" else contextlib.nullcontext():
-            results = _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress,
+            results = _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, skipped, progress,
                                   overlap)
     finally:
         for r in [*runners.values(), *([overlap] if overlap else [])]:
@@ -427,32 +430,33 @@ def _meta(case: CanaryCase) -> dict:
 
 class _Pools:
     """The poisoned pools of one run, each built once: {**base, "kv_cache": that pool} per
-    (region, plane, payload); every call still gets fresh copies (execution.call_kernel)."""
+    (region, part, plane, payload); every call still gets fresh copies (execution.call_kernel).
+    parts: region -> [(slots, judged rows or None)] (qsa_lab.model.regions.region_parts)."""
 
-    def __init__(self, case, slots, dims):
-        self.case, self.slots, self.dims = case, slots, dims
+    def __init__(self, case, parts, dims):
+        self.case, self.parts, self.dims = case, parts, dims
         self.base = {k: t.detach().cpu() for k, t in case.tensors().items()}
         self.pools = {}
 
-    def __call__(self, region, plane, payload) -> dict:
-        key = (region, plane, payload)
+    def __call__(self, region, part, plane, payload) -> dict:
+        key = (region, part, plane, payload)
         if key not in self.pools:
             c, kv = self.case, self.base["kv_cache"].clone()
-            write_region(kv, self.slots[region], PLANES[plane], c.kv_format, payload, self.dims,
+            write_region(kv, self.parts[region][part][0], PLANES[plane], c.kv_format, payload, self.dims,
                          c.v_head_dim if c.mla else None)
             self.pools[key] = kv
         return {**self.base, "kv_cache": self.pools[key]}
 
 
-def _run_matrix(runners, case, slots, regions, planes, payloads, dims, device, skipped, progress,
+def _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, skipped, progress,
                 overlap=None) -> list:
     """Every kernel's cells, in the order of `runners`. `overlap` (overlap.Overlap): some of
     the built-in kernels already run in that process; their results join in their place."""
     from tqdm.auto import tqdm
 
     cells = [(r, pl) for r in regions for pl in planes]
-    remote = overlap.submit(run_overlap, case, slots, regions, planes, payloads, dims) if overlap else []
-    inputs, meta = _Pools(case, slots, dims), _meta(case)
+    remote = overlap.submit(run_overlap, case, parts, regions, planes, payloads, dims) if overlap else []
+    inputs, meta = _Pools(case, parts, dims), _meta(case)
     done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
     try:
@@ -487,7 +491,13 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
             if stop[0] == "error":
                 results += [LeakResult(**row, payload=p, verdict="error", error=stop[1]) for p in payloads]
             continue
-        cell = _cell(runner, inputs, meta, device, region, plane, payloads)
+        cell = []       # one per part of the region (other-requests: per judged requests)
+        for part in range(len(inputs.parts[region])):
+            cell.append(_cell(runner, inputs, meta, device, region, part, plane, payloads))
+            if cell[-1]["skipped"] is not None or cell[-1]["dead"]:
+                break
+        cell = {"parts": cell, "rows": [rows for _, rows in inputs.parts[region]],
+                "skipped": cell[-1]["skipped"], "dead": cell[-1]["dead"]}
         if cell["skipped"] is not None:
             skipped.append({"kernel": name, "reason": cell["skipped"]})
             stop = ("skipped", cell["skipped"])
@@ -500,7 +510,7 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
     return results, skipped
 
 
-def run_overlap(names, case, slots, regions, planes, payloads, dims, progress=None) -> dict:
+def run_overlap(names, case, parts, regions, planes, payloads, dims, progress=None) -> dict:
     """In the second process (overlap.Overlap): built-in kernels `names` on the CPU, as run_canary
     runs them -> {name: (results, skipped entries)}; progress(n) after each cell."""
     from qsa_lab.canary.kernels import TORCH_KERNELS
@@ -508,19 +518,19 @@ def run_overlap(names, case, slots, regions, planes, payloads, dims, progress=No
     class Bar:
         update = staticmethod(progress or (lambda n: None))
 
-    inputs, meta, cells = _Pools(case, slots, dims), _meta(case), [(r, pl) for r in regions for pl in planes]
+    inputs, meta, cells = _Pools(case, parts, dims), _meta(case), [(r, pl) for r in regions for pl in planes]
     torch.set_num_threads(1)
     return {n: _run_kernel(n, InProcess(TORCH_KERNELS[n], DEFAULT_TIMEOUT, thread=False), case, inputs, meta,
                            torch.device("cpu"), cells, payloads, Bar) for n in names}
 
 
-def _cell(runner, inputs, meta, device, region, plane, payloads) -> dict:
+def _cell(runner, inputs, meta, device, region, part, plane, payloads) -> dict:
     """Control twice (back to back: a kernel that alternates shows too), then every payload:
-    the outcomes of one kernel x region x plane."""
+    the outcomes of one kernel x region (one part of it) x plane."""
     out = {"control": None, "again": None, "payloads": {}, "skipped": None, "dead": None}
 
     def run(payload):
-        o = runner.call(inputs(region, plane, payload), meta, device)
+        o = runner.call(inputs(region, part, plane, payload), meta, device)
         if o.kind == "skipped":
             out["skipped"] = o.error
         if o.dead:
@@ -553,22 +563,34 @@ def _failed(o: Outcome | None, what: str) -> dict | None:
 
 
 def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResult:
-    control, again, o = cell["control"], cell["again"], cell["payloads"].get(payload)
-    for call, what in ((control, "control run"), (o, f"{payload} run"), (again, "second control run")):
-        bad = _failed(call, what)
-        if bad:
-            return LeakResult(**row, payload=payload, **bad)
-    problem = control_problem(control.output, again.output)
-    if problem:
-        return LeakResult(**row, payload=payload, verdict="unstable-control", note=problem)
+    """One payload's verdict over every part of the cell: each part's outputs count on its judged
+    rows only (all rows for a one-part region)."""
+    judged = []
+    for part, rows in zip(cell["parts"], cell["rows"]):
+        control, again, o = part["control"], part["again"], part["payloads"].get(payload)
+        for call, what in ((control, "control run"), (o, f"{payload} run"), (again, "second control run")):
+            bad = _failed(call, what)
+            if bad:
+                return LeakResult(**row, payload=payload, **bad)
+        problem = control_problem(control.output, again.output)
+        if problem:
+            return LeakResult(**row, payload=payload, verdict="unstable-control", note=problem)
+        if control.output.shape != o.output.shape or control.output.dtype != o.output.dtype:
+            judged = [(control.output, o.output, None)]   # compare() names the mismatch
+            break
+        judged.append((control.output, o.output, rows))
+    control, poisoned = judged[0][0].clone(), judged[0][0].clone()
+    for ctrl, out, rows in judged:   # each row's outputs from the part that judges it
+        pick = slice(None) if rows is None else rows
+        control[pick], poisoned[pick] = ctrl[pick], out[pick]
     try:
-        verdict, counts, changed = compare(control.output, o.output)
+        verdict, counts, changed = compare(control, poisoned)
     except (TypeError, ValueError) as e:
         return LeakResult(**row, payload=payload, verdict="error", error=f"{payload} run: {e}")
     note = MAX_HINT if verdict == "finite-leak" and payload == "max" else ""
     if verdict == "clean" and not referenced:
         verdict, note = "n/a", "the call's inputs reference no byte of this region"
-    return LeakResult(**row, payload=payload, verdict=verdict, leak=changed, output=o.output.float(), note=note,
+    return LeakResult(**row, payload=payload, verdict=verdict, leak=changed, output=poisoned.float(), note=note,
                       **counts)
 
 

@@ -20,6 +20,12 @@ from it as bytes the call can reach but no row attends, each a set of token slot
     stale-microblock  the stale slots inside a request's last partial 4-token microblock:
                       the part of stale-tail that a microblock-granular route reads
     free-pages        pages (not page 0) that no request's block table references
+    other-requests    for each request, the pages the block table gives to OTHER requests:
+                      reachable (a wrong block-table row, an off-by-one in a request's page
+                      offset, reading past its last page) but never attended by its rows.
+                      Judged part by part (`region_parts`): poison other requests' pages and
+                      compare only the rows of the requests under test; `region_slots` gives
+                      the union of the parts (every page a request uses, when there are two)
     unselected        sparse: written slots (before seq_len) that no row's selection covers
     out-of-window     window: written slots outside every row's window and sink
     masked            mask: written slots that no row's mask attends
@@ -43,7 +49,7 @@ from qsa_lab.model.paged import visible_tokens
 KINDS = ("dense", "window", "sparse", "mask")
 #: spec kind -> its in-range unattended region (dense has none)
 IN_RANGE = {"dense": None, "window": "out-of-window", "sparse": "unselected", "mask": "masked"}
-OUT_OF_RANGE = ("null-block", "stale-tail", "stale-microblock", "free-pages")
+OUT_OF_RANGE = ("null-block", "stale-tail", "stale-microblock", "free-pages", "other-requests")
 REGIONS = OUT_OF_RANGE + ("unselected", "out-of-window", "masked")
 ALL_REGIONS = REGIONS + ("attended",)
 MICROBLOCK = 4
@@ -205,10 +211,14 @@ def _slots(case, tokens: torch.Tensor) -> torch.Tensor:
     return out.view(pages, ps)
 
 
-def attended_slots(case) -> torch.Tensor:
-    """[pages, page_size] bool: slots that at least one query row attends."""
+def attended_slots(case, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[pages, page_size] bool: slots that at least one query row attends (of `rows`, a [rows]
+    bool mask, when given)."""
     phys = physical_tokens(case)[case.token_to_req.detach().cpu().long()]
-    return _slots(case, torch.where(attended_tokens(case), phys, -1))
+    att = attended_tokens(case)
+    if rows is not None:
+        att = att & rows.cpu().view(-1, 1)
+    return _slots(case, torch.where(att, phys, -1))
 
 
 def _request_positions(case, start: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
@@ -279,10 +289,58 @@ def region_slots(case, region: str) -> torch.Tensor:
         free = ~referenced_pages(case)
         free[0] = False  # page 0 is its own region
         out[free] = True
+    elif region == "other-requests":
+        for slots, _ in region_parts(case, region):
+            out |= slots
     elif region == "attended":
         out = attended_slots(case)
     else:  # the spec's in-range unattended tokens
         out = _written(case) & ~attended_slots(case)
+    return out
+
+
+def request_pages(case) -> torch.Tensor:
+    """[requests, pages] bool: the pages each request's block table maps (its used entries)."""
+    pages, _ = _pool(case)
+    bt = case.block_table.detach().cpu().long()
+    used = torch.arange(bt.shape[1]).unsqueeze(0) < used_pages(case).unsqueeze(1)
+    out = torch.zeros(bt.shape[0], pages, dtype=torch.bool)
+    out.scatter_(1, torch.where(used, bt, 0), used)   # padding entries scatter False onto page 0
+    return out
+
+
+def _request_splits(n: int) -> list:
+    """Pairs (judged, poisoned) of request-id sets such that every ordered pair r != s has a
+    split judging r while poisoning s: one split per request up to 4 requests, else two per
+    bit of the request id (2 * ceil(log2 n) splits instead of n)."""
+    ids = range(n)
+    if n <= 4:
+        return [({r}, set(ids) - {r}) for r in ids]
+    out = []
+    for b in range((n - 1).bit_length()):
+        side = {r for r in ids if r >> b & 1}
+        out += [(side, set(ids) - side), (set(ids) - side, side)]
+    return out
+
+
+def region_parts(case, region: str) -> list:
+    """[(slots [pages, page_size] bool, rows [rows] bool or None)]: how the canary poisons and
+    judges `region`. Every region is one part judged on every row (rows None) except
+    other-requests: per split, the pages of the poisoned requests (none a judged request also
+    maps, never page 0) judged on the rows of the judged requests only."""
+    if region != "other-requests":
+        return [(region_slots(case, region), None)]
+    check_region(region, spec_of(case))
+    pages, ps = _pool(case)
+    maps = request_pages(case)
+    req = case.token_to_req.detach().cpu().long()
+    out = []
+    for judged, poisoned in _request_splits(maps.shape[0]):
+        page = maps[sorted(poisoned)].any(0) & ~maps[sorted(judged)].any(0)
+        page[0] = False
+        if page.any():
+            rows = torch.isin(req, torch.tensor(sorted(judged)))
+            out.append((page.unsqueeze(1).expand(pages, ps).clone(), rows))
     return out
 
 

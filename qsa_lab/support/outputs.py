@@ -31,6 +31,49 @@ import secrets
 import stat
 from pathlib import Path
 
+_ledgers: list[list] = []   # the open undone_on_failure blocks: [(path, an open descriptor of it)]
+
+
+def _record(path) -> None:
+    """A file or folder this process just created: every open undone_on_failure block owns it.
+    An open descriptor keeps its inode allocated, so no later file can reuse the inode number
+    (tmpfs reuses one at once): (dev, inode) then tells it apart from anything made meanwhile."""
+    if _ledgers:
+        fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0))
+        for made in _ledgers:
+            made.append((os.fspath(path), fd))
+
+
+def _same(fd: int, path) -> bool:
+    a, b = os.fstat(fd), os.lstat(path)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+@contextlib.contextmanager
+def undone_on_failure():
+    """Inside: every path created through this module is recorded. On an exception those paths
+    are removed, newest first (a folder only when empty), each only while it is still the very
+    file or folder this process made; then the exception goes on. A file replaced with force
+    stays (its old bytes cannot come back), and nothing that appeared meanwhile is touched."""
+    made: list = []
+    _ledgers.append(made)
+    try:
+        yield
+    except BaseException:
+        for path, fd in reversed(made):
+            with contextlib.suppress(OSError):
+                if not _same(fd, path):
+                    continue            # not ours any more: someone else's now
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)      # only when empty: what others put in it stays
+                else:
+                    os.unlink(path)
+        raise
+    finally:
+        _ledgers.remove(made)
+        for fd in {fd for _, fd in made} - {fd for m in _ledgers for _, fd in m}:
+            os.close(fd)
+
 
 def _show(path) -> str:
     """A path as it can appear in a one-line message (newlines and control bytes escaped)."""
@@ -76,10 +119,13 @@ def check_folder(path, arg: str, create: bool = False, parents: bool = False) ->
             raise ValueError(f"{arg}: cannot write in folder {_show(folder)}")
         return folder
     if parents and create:
+        missing = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"{arg}: cannot create {_show(folder)}: {e.strerror}") from None
+        for p in reversed(missing):
+            _record(p)
         return folder
     parent = folder.parent
     if not parent.is_dir():
@@ -87,7 +133,11 @@ def check_folder(path, arg: str, create: bool = False, parents: bool = False) ->
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{arg}: cannot create {_show(folder)}: folder {_show(parent)} is not writable")
     if create:
-        folder.mkdir(exist_ok=True)
+        try:
+            folder.mkdir()
+            _record(folder)
+        except FileExistsError:
+            pass
     return folder
 
 
@@ -131,7 +181,10 @@ def _publish(tmp: Path, path: Path, force: bool, arg: str) -> None:
     if force:
         if path.is_dir() and not path.is_symlink():
             raise ValueError(f"{arg}: {_show(path)} became a folder during the run")
+        existed = os.path.lexists(path)
         os.replace(tmp, path)      # replaces a symlink itself, never its target
+        if not existed:
+            _record(path)
         return
     try:
         os.link(tmp, path)         # atomic and exclusive: fails if anything is there now
@@ -144,6 +197,7 @@ def _publish(tmp: Path, path: Path, force: bool, arg: str) -> None:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
     tmp.unlink()
+    _record(path)       # after the unlink: the file is complete and its own
 
 
 @contextlib.contextmanager
@@ -233,6 +287,7 @@ def writing_folder(path, arg: str = "path", force: bool = False, names=(), input
             if old is not None:
                 os.rename(old, folder)
             raise FileExistsError(f"{arg}: {_show(folder)} appeared during the run; kept it") from None
+        _record(folder)
         if old is not None:
             shutil.rmtree(old)
     finally:
@@ -249,3 +304,12 @@ def write_bytes(path, data: bytes, arg: str = "path", force: bool = False) -> Pa
 
 def write_text(path, text: str, arg: str = "path", force: bool = False) -> Path:
     return write_bytes(path, text.encode("utf-8"), arg, force)
+
+
+def check_no_links(folder, names, arg: str) -> None:
+    """Refuse, naming it, an entry `names` of `folder` that is a symlink: a write must never
+    follow one out of the folder it was given."""
+    for name in names:
+        p = Path(folder) / name
+        if p.is_symlink():
+            raise ValueError(f"{arg}: {_show(p)} is a symlink; refusing to write through it (remove the link)")

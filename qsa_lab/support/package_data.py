@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -80,7 +79,14 @@ def notebooks() -> list[Path]:
 def copy_notebooks(dest, *, force: bool = False, keep: bool = False) -> list[Path]:
     """Copy the notebooks (and their README.md) into folder `dest`, created if needed, and
     return the files written. A file already there is refused (FileExistsError naming it, and
-    nothing is copied) unless `force` replaces it or `keep` leaves it as it is."""
+    nothing is copied) unless `force` replaces it or `keep` leaves it as it is. A symlink among
+    them is refused even with `force` (a write never follows a link out of `dest`). Each file is
+    written whole (qsa_lab.support.outputs); when one fails (a full disk) the files and folder
+    this call made are removed again: no truncated notebook, no half copy."""
+    from qsa_lab.support.outputs import check_folder, check_no_links, undone_on_failure, write_bytes
+
+    if dest is None or not str(dest).strip():
+        raise ValueError("dest: empty path (name the folder to copy the notebooks into)")
     dest = Path(dest).expanduser()
     if dest.exists() and not dest.is_dir():
         raise ValueError(f"dest: {dest} is a file, not a folder")
@@ -88,16 +94,18 @@ def copy_notebooks(dest, *, force: bool = False, keep: bool = False) -> list[Pat
     if not sources:
         raise MissingPackageData(f"no notebooks in {folder('notebooks')}: this install is incomplete")
     targets = [dest / s.name for s in sources]
-    existing = [t for t in targets if t.exists()]
+    existing = [t for t in targets if t.exists() or t.is_symlink()]
     if keep and not force:
-        sources = [s for s, t in zip(sources, targets) if not t.exists()]
+        sources = [s for s, t in zip(sources, targets) if t not in existing]
         targets = [dest / s.name for s in sources]
     elif existing and not force:
         raise FileExistsError(f"dest: {existing[0]} exists ({len(existing)} of the {len(targets)} files are "
                               "already there); pass --force to replace them")
-    dest.mkdir(parents=True, exist_ok=True)
-    for s, t in zip(sources, targets):
-        shutil.copyfile(s, t)
+    check_no_links(dest, [t.name for t in targets], "dest")
+    with undone_on_failure():
+        check_folder(dest, "dest", create=True, parents=True)
+        for s, t in zip(sources, targets):
+            write_bytes(t, s.read_bytes(), "dest", force=force)
     return targets
 
 

@@ -6,7 +6,7 @@ import torch
 from qsa_lab.model import fp8
 from qsa_lab.canary import KernelSkipped, PagedCall, assert_no_leak, canary_case, compare, run_canary
 from qsa_lab.model.poison import PAYLOADS, payload_bits, write_payload
-from qsa_lab.model.regions import attended_slots, region_slots, regions_of, with_free_pages
+from qsa_lab.model.regions import attended_slots, region_parts, region_slots, regions_of, with_free_pages
 
 CASE = canary_case()                       # 3 requests of 33, 32, 31 tokens on 16-token pages, 2 free pages
 ROWS = CASE.geometry.rows
@@ -93,10 +93,10 @@ def test_regions_of_the_canary_case():
 @pytest.mark.parametrize("geometry", [{}, {"topk": 2, "context": 65}])
 def test_regions_are_never_attended(geometry):
     case = canary_case(**geometry)
-    attended = attended_slots(case)
     slots = {r: region_slots(case, r) for r in regions_of(case.spec)}
-    for r, s in slots.items():
-        assert not (s & attended).any(), r
+    for r in slots:   # other-requests: each part's pages are never attended by the rows it judges
+        for s, rows in region_parts(case, r):
+            assert not (s & attended_slots(case, rows)).any(), r
     assert not (slots["stale-microblock"] & ~slots["stale-tail"]).any()
     if geometry:                                              # sparse selections leave written slots unread
         assert slots["unselected"].any()
@@ -167,8 +167,13 @@ def test_kernel_fix_is_clean_for_every_region_plane_and_payload(kv_dtype):
     rep = run_canary(["qsa:grouped+kernel_fix", "qsa:grouped"], payloads=PAYLOADS if kv_dtype != "e4m3"
                      else ("nan", "max", "zero"), backend="emulate", kv_dtype=kv_dtype)
     fixed = [r for r in rep.results if r.kernel == "qsa:grouped+kernel_fix"]
-    assert len(fixed) == 4 * 2 * (4 if kv_dtype != "e4m3" else 3)   # unselected is empty here
-    assert {r.verdict for r in fixed if r.region != "free-pages"} == {"clean"}
+    assert len(fixed) == 5 * 2 * (4 if kv_dtype != "e4m3" else 3)   # unselected is empty here
+    assert {r.verdict for r in fixed if r.region not in ("free-pages", "other-requests")} == {"clean"}
+    # a group of 8 rows spans requests here: fix A zeroes only tokens no query of the group attends,
+    # so a NaN in another request's V reaches the grouped rows (0 * NaN), never through K or a finite value
+    cross = {(r.plane, r.payload): r.verdict for r in fixed if r.region == "other-requests"}
+    assert cross.pop(("v", "nan")) == "nan-leak" and set(cross.values()) <= {"clean", "nan-leak"}
+    assert rep.find("qsa:grouped+kernel_fix", "other-requests", "v", "nan").where()["rows"] == list(range(8))
     assert {r.verdict for r in fixed if r.region == "free-pages"} == {"n/a"}   # no input references them
     # ... on the very bytes that make the unfixed route leak
     assert rep.find("qsa:grouped", "stale-tail", "v", "nan").verdict == "nan-leak"
@@ -200,8 +205,8 @@ def test_sdpa_math_with_a_boolean_mask_leaks_masked_k_and_v():
 
 def test_sdpa_cut_at_the_attended_length_is_clean():
     rep = run_canary(["torch:sdpa-cut"], payloads=["nan", "inf"], backend="emulate")
-    assert len(rep.results) == 16 and {r.verdict for r in rep.results if r.region != "free-pages"} == {"clean"}
-    assert rep.checks("torch:sdpa-cut") == 12 and rep.exit_code() == 0
+    assert len(rep.results) == 20 and {r.verdict for r in rep.results if r.region != "free-pages"} == {"clean"}
+    assert rep.checks("torch:sdpa-cut") == 16 and rep.exit_code() == 0
 
 
 def test_flex_eager_is_clean_for_k_and_leaks_v():
@@ -247,7 +252,7 @@ def test_user_kernels_get_the_verdicts_they_were_built_for():
 
 def test_assert_no_leak_passes_a_clean_kernel():
     rep = assert_no_leak(honest_kernel, backend="emulate", payloads=["nan", "inf", "max"])
-    assert len(rep.results) == 4 * 2 * 3 and not rep.leaks() and rep.checks(rep.kernels[0]) == 3 * 2 * 3
+    assert len(rep.results) == 5 * 2 * 3 and not rep.leaks() and rep.checks(rep.kernels[0]) == 4 * 2 * 3
 
 
 def test_assert_no_leak_lists_the_leaks():
@@ -260,7 +265,7 @@ def test_assert_no_leak_lists_the_leaks():
 
 
 def test_assert_no_leak_fails_a_kernel_that_cannot_run():
-    with pytest.raises(AssertionError, match="error in 24 cell.*control run: raised RuntimeError: no kernel image"):
+    with pytest.raises(AssertionError, match="error in 30 cell.*control run: raised RuntimeError: no kernel image"):
         assert_no_leak(broken_kernel, backend="emulate")
     rep = assert_no_leak(gpu_only_kernel, backend="emulate", allow_skipped=True)
     assert {"kernel": f"{__name__}:gpu_only_kernel", "reason": "needs a GPU"} in rep.skipped and not rep.results

@@ -6,6 +6,12 @@ outputs are the reference (it was run at commit d412ef2, before the speed-ups):
 
 Run it again only to deliberately move the reference; the bit-identity test then checks the
 new code against the new files.
+
+A region added to the canary later has no earlier outputs; its cells are appended to the canary
+baseline by the code that introduced it, every recorded cell left as it is (the test checks the
+recorded cells before it accepts the file):
+
+    .venv/bin/python tests/data/make_bitid_baseline.py --add-region other-requests
 """
 from __future__ import annotations
 
@@ -35,7 +41,34 @@ def lse_of(case, plan, variant):
     return lse
 
 
+def canary_cells(rep) -> list:
+    return [{"kernel": r.kernel, "region": r.region, "plane": r.plane, "payload": r.payload,
+             "verdict": r.verdict, "nan": r.nan, "inf": r.inf, "finite_changed": r.finite_changed,
+             "output": digest(r.output), "leak": digest(r.leak)} for r in rep.results]
+
+
+def add_region(region: str) -> None:
+    """Append one new region's cells to bitid_canary.npz; refuse if any recorded cell's bits moved."""
+    path = HERE / "bitid_canary.npz"
+    doc = json.loads(str(np.load(path)["canary"]))
+    key = ("kernel", "region", "plane", "payload")
+    for kv in ("fp16", "e4m3"):
+        recorded = {tuple(r[k] for k in key): r for r in doc[kv]["results"]}
+        now = canary_cells(run_canary(backend="emulate", kv_dtype=kv))
+        moved = [c for c in now if tuple(c[k] for k in key) in recorded         # the bits the test compares
+                 and any(c[f] != recorded[tuple(c[k] for k in key)][f] for f in ("output", "leak"))]
+        if moved:
+            raise SystemExit(f"{kv}: {len(moved)} recorded cells changed, e.g. {moved[0]}: not appending")
+        new = [c for c in now if c["region"] == region and tuple(c[k] for k in key) not in recorded]
+        doc[kv]["results"] += new
+        print("canary", kv, f"+{len(new)} cells of {region}", flush=True)
+    doc.setdefault("added_regions", []).append(region)
+    np.savez_compressed(path, canary=np.array(json.dumps(doc)))
+
+
 def main():
+    if sys.argv[1:2] == ["--add-region"]:
+        return add_region(sys.argv[2])
     import qsa_lab
 
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "qsa_lab": qsa_lab.__file__}
@@ -77,11 +110,7 @@ def main():
     canary = {}
     for kv in ("fp16", "e4m3"):
         rep = run_canary(backend="emulate", kv_dtype=kv)
-        canary[kv] = {"skipped": rep.skipped,
-                      "results": [{"kernel": r.kernel, "region": r.region, "plane": r.plane, "payload": r.payload,
-                                   "verdict": r.verdict, "nan": r.nan, "inf": r.inf,
-                                   "finite_changed": r.finite_changed, "output": digest(r.output),
-                                   "leak": digest(r.leak)} for r in rep.results]}
+        canary[kv] = {"skipped": rep.skipped, "results": canary_cells(rep)}
         print("canary", kv, len(rep.results), flush=True)
     np.savez_compressed(HERE / "bitid_canary.npz", canary=np.array(json.dumps({**meta, **canary})))
 

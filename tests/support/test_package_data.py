@@ -85,7 +85,14 @@ def test_lab_opens_jupyterlab_on_the_copy(tmp_path, monkeypatch):
     import subprocess
 
     seen = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+
+    class Server:   # qsa-lab waits for the server (and passes a signal on to it)
+        def __init__(self, cmd):
+            seen.append(cmd)
+
+        wait = staticmethod(lambda *a: 0)
+        poll = staticmethod(lambda: 0)
+    monkeypatch.setattr(subprocess, "Popen", Server)
     assert cli.main(["lab", str(tmp_path / "nb"), "--port", "8899", "--no-browser"]) == 0
     cmd = seen[0]
     assert cmd[1:4] == ["-m", "jupyter", "lab"] and f"--notebook-dir={(tmp_path / 'nb').resolve()}" in cmd
