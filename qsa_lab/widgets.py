@@ -33,6 +33,8 @@ CSS = """<style>
 .qsa-playground .qsa-table table { border-collapse: collapse; font-size: 13px; }
 .qsa-playground .qsa-table td, .qsa-playground .qsa-table th { padding: 1px 8px; text-align: right; }
 </style>""".replace("%ASPECT%", f"{FIGSIZE[0]} / {FIGSIZE[1]}")  # the image keeps its height while a new one loads
+COLUMN = "300px"          # the controls' column beside the figure
+TABLE_HEIGHT = "190px"    # header + all 7 routes at 13 px (tests/e2e measures it in JupyterLab)
 BUSY_HTML = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
 
 
@@ -71,31 +73,49 @@ def table_html(rows: list[dict]) -> str:
     return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
+def export_html(paths: list, kept: bool) -> str:
+    """The export message: the folder once (relative to the notebook's folder when near it, the
+    absolute paths on hover) and the file names, whole; `kept`: a second click on an unchanged
+    figure, which finds its files already there and writes nothing."""
+    import os
+
+    folder, stem = paths[0].parent, paths[0].stem
+    rel = os.path.relpath(folder)
+    shown = rel if not rel.startswith(os.path.join("..", "..", "..")) else str(folder)
+    names = f"{stem}{paths[0].suffix}, " + ", ".join(p.suffix for p in paths[1:])
+    what = "already exported, unchanged:" if kept else "exported:"
+    return (f"<span style='color:#2b8a3e' title='{_esc(chr(10).join(map(str, paths)))}'>{what} "
+            f"<span style='overflow-wrap:anywhere'>{_esc(names)}</span> in {_esc(shown)}</span>")
+
+
 def make_controls(p: Params) -> tuple[dict, dict]:
     """(controls, fix toggles) for `p`; descriptions are stable (the browser test finds them)."""
     import ipywidgets as W
 
     style = {"description_width": "64px"}
 
-    def dd(name, options, width=None, **kw):
+    def row():   # one control per row of the column beside the figure, as wide as the column
+        return W.Layout(width="100%")
+
+    def dd(name, options, **kw):
         return W.Dropdown(options=options, value=getattr(p, name) if name != "geometry" else p.preset,
-                          description=name, style=style, layout=W.Layout(width=width) if width else W.Layout(), **kw)
+                          description=name, style=style, layout=row(), **kw)
 
     controls = {
         "site": dd("site", SITES),
-        "plane": dd("plane", tuple(PLANES), "190px"),
+        "plane": dd("plane", tuple(PLANES)),
         "dims": W.Text(value=",".join(map(str, p.dims)), description="dims", continuous_update=False,
-                       placeholder="102,152,168,170,230", style=style),
+                       placeholder="102,152,168,170,230", style=style, layout=row()),
         "seed": W.Text(value=str(p.seed), description="seed", continuous_update=False, placeholder="0",
-                       tooltip="poison seed (random, fp16-state)", style=style, layout=W.Layout(width="190px")),
-        "kv_dtype": dd("kv_dtype", KV_DTYPES, "190px"),
-        "geometry": dd("geometry", list(PRESETS), "480px"),
-        "backend": dd("backend", BACKENDS, "190px"),
-        "nan_map": W.Dropdown(options=list(p.routes), value=p.nan_map, description="nan_map",
-                              layout=W.Layout(width="300px"), style=style),
+                       tooltip="poison seed (random, fp16-state)", style=style, layout=row()),
+        "kv_dtype": dd("kv_dtype", KV_DTYPES),
+        "geometry": dd("geometry", list(PRESETS)),
+        "backend": dd("backend", BACKENDS),
+        "nan_map": W.Dropdown(options=list(p.routes), value=p.nan_map, description="nan_map", style=style,
+                              layout=row()),
     }
     toggles = {name: W.Checkbox(value=name in p.fixes, description=fix_label(name), indent=False,
-                                layout=W.Layout(width="150px")) for name in FIXES}
+                                layout=W.Layout(width="48%")) for name in FIXES}
     return controls, toggles
 
 
@@ -186,22 +206,25 @@ class Playground:
         self.status = W.HTML(layout=W.Layout(min_height="24px"))
         self.message = W.HTML(layout=W.Layout(min_height="24px"))
         self.image = W.Image(format="png", layout=W.Layout(width="100%", height="auto"))
-        self.table = W.HTML()
+        # as tall as the table of every route: a fix toggled off leaves a row blank, nothing moves
+        self.table = W.HTML(layout=W.Layout(height=TABLE_HEIGHT, overflow="hidden"))
         for w, cls in ((self.status, "qsa-status"), (self.message, "qsa-message"), (self.image, "qsa-figure"),
                        (self.table, "qsa-table")):
             w.add_class(cls)
         for w in self._inputs():
             w.observe(self._on_change, names="value")
         self.export_button.on_click(lambda _: self.export())
-        c = self.controls
-        # the route table sits above the figure: on a laptop screen both are in view with the controls
-        self.widget = W.VBox([
-            W.HTML(CSS),
-            W.HBox([c["site"], c["plane"], c["dims"], c["seed"]]),
-            W.HBox([c["kv_dtype"], c["geometry"], c["backend"]]),
-            W.HBox([W.Label("fixes:")] + list(self.toggles.values()) + [c["nan_map"], self.export_button]),
-            self.status, self.message, self.table, self.image,
-        ], layout=W.Layout(width="100%"))
+        # Controls in a column beside the figure, the status and a fixed-height route table below
+        # them: at 1440x900 every control and the figure it changes are on screen together, and
+        # nothing above the figure changes height (it never jumps). The message (computing,
+        # errors, export) ends the column, under the button that causes it.
+        controls = W.VBox(list(self.controls.values())
+                          + [W.Label("fixes:"), W.HBox(list(self.toggles.values()), layout=W.Layout(flex_flow="row wrap")),
+                             self.export_button, self.message],
+                          layout=W.Layout(width=COLUMN, flex=f"0 0 {COLUMN}"))
+        figure = W.Box([self.image], layout=W.Layout(flex="1 1 0", min_width="0"))
+        self.widget = W.VBox([W.HTML(CSS), W.HBox([controls, figure], layout=W.Layout(align_items="flex-start")),
+                              self.status, self.table], layout=W.Layout(width="100%"))
         self.widget.add_class("qsa-playground")
         import matplotlib.figure  # noqa: F401 - render_playground's and figure_png's, loaded beside the compute
         from matplotlib.backends import backend_agg  # noqa: F401
@@ -346,14 +369,17 @@ class Playground:
         if self.figure is None or self._data is None:
             self.message.value = "<span style='color:#c00'>nothing to export yet</span>"
             return []
+        before = {p: _stamp(p) for p in self.last_export}
         try:
-            self.last_export = export_view(self.figure, self._data, self.out_dir, name)
+            paths = export_view(self.figure, self._data, self.out_dir, name)
         except Exception as e:  # noqa: BLE001
             self.message.value = f"<span style='color:#c00;font-weight:bold'>&#9888; export: {_esc(e)}</span>"
             return []
-        self.message.value = ("<span style='color:#2b8a3e'>exported: "
-                              + ", ".join(_esc(str(x)) for x in self.last_export) + "</span>")
-        return self.last_export
+        # the same files, untouched since this playground wrote them: a second click wrote nothing
+        kept = all(before.get(p) is not None and before[p] == _stamp(p) for p in paths)
+        self.last_export = paths
+        self.message.value = export_html(paths, kept)
+        return paths
 
     def _repr_mimebundle_(self, **kw):
         return self.widget._repr_mimebundle_(**kw)
@@ -365,6 +391,15 @@ def _poison_words(p: Params) -> str:
     if p.site in SEEDED_SITES:
         s += f"seed {p.seed}"
     return (s + " | " if s else "") + f"fixes {','.join(p.fixes) or 'none'}"
+
+
+def _stamp(path):
+    """(inode, mtime) of a file, None when absent: a file replaced or rewritten changes it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _esc(x) -> str:

@@ -13,13 +13,21 @@ from pathlib import Path
 from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strip_outputs import pre_save  # noqa: E402
+from strip_outputs import as_opened, is_project_notebook, pre_save  # noqa: E402
 
 
 class StrippingContentsManager(AsyncLargeFileManager):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.register_pre_save_hook(pre_save)
+
+    async def get(self, path, content=True, type=None, format=None, **kwargs):
+        """A project notebook is served with the Python version Lab would write into it on
+        opening, so opening it marks nothing modified; saving drops it again (pre_save)."""
+        model = await super().get(path, content=content, type=type, format=format, **kwargs)
+        if content and model.get("type") == "notebook" and is_project_notebook(path):
+            as_opened(model["content"])
+        return model
 
 
 c = get_config()  # noqa: F821 - provided by the Jupyter config loader

@@ -20,10 +20,13 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PROJECT_NOTEBOOKS = ("01_e4m3_and_the_null_block.ipynb", "02_reproduce_the_grouped_nan.ipynb",
                      "03_poison_playground.ipynb", "04_confirm_the_fix.ipynb", "05_fix_overhead.ipynb",
                      "06_canary_any_kernel.ipynb", "07_scribble_an_engine.ipynb")
-#: the notebook metadata as committed; Jupyter rewrites both on opening ("Python 3 (ipykernel)",
-#: the running Python's version, codemirror mode, ...)
-METADATA = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-            "language_info": {"name": "python"}}
+#: the notebook metadata as committed: what JupyterLab writes on opening with ipykernel's python3
+#: kernel, but for language_info's version (the running Python's, which differs between machines:
+#: `make lab` fills it in when it serves the notebook, see as_opened, and a save drops it again)
+METADATA = {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+            "language_info": {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                              "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                              "pygments_lexer": "ipython3"}}
 #: cell metadata the JupyterLab UI writes (scroll, collapse and timing state)
 UI_CELL_KEYS = ("collapsed", "scrolled", "execution", "jupyter", "trusted")
 
@@ -42,6 +45,16 @@ def strip(nb: dict) -> bool:
             cell.get("metadata", {}).pop(key, None)
     nb["metadata"] = json.loads(json.dumps(METADATA))   # widget state and kernel details go too
     return json.dumps(nb, sort_keys=True) != before
+
+
+def as_opened(nb: dict) -> None:
+    """Fill in, in place, the metadata JupyterLab would write on opening `nb` with a kernel of this
+    Python, so that opening it changes nothing (an unchanged notebook shows no unsaved change)."""
+    import platform
+
+    info = nb.get("metadata", {}).get("language_info")
+    if isinstance(info, dict) and info.get("name") == "python":
+        info.setdefault("version", platform.python_version())
 
 
 def pre_save(model, path, **kwargs):

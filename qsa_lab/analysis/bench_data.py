@@ -113,6 +113,18 @@ def load_upstream(path: str | Path = UPSTREAM_JSON) -> dict:
     return doc
 
 
+def fix_cost_frame(cost: dict):
+    """fix_cost's variants as a table to read: µs to 2 decimals, ratios to 3, the sweep's range
+    as one "1.056–1.076" (the raw floats printed as 3.488375)."""
+    import pandas as pd
+
+    rows = {v["label"]: {"µs per tile": round(v["us_per_tile"], 2), "extra µs": round(v["extra_us"], 2),
+                         "× unfixed": round(v["ratio"], 3),
+                         "× over the sweep": "–".join(f"{r:.3f}" for r in v["sweep_ratio"]) if v["sweep_ratio"] else "-",
+                         "barriers": int(v["barriers"])} for v in cost["variants"].values()}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
 def fix_cost(bench: dict, upstream: dict | None = None, source: str = "") -> dict:
     """What each fix costs, per 32-token tile, at the report's geometry -> dict for plot_fix_cost.
 

@@ -59,6 +59,9 @@ def leak_maps(report, plane: str | None = None, payload: str | None = None) -> l
 
 # -- drawing ----------------------------------------------------------------------------------------
 
+TICK_PT = 9.5
+
+
 def plot_leak_matrix(data: dict, ax=None):
     """data: leak_matrix. Kernels down, region / plane / payload across; a cell per verdict."""
     from matplotlib.colors import ListedColormap
@@ -73,9 +76,10 @@ def plot_leak_matrix(data: dict, ax=None):
     for (i, j), v in np.ndenumerate(np.array(data["verdicts"], dtype=object).reshape(codes.shape)):
         ax.text(j, i, VERDICT_STYLE[v][2], ha="center", va="center", fontsize=7, fontweight="bold",
                 color="#666666" if v == "not run" else "white")
+    # tick labels at TICK_PT: the committed H200 matrix, scaled to a notebook's width, drew 7 pt as ~7 px
     ax.set_yticks(range(len(kernels)), [k + ("  (skipped)" if k in data["skipped"] else "") for k in kernels],
-                  fontsize=8)
-    ax.set_xticks(range(len(columns)), [f"{p}/{pl}" for _, p, pl in columns], rotation=90, fontsize=7)
+                  fontsize=TICK_PT)
+    ax.set_xticks(range(len(columns)), [f"{p}/{pl}" for _, p, pl in columns], rotation=90, fontsize=TICK_PT)
     # one labelled band per region on the top axis, separated by lines
     regions = [c[0] for c in columns]
     starts = [j for j in range(len(columns)) if j == 0 or regions[j] != regions[j - 1]]
@@ -83,7 +87,7 @@ def plot_leak_matrix(data: dict, ax=None):
         ax.axvline(j - 0.5, color="black", lw=1.4)
     top = ax.secondary_xaxis("top")
     ends = starts[1:] + [len(columns)]
-    top.set_xticks([(s + e - 1) / 2 for s, e in zip(starts, ends)], [regions[s] for s in starts], fontsize=8)
+    top.set_xticks([(s + e - 1) / 2 for s, e in zip(starts, ends)], [regions[s] for s in starts], fontsize=TICK_PT)
     top.tick_params(length=0)
     for y in range(len(kernels) - 1):
         ax.axhline(y + 0.5, color="white", lw=0.8)

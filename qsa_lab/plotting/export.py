@@ -96,17 +96,18 @@ def _paths(out_dir: Path, name: str, suffix: int | None) -> dict:
 
 
 def export_figure(fig, name: str, meta: dict | None = None, out_dir="figures", overwrite: bool = False,
-                  dpi: int = 150) -> list[Path]:
+                  dpi: int = 150, tight: bool = False) -> list[Path]:
     """Write `fig` as out_dir/name.{png,svg,pdf} -> [png, svg, pdf] paths.
 
     meta: {"case", "backend", ...}; gpu, qsa_lab_version, git_commit, csrc_sha256 are filled in
     when absent. If the three files exist with exactly these bytes they are reused (nothing is
     written); if any differs and overwrite is False, the first free stem name-1, name-2, ... whose
-    files are absent or identical is used instead (all three files share it).
+    files are absent or identical is used instead (all three files share it). tight: crop the
+    files to what the figure draws (a figure with fixed margins keeps no blank band).
     """
     _check_name(name)
     out_dir = check_folder(out_dir, "out_dir", create=True, parents=True)
-    return save_rendered(render_figure(fig, name, meta, dpi), out_dir, overwrite)
+    return save_rendered(render_figure(fig, name, meta, dpi, tight), out_dir, overwrite)
 
 
 def show_png(png, fig=None) -> None:
@@ -138,7 +139,7 @@ class Rendered:
     blobs: dict
 
 
-def render_figure(fig, name: str, meta: dict | None = None, dpi: int = 150) -> Rendered:
+def render_figure(fig, name: str, meta: dict | None = None, dpi: int = 150, tight: bool = False) -> Rendered:
     """The bytes export_figure writes for `fig` (the first half of it; save_rendered the second)."""
     _check_name(name)
     m = full_meta(meta)
@@ -151,7 +152,7 @@ def render_figure(fig, name: str, meta: dict | None = None, dpi: int = 150) -> R
                        "Keywords": [f"{k}={v}" for k, v in m.items()]},
                "pdf": {"Title": title, "Subject": blob, "Creator": "qsa_lab", "CreationDate": None,
                        "Keywords": "; ".join(f"{k}={v}" for k, v in m.items())}}
-    return Rendered(name, m, _render(fig, meta_of, dpi))
+    return Rendered(name, m, _render(fig, meta_of, dpi, tight))
 
 
 def save_rendered(r: Rendered, out_dir="figures", overwrite: bool = False) -> list[Path]:
@@ -172,7 +173,7 @@ def save_rendered(r: Rendered, out_dir="figures", overwrite: bool = False) -> li
         n += 1  # a different file of this stem exists (or appeared while writing): the next number
 
 
-def _render(fig, meta_of: dict, dpi: int) -> dict:
+def _render(fig, meta_of: dict, dpi: int, tight: bool = False) -> dict:
     """format -> the file's bytes.
 
     The layout (constrained or tight) is solved once, for the PNG; the SVG and PDF draw the
@@ -189,7 +190,8 @@ def _render(fig, meta_of: dict, dpi: int) -> dict:
         try:
             for f in FORMATS:
                 buf = io.BytesIO()
-                fig.savefig(buf, format=f, dpi=dpi if f == "png" else "figure", metadata=meta_of[f])
+                fig.savefig(buf, format=f, dpi=dpi if f == "png" else "figure", metadata=meta_of[f],
+                            **({"bbox_inches": "tight", "pad_inches": 0.1} if tight else {}))
                 out[f] = buf.getvalue()
                 fig.set_layout_engine(None)   # laid out: the next formats keep these positions
         finally:

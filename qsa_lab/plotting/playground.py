@@ -292,4 +292,6 @@ def export_view(fig, data: dict, out_dir=None, name: str | None = None) -> list:
     from qsa_lab.plotting.export import export_figure
 
     out = Path(out_dir).expanduser().resolve() if out_dir else figures_dir()
-    return [Path(x).resolve() for x in export_figure(fig, name or export_name(data), export_meta(data), out_dir=out)]
+    # tight: the fixed margins leave room for NaN dims above the map; a clean view has none
+    return [Path(x).resolve() for x in export_figure(fig, name or export_name(data), export_meta(data), out_dir=out,
+                                                     tight=True)]

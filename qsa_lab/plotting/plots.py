@@ -183,10 +183,15 @@ def plot_page_bytes(data: dict, ax=None):
     ax = _ax(ax, (10, 3))
     codes, nan = data["codes"].astype(float), data["nan"]
     shown = np.where(nan, np.nan, codes)
-    ax.imshow(shown, cmap=_cmap("Greys"), vmin=0, vmax=255, aspect="auto", interpolation="nearest")
+    im = ax.imshow(shown, cmap=_cmap("Greys"), vmin=0, vmax=255, aspect="auto", interpolation="nearest")
     ys, xs = np.nonzero(nan)
     if len(xs) and len(xs) <= 400:  # one NaN byte is one pixel: ring it so it cannot be missed
-        ax.scatter(xs, ys, s=40, facecolors="none", edgecolors=NAN_COLOR, linewidths=1.2)
+        # clip_on False: a byte of the first or last token or dim is ringed whole, not cut at the edge
+        ax.scatter(xs, ys, s=40, facecolors="none", edgecolors=NAN_COLOR, linewidths=1.2, clip_on=False)
+    # the key of the grey shading (NaN bytes are NAN_COLOR, named in the title)
+    ax.qsa_cbar = ax.figure.colorbar(im, ax=ax, ticks=[0, 0x7F, 0xFF], fraction=0.03, pad=0.01)
+    ax.qsa_cbar.ax.set_yticklabels(["0x00", "0x7F", "0xFF"], fontsize=7)
+    ax.qsa_cbar.set_label("byte", fontsize=8)
     if data["page"] == 0:
         from matplotlib.patches import Rectangle
 
@@ -355,13 +360,14 @@ def update_route_comparison(ax, data: dict):
     ax.qsa_dropped.set_data(_overlay(dropped, DROPPED_COLOR))
     for text, row in zip(ax.qsa_texts, data["rows"]):
         d = row["max_abs_diff_vs_xqa"]
-        d = "NaN" if d is None or (isinstance(d, float) and math.isnan(d)) else f"{d:.1e}"
+        d = "-" if d is None or (isinstance(d, float) and math.isnan(d)) else f"{d:.1e}"   # undefined: a NaN in it
         n, lost = int(row["nan_count"]), int(row.get("finite_where_ref_nan", 0) or 0)
-        text.set_text(f"NaN {n:>5d}  " + (f"ref-NaN finite {lost}" if lost else f"|Δxqa| {d:>7s}"))
+        # the count first ("0 NaN"): "NaN 0" read as a value; "dropped": finite where the reference is NaN
+        text.set_text(f"{n:>5d} NaN  " + (f"{lost} dropped" if lost else f"|Δxqa| {d:>7s}"))
         text.set_color("#c77700" if lost else NAN_COLOR if n else CLEAN_COLOR)
     if ax.qsa_top is not None:
         set_nan_dims(ax, np.nonzero(per_dim.sum(axis=0))[0].tolist())
-    amber = " (amber: finite where the reference is NaN)" if dropped.any() else ""
+    amber = " (amber, dropped: finite where the reference is NaN)" if dropped.any() else ""
     ax.set_title(f"routes side by side: {data['title']}{amber}", fontsize=10)
     return ax
 
@@ -466,7 +472,8 @@ def plot_bench(data, ax=None):
 
 
 #: bench variant (unfixed or a fix of routes.labels) -> its colour in the fix-cost figure
-FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816", "both_fixes": "#e8590c",
+#: (both_fixes purple: two oranges for kernel_fix and both_fixes could not be told apart)
+FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816", "both_fixes": "#9c36b5",
               "masked_load": "#1c7ed6"}
 
 
@@ -541,7 +548,8 @@ def plot_fix_cost(data: dict, fig=None):
         ax.set_xlabel("µs per 32-token tile")
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
         ax.set_title(f"upstream's kernel beside ours, {up['gpu']}", fontsize=10)
-    src = f" ({data['source']})" if data.get("source") else ""
+    # the source on a line of its own: one line of both outgrew a 14-inch figure at both ends
+    src = f"\n{data['source']}" if data.get("source") else ""
     fig.suptitle(f"What the fix costs: per tile at the report's geometry ({data['geometry']}, "
                  f"{data['tiles_per_group']:.0f} tiles per group){src}", fontsize=11)
     return fig

@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path(os.environ.get("QSA_LAB_CHROMIUM", "/usr/bin/chromium"))
 RESULTS = Path(os.environ.get("QSA_LAB_E2E_RESULTS", REPO / "results" / "e2e"))
 NOTEBOOKS = Path(os.environ.get("QSA_LAB_E2E_NOTEBOOKS", package_data.locate("notebooks")))
+LAB_CONFIG = REPO / "scripts" / "jupyter_lab_config.py"   # what `make lab` passes (absent in a wheel)
 
 # What a sandboxed root machine without a GPU needs; --user-data-dir is given
 # by launch_persistent_context (Playwright refuses it inside args).
@@ -341,6 +342,8 @@ def lab_server(e2e_prerequisites, tmp_path_factory) -> LabServer:
         "--LabApp.extension_manager=readonly",  # no PyPI queries from the lab
         "--KernelManager.shutdown_wait_time=3",
     ]
+    if LAB_CONFIG.is_file():  # as `make lab` starts it: notebooks served and saved as committed
+        cmd.append(f"--config={LAB_CONFIG}")
     if os.geteuid() == 0:  # CI containers and many GPU nodes run as root
         cmd.append("--allow-root")
     log_path = tmp / "jupyter-lab.log"

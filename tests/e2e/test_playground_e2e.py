@@ -32,6 +32,9 @@ runs all cells from the Run menu, and then works the controls by hand:
  11. clicks during a redraw coalesce: five clicks on a fix toggle while a
      slow redraw (a context-8192 preset) runs end with the toggle and the
      route table in the state of the last click, after at most two redraws.
+ 12. at 1440x900 every control, the figure, the status and the route table are
+     on screen together (playground-1440x900.png), and toggling a fix changes
+     neither the table's height nor the figure's place.
 
 After every step the page is searched for tracebacks and widget errors.
 Screenshots go to results/e2e/ (failure-<step>.png too when a step fails).
@@ -275,6 +278,22 @@ SCROLL_STATE = """img => {
   return {scrollTop: s ? s.scrollTop : null, figureTop: img.getBoundingClientRect().top,
           scroller: s ? s.className : null};
 }"""
+# Scrolls the playground's top to the notebook's top, then measures the notebook's visible part
+# and the playground's parts (every control, the figure, the status and the route table).
+FITS = """root => {
+  const pg = root.querySelector('.qsa-playground');
+  let s = pg.parentElement;
+  while (s && !(s.scrollHeight > s.clientHeight + 1 && /(auto|scroll)/.test(getComputedStyle(s).overflowY)))
+    s = s.parentElement;
+  if (!s) return null;
+  s.scrollTop += pg.getBoundingClientRect().top - s.getBoundingClientRect().top;
+  const box = el => { const r = el.getBoundingClientRect(); return {top: r.top, bottom: r.bottom, height: r.height, width: r.width}; };
+  const boxes = {figure: box(pg.querySelector('img.qsa-figure')), status: box(pg.querySelector('.qsa-status')),
+                 table: box(pg.querySelector('.qsa-table'))};
+  pg.querySelectorAll('select, input, button').forEach((el, i) => { boxes[`control ${i} ${el.closest('.widget-inline-hbox, .widget-checkbox, button')?.innerText?.trim() || el.tagName}`] = box(el); });
+  const v = s.getBoundingClientRect();
+  return {view: {top: v.top, bottom: Math.min(v.bottom, window.innerHeight)}, boxes};
+}"""
 SCROLL_TO_FIGURE = """img => {
   let s = img.parentElement;
   while (s && !(s.scrollHeight > s.clientHeight + 1 && /(auto|scroll)/.test(getComputedStyle(s).overflowY)))
@@ -478,7 +497,7 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         assert {".png", ".svg", ".pdf"} <= files.keys(), \
             f"Export wrote {sorted(p.name for p in new_files)} to QSA_LAB_FIGURES={figures}; " \
             f"expected a PNG, an SVG and a PDF (message: {shown!r})"
-        assert all(files[e].name in shown for e in (".png", ".svg", ".pdf")), shown
+        assert f"{files['.png'].name}, .svg, .pdf" in shown and shown.count(files[".png"].stem) == 1, shown
         assert files[".png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", files[".png"]
         assert files[".pdf"].read_bytes()[:5] == b"%PDF-", files[".pdf"]
         assert b"<svg" in files[".svg"].read_bytes()[:4000], files[".svg"]
@@ -490,7 +509,10 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         assert meta.get("dims") == NEW_DIMS and meta.get("poison_seed") == "" and "_ps" not in files[".png"].name, meta
         assert meta.get("git_commit") and meta.get("csrc_sha256"), meta
         assert meta.get("site") == "stale-tail" and TAIL_PRESET.search(meta.get("preset", "")), meta
-        assert all(str(figures.resolve()) in shown for _ in (0,)), f"no absolute path in {shown!r}"
+        assert str(figures.resolve()) not in shown.split(" in ")[0], f"a path before the names in {shown!r}"
+        root.locator("button", has_text=EXPORT_LABEL).first.click()      # again: nothing new to write
+        wait_until("'already exported, unchanged' after a second click",
+                   lambda: "already exported, unchanged" in " ".join(message.all_inner_texts()), EXPORT_TIMEOUT_S)
         assert_no_widget_error(page)
         mark("exported")
 
@@ -548,6 +570,29 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         assert (KFIX_ROUTE in route_rows(root)) == want_on
         assert_no_widget_error(page)
         mark("coalesced clicks")
+
+    with step("fits-1440x900", page, results_dir, console):
+        # At 1440x900 (file browser open) the controls and the figure are on screen together, and
+        # the route table keeps its height when a fix toggle drops a row: the figure never jumps.
+        page.set_viewport_size({"width": 1440, "height": 900})
+        time.sleep(0.5)
+        layout = wait_until("the playground's boxes measured", lambda: root.evaluate(FITS), WIDGET_TIMEOUT_S)
+        page.screenshot(path=str(results_dir / "playground-1440x900.png"))
+        view, boxes = layout["view"], layout["boxes"]
+        off = {k: b for k, b in boxes.items() if b["top"] < view["top"] - 1 or b["bottom"] > view["bottom"] + 1}
+        assert not off, f"off screen at 1440x900 (notebook view {view}): {off}"
+        assert boxes["figure"]["height"] > 300 and boxes["figure"]["width"] > 600, boxes["figure"]
+        toggle = root.locator(".widget-checkbox", has_text=FIX_LABEL).locator("input[type=checkbox]")
+        was_on = toggle.is_checked()
+        toggle.click()
+        sig, rows = wait_redraw(root, "the figure redrawn after toggling pad_fix at 1440x900", sig,
+                                lambda r: (FIX_ROUTE in r) != was_on)
+        wait_until("the busy state cleared", lambda: not busy_now(root)["computing"], WIDGET_TIMEOUT_S)
+        after = root.evaluate(FITS)["boxes"]
+        for name in ("table", "figure", "status"):
+            assert abs(after[name]["height"] - boxes[name]["height"]) <= 1, f"{name}: {boxes[name]} -> {after[name]}"
+        assert abs(after["figure"]["top"] - boxes["figure"]["top"]) <= 1, "the figure moved"
+        mark("fits 1440x900")
 
     print(f"\ne2e timings (s since test start): {timings}; "
           f"exported: {sorted(p.name for p in files.values())}")

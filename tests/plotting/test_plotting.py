@@ -520,3 +520,95 @@ def test_a_signal_ends_repro_and_its_second_process_and_publishes_nothing(tmp_pa
     assert _ended(pid), "the second process outlived the command"
     left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file())
     assert not any(".tmp" in f or f.startswith("results") for f in left), left
+
+
+def _inside(box, bounds, tol=0.5) -> bool:
+    return (box.x0 >= bounds.x0 - tol and box.x1 <= bounds.x1 + tol and box.y0 >= bounds.y0 - tol
+            and box.y1 <= bounds.y1 + tol)
+
+
+def test_fix_cost_title_lies_inside_the_figure():
+    """The title was one line wider than the 14-inch figure, clipped at both ends (issue 31)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from qsa_lab.report.figures import fix_cost_figure
+
+    fig, _ = fix_cost_figure()
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [fig._suptitle] + [ax.title for ax in fig.axes]
+    assert all(_inside(t.get_window_extent(renderer), fig.bbox) for t in texts), \
+        [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+
+
+def test_fix_colours_are_told_apart():
+    """kernel_fix and both_fixes were two oranges 0.07 apart in RGB (issue 31)."""
+    from itertools import combinations
+
+    rgb = {k: np.array(mcolors.to_rgb(c)) for k, c in plotting.FIX_COLORS.items()}
+    close = [(a, b, round(float(np.linalg.norm(rgb[a] - rgb[b])), 2)) for a, b in combinations(rgb, 2)
+             if np.linalg.norm(rgb[a] - rgb[b]) < 0.35]
+    assert not close, close
+
+
+def test_byte_map_rings_are_drawn_whole_and_the_grey_has_a_key():
+    """Stale-tail rings sit on the page's last token: clipped at the axis edge they were half
+    rings; the grey shading had no key (issue 31)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PathCollection
+
+    maps = figdata.page_byte_maps()
+    fig = Figure(figsize=(15, 7.5), layout="constrained")
+    axes = list(fig.subplots(3, 2).flat)
+    for d, ax in zip(maps, axes):
+        plotting.plot_page_bytes(d, ax=ax)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    tail = axes[[m["site"] for m in maps].index("stale-tail")]
+    assert tail.collections and max(tail.collections[0].get_offsets()[:, 1]) == maps[3]["codes"].shape[0] - 1
+    for ax in axes:
+        for rings in [c for c in ax.collections if isinstance(c, PathCollection)]:
+            if rings.get_clip_on():   # clipped: every ring, its radius and line included, inside the axes
+                r = (np.sqrt(rings.get_sizes().max()) / 2 + rings.get_linewidths().max()) * fig.dpi / 72
+                xy = ax.transData.transform(rings.get_offsets())
+                box = ax.get_window_extent(renderer)
+                assert ((xy - r >= [box.x0, box.y0]) & (xy + r <= [box.x1, box.y1])).all(), ax.get_title()
+        cbar = getattr(ax, "qsa_cbar", None)
+        assert cbar is not None and "byte" in cbar.ax.get_ylabel(), ax.get_title()
+        assert [t.get_text() for t in cbar.ax.get_yticklabels()] == ["0x00", "0x7F", "0xFF"]
+
+
+def test_route_annotations_put_the_count_before_nan(result):
+    """"NaN 0 |Δxqa| ..." read as a value NaN; the count comes first (issue 31)."""
+    import re
+
+    ax = plotting.plot_route_comparison(figdata.route_nans(result), ax=new_ax())
+    texts = [t.get_text() for t in ax.qsa_texts]
+    assert texts and all(re.match(r"\s*\d+ NaN  (\|Δxqa\| +(-|\d\.\de[+-]\d\d)|\d+ dropped)$", t) for t in texts), texts
+    assert not any(t.lstrip().startswith("NaN") for t in texts), texts
+    grouped = texts[figdata.route_nans(result)["routes"].index("grouped")]
+    assert re.match(r"\s*480 NaN  \|Δxqa\| +-$", grouped), grouped
+
+
+def test_fix_cost_table_is_rounded():
+    """Notebook 05's table printed raw floats (3.488375; issue 31)."""
+    cost = figdata.fix_cost(figdata.bench_doc(False), figdata.load_upstream())
+    from qsa_lab.analysis.bench_data import fix_cost_frame
+
+    t = fix_cost_frame(cost)
+    assert list(t.index)[:2] == ["unfixed", "kernel_fix (A)"] and t.loc["unfixed", "µs per tile"] == 3.49
+    for col, places in (("µs per tile", 2), ("extra µs", 2), ("× unfixed", 3)):
+        assert t[col].dtype == float and (t[col] == t[col].round(places)).all(), t[col]
+    assert t.loc["kernel_fix (A)", "× over the sweep"] == "1.056–1.076"
+    assert "3.488375" not in t.to_string() and "3.4883" not in t.to_string()
+
+
+def test_leak_matrix_tick_labels_are_readable():
+    """The committed H200 matrix was drawn with 7 pt tick labels, ~7 px in a notebook (issue 31)."""
+    from qsa_lab.canary import figures as cf
+    from qsa_lab.canary import load_canary
+    from qsa_lab.support.package_data import locate
+
+    ax = cf.plot_leak_matrix(cf.leak_matrix(load_canary(locate("data") / "canary_h200.json")), ax=new_ax())
+    labels = ax.get_xticklabels() + ax.get_yticklabels() + [t for c in ax.child_axes for t in c.get_xticklabels()]
+    assert labels and min(t.get_fontsize() for t in labels) >= 9, sorted({t.get_fontsize() for t in labels})
