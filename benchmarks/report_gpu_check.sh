@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The leak report travels, on a GPU (an H200 with flashinfer-python installed, e.g. 0.6.18 from
 # a carried wheel): `qsa-lab canary --report` for each of the three FlashInfer leaks of
-# docs/findings.md (the cells of data/canary_thirdparty_h200.json: 3 requests of 40/39/38
+# docs/findings.md (the cells of evidence/canary_thirdparty_h200.json: 3 requests of 40/39/38
 # tokens, 16-token pages, Hq 8, Hkv 2, D 128, fp16), each report zipped, unpacked in another
 # folder and run from there (another cwd): every replay line and every generated standalone
 # script must exit 1 (leak reproduced). Then the same scripts on a fixed configuration (FA2

@@ -1,7 +1,7 @@
 # Jupyter config that `make lab` passes with --config: the project's notebooks (the committed
 # NN_*.ipynb, scripts/strip_outputs.py PROJECT_NOTEBOOKS) are saved without outputs, execution
 # counts or widget state and with their committed metadata, so using them never shows them
-# modified in git nor breaks `make test` (tests/test_notebooks.py checks the committed files).
+# modified in git nor breaks `make test` (tests/app/test_notebooks.py checks the committed files).
 # A notebook of your own, a -Copy1 included, is saved as is.
 #
 # The hook is registered by a contents manager of our own rather than through the

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-#: the committed notebooks (tests/test_notebooks.py checks this list against notebooks/)
+#: the committed notebooks (tests/app/test_notebooks.py checks this list against notebooks/)
 PROJECT_NOTEBOOKS = ("01_e4m3_and_the_null_block.ipynb", "02_reproduce_the_grouped_nan.ipynb",
                      "03_poison_playground.ipynb", "04_confirm_the_fix.ipynb", "05_fix_overhead.ipynb",
                      "06_canary_any_kernel.ipynb", "07_scribble_an_engine.ipynb")

@@ -419,7 +419,7 @@ def one_cpu_thread():
     """Torch on one CPU thread inside (the previous count restored after). The playground's
     tensors are small: a second thread saves little, and on a busy machine every op waits for it
     (a redraw took over twice as long on a loaded 2-core machine). Outputs are bit for bit the
-    same: no route splits a reduction by thread (tests/test_widgets.py compares with run_routes)."""
+    same: no route splits a reduction by thread (tests/widgets/test_widgets.py compares with run_routes)."""
     from qsa_lab.support.processes import torch_threads
 
     with torch_threads(1):

@@ -9,7 +9,7 @@ backend, every output path. Only then is anything built, run or written.
 
 Start-up is kept light: parsing, --help and every check of an argument import only plain-Python
 modules (qsa_lab.model.geometry, .resources, .outputs); torch, pandas and matplotlib load inside a
-command's handler, after its arguments were checked (tests/test_cli_startup.py holds this).
+command's handler, after its arguments were checked (tests/app/test_cli_startup.py holds this).
 """
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ def indexer_correlation(overlap: float, candidates: int, topk: int) -> float:
 
 #: what _calibrated_rho returns for the presets' (overlap, sample blocks, selected), written down
 #: so that a preset's case skips the calibration (~0.3 s of CPU, a third of building the case);
-#: tests/test_calibration.py recomputes every entry and requires the same float
+#: tests/model/test_calibration.py recomputes every entry and requires the same float
 CALIBRATED = {
     (0.8, 509, 128): 0.9367017425935864,     # ctx 2048 presets
     (0.8, 510, 128): 0.940593681452179,

@@ -70,7 +70,7 @@ def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
     with the saturation, NaN and Inf rules above applied around it) once that cast has given
     the codes of encode_search on every rounding boundary of the format (each midpoint between
     neighbouring codes and the float32 values either side of it); other dtypes, or a torch whose
-    cast differs there, use encode_search. tests/test_fp8.py checks the two agree on every
+    cast differs there, use encode_search. tests/model/test_fp8.py checks the two agree on every
     float16 and bfloat16 value and on every float32 rounding boundary.
     """
     check_format(fmt)

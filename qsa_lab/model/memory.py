@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from qsa_lab.model.geometry import Geometry  # plain Python: the CLI checks budgets before torch loads
 
-# bytes per element, fitted to measured peaks (see tests/test_reliability.py for the check
+# bytes per element, fitted to measured peaks (see tests/app/test_reliability.py for the check
 # that the estimate covers a real run) with a margin
 CACHE_BYTES_PER_ELEM = 48       # float32 build, fp8 encode temporaries, decoded copy for poison
 TOKEN_BYTES_PER_ELEM = 40       # gathered K and V per row: int64 codes, float32, float64 reference

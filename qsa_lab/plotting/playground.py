@@ -28,7 +28,7 @@ def figure_ahead(p: Params, base: Base):
     layout (shapes, routes) the data will have, holding a blank case (no NaN, zero outputs), and
     drawn. render_playground then gives it the data as to a figure it drew before and
     figure_png repaints the parts that changed: the same pixels as a new figure's full draw
-    (tests/test_widgets.py compares them). None for invalid Params."""
+    (tests/widgets/test_widgets.py compares them). None for invalid Params."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

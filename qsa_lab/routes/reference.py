@@ -40,7 +40,7 @@ def every_row(case: Case, index, count, width: int, *, reference: bool = True, x
     count: plan.xqa_tokens), gathered once for both over `width` slots (XQA's partition padding
     included; the reference reads the first index.shape[1]): the whole batch at once, or one
     row at a time on one torch thread where by_rows says so (the same bits either way,
-    tests/test_bit_identity.py, tests/test_reference_batching.py)."""
+    tests/test_bit_identity.py, tests/routes/test_reference_batching.py)."""
     T, rows = index.shape[1], case.q.shape[0]
     one_by_one = by_rows(case.q.device, rows * width * case.q.shape[-1])
     q64 = case.q.double() if reference else None

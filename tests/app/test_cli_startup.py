@@ -2,7 +2,7 @@
 
 Each command runs in a fresh interpreter that reports which heavy modules were imported by the
 time `main` returned; the answer itself (exit code, one-line error naming the argument) is the
-error contract of tests/test_bad_input.py.
+error contract of tests/app/test_bad_input.py.
 """
 from __future__ import annotations
 
