@@ -152,7 +152,7 @@ def _rect(x, y, edge, lw):
 
 
 def plot_byte_nan_rates(rates: dict, ax=None):
-    """rates: {source: {"low": f, "high": f, "all": f}} (figdata.fp16_state_rates).
+    """rates: {source: {"low": f, "high": f, "all": f}} (figure_data.fp16_state_rates).
     Bars per source and byte, with the 2/256 (uniform) and 1/256 (fp16 low byte only) lines."""
     ax = _ax(ax, (7.5, 4))
     parts = ["low", "high", "all"]
@@ -178,7 +178,7 @@ def plot_byte_nan_rates(rates: dict, ax=None):
 
 
 def plot_page_bytes(data: dict, ax=None):
-    """data: figdata.page_bytes (codes, nan [page_size, D]). Byte values in grey, bytes that
+    """data: figure_data.page_bytes (codes, nan [page_size, D]). Byte values in grey, bytes that
     decode to NaN in NAN_COLOR and ringed; tokens 0-3 (the null microblock) bracketed."""
     ax = _ax(ax, (10, 3))
     codes, nan = data["codes"].astype(float), data["nan"]
@@ -206,7 +206,7 @@ def plot_page_bytes(data: dict, ax=None):
 
 
 def plot_attribution(data: dict, ax=None):
-    """data: figdata.attribution_map. The null microblock's V bytes (tokens 0-3 x dims) with
+    """data: figure_data.attribution_map. The null microblock's V bytes (tokens 0-3 x dims) with
     NaN bytes in NAN_COLOR and ringed, and below them a black triangle under every dim the
     route's output has NaN on: where the two line up, each NaN dim has its byte."""
     ax = _ax(ax, (10, 2.6))
@@ -227,7 +227,7 @@ def plot_attribution(data: dict, ax=None):
 # -- plan and fingerprints ---------------------------------------------------------------------------
 
 def plot_plan(table, ax=None):
-    """table: figdata.plan_table DataFrame (group, category, real, padded). Per category,
+    """table: figure_data.plan_table DataFrame (group, category, real, padded). Per category,
     one pair of bars per group: real entries and null-block padding (log scale)."""
     ax = _ax(ax, (9, 4))
     groups = sorted(table["group"].unique())
@@ -265,7 +265,7 @@ def plot_plan(table, ax=None):
 
 
 def plot_nan_map(data: dict, ax=None, minor: bool = True):
-    """data: figdata.nan_map. Score rows (group x M-tile blocks, then XQA rows) x head dims:
+    """data: figure_data.nan_map. Score rows (group x M-tile blocks, then XQA rows) x head dims:
     |output| in grey (colour bar beside it), NaN in NAN_COLOR, values finite where the reference
     is NaN in DROPPED_COLOR; lines between M-tiles (thin) and groups (thick)."""
     from matplotlib.patches import Patch
@@ -327,7 +327,7 @@ def update_nan_map(ax, data: dict):
 
 
 def plot_route_comparison(data: dict, ax=None, minor: bool = True, mark_dims: bool = True):
-    """data: figdata.route_nans. One strip per route over head dims: a dim is NAN_COLOR where the
+    """data: figure_data.route_nans. One strip per route over head dims: a dim is NAN_COLOR where the
     route has NaN, DROPPED_COLOR where it is finite on elements the reference has NaN (a NaN
     silently lost: this wins, so it is never hidden behind NaN rows); on the right the route's
     NaN count and max |route - xqa|, or its count of such values when any. mark_dims: name the
@@ -436,7 +436,7 @@ def plot_repro_table(table, ax=None):
 
 
 def plot_bench(data, ax=None):
-    """data: (records DataFrame, meta) from figdata.load_bench or kernels.bench. Median ms per
+    """data: (records DataFrame, meta) from bench_data.load_bench or routes.bench. Median ms per
     route, grouped by (context, rows), on a log axis (the routes span 100x). The fixes' cost is
     plot_fix_cost's question."""
     df, meta = data
@@ -478,7 +478,7 @@ FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816
 
 
 def plot_fix_cost(data: dict, fig=None):
-    """data: figdata.fix_cost. Three panels, one question each, all horizontal (no rotated label):
+    """data: figure_data.fix_cost. Three panels, one question each, all horizontal (no rotated label):
     (1) µs per 32-token tile of every variant with its extra µs; (2) its ratio to unfixed, the
     sweep's range as a whisker, the report's V100 ratio as a dashed line; (3) upstream's own
     kernel beside ours on the same GPU: unfixed and kernel_fix µs per tile per row count. -> Figure"""
