@@ -4,6 +4,7 @@ gives without it, bit for bit: verdicts, counts, NaN masks, outputs, skipped rea
 import pytest
 import torch
 
+from proc_state import alive
 from qsa_lab.canary import overlap, run_canary
 from qsa_lab.canary.execution import same_bits
 from qsa_lab.support import processes as procs
@@ -39,20 +40,12 @@ def _taken(monkeypatch) -> list:
     return seen
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_the_second_process_gives_the_same_report(in_process, monkeypatch):
     seen = _taken(monkeypatch)
     second = overlap.start()
     report = run_canary(KERNELS, **MATRIX, second=second)
     assert seen[0].answered and seen[0].names == ["torch:flex", "torch:flex-paged"]   # it ran them
-    assert second._pool is None and not _alive(second.pid)                             # and it is ended
+    assert second._pool is None and not alive(second.pid)                             # and it is ended
     _same_report(report, in_process)
     for kernel in ("torch:flex", "torch:flex-paged"):
         assert {r.verdict for r in report.results if r.kernel == kernel} == {"nan-leak", "clean", "n/a"}

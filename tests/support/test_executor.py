@@ -11,24 +11,17 @@ import time
 
 import pytest
 
+from proc_state import alive
 from qsa_lab.support.executor import Relay, SecondProcess
 
 linux = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _gone(pid: int, within: float = 30) -> bool:
     deadline = time.monotonic() + within
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 @linux
