@@ -32,7 +32,7 @@ def launch():
     args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks, plan.masks,
             plan.seq_len)
     for variant in VARIANTS:
-        kernels.grouped_forward(*args, kv_format="e4m3", sm_scale=case.sm_scale, variant=variant)
+        kernels.grouped_forward(*args, kv_dtype="e4m3", sm_scale=case.sm_scale, variant=variant)
     torch.cuda.synchronize()
     tiles = (plan.seq_len // 32).tolist()
     # one line for the summary step (ncu passes the program's output through)

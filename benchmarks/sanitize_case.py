@@ -28,7 +28,7 @@ case = apply_poison(build_case(g), a.site, plane="kv").to("cuda")
 plan = plan_groups(case)
 args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks, plan.masks,
         plan.seq_len)
-kw = dict(kv_format=a.kv, sm_scale=case.sm_scale)
+kw = dict(kv_dtype=a.kv, sm_scale=case.sm_scale)
 for v in a.variants.split(","):
     out = kernels.grouped_forward(*args, variant=v, **kw)
     torch.cuda.synchronize()
@@ -40,6 +40,6 @@ for v in a.variants.split(","):
 rows = torch.arange(g.rows, device="cuda")
 ti, tc = xqa_tokens(case, rows)
 x = kernels.xqa_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, ti, tc, **kw)
-p = kernels.decode_panel(case.kv_cache, plan.microblocks[0], plane=1, kv_format=a.kv)
+p = kernels.decode_panel(case.kv_cache, plan.microblocks[0], plane=1, kv_dtype=a.kv)
 torch.cuda.synchronize()
 print(f"xqa nan {int(torch.isnan(x).sum())}; decode_panel rows {p.shape[0]}", flush=True)

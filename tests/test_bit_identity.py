@@ -83,7 +83,7 @@ def test_small_case_bit_identical(i):
         if res.plan.groups:
             plan = fixed if fix else res.plan
             _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
-                                             plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                             plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                              sm_scale=case.sm_scale, variant=variant, return_lse=True)
             np.testing.assert_array_equal(bits(lse), SMALL[key], err_msg=f"{route} lse")
 

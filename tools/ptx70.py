@@ -86,7 +86,7 @@ def _enum_name(cpp: str) -> str:
 
 
 def format_key(cpp: str) -> str:
-    """'qsa::kE4M3' -> 'e4m3' (the kv_format names of qsa_lab.routes.compiled)."""
+    """'qsa::kE4M3' -> 'e4m3' (the kv_dtype names of qsa_lab.routes.compiled)."""
     return _enum_name(cpp).lower()
 
 
@@ -99,7 +99,7 @@ def variant_key(cpp: str) -> str:
 class EntryPoint:
     kind: str                  # "grouped" | "xqa_partition" | "xqa_reduce" | "probe"
     expression: str            # C++ name expression handed to NVRTC
-    fmt: str | None = None     # kv_format name ("e4m3") or None
+    fmt: str | None = None     # kv_dtype name ("e4m3") or None
     variant: str | None = None  # variant name ("kernel_fix") or None
     params: str | None = None  # parameter struct, or None (the probe takes scalars)
 
@@ -717,12 +717,12 @@ class Ptx70:
         return self.driver.attributes(self.functions[key])
 
     def grouped_forward(self, q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len, *,
-                        kv_format, sm_scale, variant):
+                        kv_dtype, sm_scale, variant):
         """As qsa_lab.routes.compiled.grouped_forward, from the PTX. Inputs must already have passed
         the extension's checks (the caller runs the extension first on the same tensors)."""
         import torch
 
-        fn = self.functions[("grouped", kv_format, variant)]
+        fn = self.functions[("grouped", kv_dtype, variant)]
         groups, (_, q_heads, head_dim) = group_rows.shape[0], q.shape
         out = torch.empty(groups, 8, q_heads, head_dim, dtype=torch.float16, device=q.device)
         if groups == 0:
@@ -741,7 +741,7 @@ class Ptx70:
         self.driver.synchronize()  # rows64 lives until the kernel is done; errors surface here
         return out
 
-    def xqa_forward(self, q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
+    def xqa_forward(self, q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_dtype, sm_scale):
         """As qsa_lab.routes.compiled.xqa_forward, from the PTX (partition kernel, then reduce)."""
         import torch
 
@@ -749,9 +749,9 @@ class Ptx70:
         out = torch.empty_like(q_rows)
         if n == 0:
             return out
-        T, part = token_index.shape[1], self.const["xqa_partition"][kv_format]
+        T, part = token_index.shape[1], self.const["xqa_partition"][kv_dtype]
         parts = -(-T // part)
-        partial = {4: torch.float32, 2: torch.float16}[self.const["xqa_partial_bytes"][kv_format]]
+        partial = {4: torch.float32, 2: torch.float16}[self.const["xqa_partial_bytes"][kv_dtype]]
         part_o = torch.empty(n, parts, q_heads, head_dim, dtype=partial, device=q_rows.device)
         part_ml = torch.empty(2, n, parts, q_heads, dtype=torch.float32, device=q_rows.device)
         page_size = kv_cache.shape[2]
@@ -761,9 +761,9 @@ class Ptx70:
             part_l=part_ml[1].data_ptr(), out=out.data_ptr(), q_heads=q_heads, head_dim=head_dim,
             page_size=page_size, T=T, parts=parts, n_tokens=kv_cache.shape[0] * page_size,
             qk_scale=float(sm_scale) * float(k_scale), v_scale=float(v_scale)))
-        smem = self.smem["xqa"][f"{q_heads},{head_dim},{kv_format}"]
-        fn = self.functions[("xqa_partition", kv_format, None)]
-        reduce = self.functions.get(("xqa_reduce", kv_format, None)) or self.functions[("xqa_reduce", None, None)]
+        smem = self.smem["xqa"][f"{q_heads},{head_dim},{kv_dtype}"]
+        fn = self.functions[("xqa_partition", kv_dtype, None)]
+        reduce = self.functions.get(("xqa_reduce", kv_dtype, None)) or self.functions[("xqa_reduce", None, None)]
         self.driver.opt_in_smem(fn, smem)
         self.driver.launch(fn, (parts, n), self.const["xqa_threads"], smem, [p])
         self.driver.launch(reduce, (n,), self.const["xqa_threads"], 0, [p])

@@ -136,7 +136,7 @@ class Prepared:
         """Output of entry `key` = (kind, fmt, variant) through `impl` (ptx70.Ptx70,
         qsa_lab.routes.compiled or qsa_lab.routes.emulate)."""
         kind, fmt, variant = key
-        kw = dict(kv_format=fmt, sm_scale=self.case.sm_scale)
+        kw = dict(kv_dtype=fmt, sm_scale=self.case.sm_scale)
         if kind == "grouped":
             return impl.grouped_forward(*self.grouped_args(on_gpu), variant=variant, **kw)
         return impl.xqa_forward(*self.xqa_args(on_gpu), **kw)

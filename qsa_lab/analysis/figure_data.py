@@ -51,9 +51,9 @@ def page_bytes(case: Case, plane: str = "v", page: int | None = None) -> dict:
         what = "page"
     raw = case.kv_cache[page, PLANE_INDEX[plane], :, 0, :].cpu()           # [page_size, D]
     codes = raw.view(torch.uint8).view(raw.shape[0], raw.shape[1], -1)[..., 0]
-    nan = torch.isnan(kv_values(raw, case.kv_format))
+    nan = torch.isnan(kv_values(raw, case.kv_dtype))
     return {"codes": codes.numpy(), "nan": nan.numpy(), "page": int(page), "plane": plane, "what": what,
-            "site": site, "kv_dtype": case.kv_format, "nan_bytes": int(nan.sum()),
+            "site": site, "kv_dtype": case.kv_dtype, "nan_bytes": int(nan.sum()),
             "nan_dims": sorted(set(torch.nonzero(nan)[:, 1].tolist()))}
 
 

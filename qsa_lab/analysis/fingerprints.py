@@ -51,7 +51,7 @@ def _tile_fields(case: Case, plan: GroupedPlan):
     G, cap = plan.microblocks.shape
     nt = cap // TILE_ENTRIES
     tok = (plan.microblocks.long().unsqueeze(-1) * 4 + torch.arange(4)).view(G, nt, 32)
-    v = token_values(case.kv_cache, tok, 1, case.kv_format)
+    v = token_values(case.kv_cache, tok, 1, case.kv_dtype)
     bad = ~torch.isfinite(v)
     dead = unattended_tokens(plan.masks).view(G, nt, 32)
     return tok, tile_active_m_tiles(plan.masks, plan.seq_len, plan.q_heads), bad, dead
@@ -69,8 +69,8 @@ def xqa_nan(case: Case, rows: torch.Tensor) -> torch.Tensor:
     index, count = xqa_tokens(case, rows)
     valid = torch.arange(index.shape[1]) < count.long().unsqueeze(1)
     tok = torch.where(valid, index, 0)
-    k_nan = (torch.isnan(token_values(case.kv_cache, tok, 0, case.kv_format)).any(-1) & valid).any(-1)
-    v_nan = (torch.isnan(token_values(case.kv_cache, tok, 1, case.kv_format)) & valid.unsqueeze(-1)).any(1)
+    k_nan = (torch.isnan(token_values(case.kv_cache, tok, 0, case.kv_dtype)).any(-1) & valid).any(-1)
+    v_nan = (torch.isnan(token_values(case.kv_cache, tok, 1, case.kv_dtype)) & valid.unsqueeze(-1)).any(1)
     q_bad = ~torch.isfinite(case.q[rows].float()).all(dim=-1)
     return (q_bad | k_nan.unsqueeze(1)).unsqueeze(-1) | v_nan.unsqueeze(1)
 

@@ -233,7 +233,7 @@ def compute_routes(case: Case, base: Base, routes, backend: str) -> dict:
     # every row's tokens (reference, XQA) outnumber the cache's: decode it once; the grouped panels
     # alone read fewer tokens than it holds, and decode only those
     every_row = any(r in ("reference", "xqa", REMAINDER) for r in routes)
-    with decoded_once(case.kv_cache, case.kv_format) if every_row else contextlib.nullcontext():
+    with decoded_once(case.kv_cache, case.kv_dtype) if every_row else contextlib.nullcontext():
         outs, ref = emulated_routes(case, shown, base.plan, base.fixed_plan, reference="reference" in routes,
                                     remainder=False, memo=base.memo)
         if REMAINDER in routes:

@@ -56,7 +56,7 @@ def save(result, path, overwrite: bool = False, arg: str = "path", origin: str |
     tensors["plan.seq_len"] = plan.seq_len.contiguous()
     for route, out in result.outputs.items():
         tensors[f"out.{route}"] = out.contiguous()
-    meta = {"geometry": json.dumps(case.geometry.to_dict(), sort_keys=True), "kv_dtype": case.kv_format,
+    meta = {"geometry": json.dumps(case.geometry.to_dict(), sort_keys=True), "kv_dtype": case.kv_dtype,
             "sm_scale": repr(case.sm_scale), "qsa_lab_version": __version__,
             "poison": json.dumps(case.poison, sort_keys=True), "backend": result.backend,
             # float32 0-d tensors cannot hold the exact double scale: keep it here too

@@ -58,7 +58,6 @@ class CanaryCase(PagedTensors):
         # as_canary_case, from_case, dataclasses.replace) makes the case through here
         self.spec = SPARSE if self.spec is None else AttentionSpec.parse(self.spec)
 
-    kv_format = property(lambda self: self.kv_dtype)
 
     @property
     def out_dim(self) -> int:
@@ -106,7 +105,7 @@ class CanaryCase(PagedTensors):
     @classmethod
     def from_case(cls, case: Case, spec=None) -> "CanaryCase":
         """A qsa_lab Case (one KV head) as a canary case, the same tensors; spec default sparse."""
-        return case.view(cls, kv_dtype=case.kv_format, spec=spec, sm_scale=case.sm_scale)
+        return case.view(cls, kv_dtype=case.kv_dtype, spec=spec, sm_scale=case.sm_scale)
 
     def geometry_dict(self) -> dict:
         base = self.geometry.to_dict() if self.geometry is not None else {}

@@ -367,15 +367,15 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     dims = _dims(dims, case.out_dim if case.mla and planes == ("v",) else case.head_dim)
 
     skipped = []
-    usable = _available_payloads(case.kv_format)
-    skipped += [{"payload": p, "reason": f"{case.kv_format} has no {p} code"} for p in payloads if p not in usable]
+    usable = _available_payloads(case.kv_dtype)
+    skipped += [{"payload": p, "reason": f"{case.kv_dtype} has no {p} code"} for p in payloads if p not in usable]
     payloads = [p for p in payloads if p in usable]
     parts = {r: region_parts(case, r) for r in regions}     # [(slots, judged rows or None)] per region
     empty = [r for r in regions if not any(slots.any() for slots, _ in parts[r])]
     skipped += [{"region": r, "reason": "empty in this case"} for r in empty]
     regions = [r for r in regions if r not in empty]
     if not payloads:
-        raise ValueError(f"payloads: {case.kv_format} has a code for none of them (it has {usable})")
+        raise ValueError(f"payloads: {case.kv_dtype} has a code for none of them (it has {usable})")
     if not regions:
         raise ValueError(f"regions: every one asked for is empty in this case ({case.describe()})")
 
@@ -442,7 +442,7 @@ class _Pools:
         key = (region, part, plane, payload)
         if key not in self.pools:
             c, kv = self.case, self.base["kv_cache"].clone()
-            write_region(kv, self.parts[region][part][0], PLANES[plane], c.kv_format, payload, self.dims,
+            write_region(kv, self.parts[region][part][0], PLANES[plane], c.kv_dtype, payload, self.dims,
                          c.v_head_dim if c.mla else None)
             self.pools[key] = kv
         return {**self.base, "kv_cache": self.pools[key]}

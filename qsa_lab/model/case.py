@@ -45,7 +45,7 @@ class Case(PagedTensors):
     poison: dict = field(default_factory=no_poison, kw_only=True)
 
     @property
-    def kv_format(self) -> str:
+    def kv_dtype(self) -> str:
         return self.geometry.kv_dtype
 
     @property
@@ -60,7 +60,7 @@ class Case(PagedTensors):
     def decoded_plane(self, plane: int) -> torch.Tensor:
         """[pages, page_size, head_dim] float32 values (scale applied) of plane 0=K or 1=V."""
         scale = self.k_scale if plane == 0 else self.v_scale
-        return kv_values(self.kv_cache[:, plane, :, 0, :], self.kv_format) * scale
+        return kv_values(self.kv_cache[:, plane, :, 0, :], self.kv_dtype) * scale
 
     def describe(self) -> str:
         g = self.geometry
@@ -405,14 +405,14 @@ def _largest_finite(raw: torch.Tensor, kv_dtype: str) -> float:
         t = raw.float().abs()
         t = t[torch.isfinite(t)]
         return float(t.max()) if t.numel() else 0.0
-    fmt = "fp16" if raw.dtype == torch.float16 else kv_dtype
-    bits, sign = (raw.view(torch.int16), 0x8000) if fmt == "fp16" else (raw, 0x80)
+    kind = "fp16" if raw.dtype == torch.float16 else kv_dtype
+    bits, sign = (raw.view(torch.int16), 0x8000) if kind == "fp16" else (raw, 0x80)
     # (bits + off) mod sign: a finite magnitude m becomes m + off, a non-finite one wraps below off
-    off = sign - _FINITE_BELOW[fmt]
+    off = sign - _FINITE_BELOW[kind]
     top = max(int(((bits + off) & (sign - 1)).max()) - off, 0) if bits.numel() else 0
-    if fmt == "fp16":
+    if kind == "fp16":
         return float(torch.tensor(top, dtype=torch.int16).view(torch.float16))
-    return float(fp8.decode(torch.tensor([top], dtype=torch.uint8), fmt)[0])
+    return float(fp8.decode(torch.tensor([top], dtype=torch.uint8), kind)[0])
 
 
 def _check_scales(case: Case) -> None:

@@ -50,8 +50,8 @@ WARM_VARIANTS = ("unfixed", "kernel_fix", "masked_load", "early_v", "xqa")
 REPORT_FIX_A_MS = (0.187, 0.233)
 
 
-def _fp8_dtype(kv_format):
-    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(kv_format)
+def _fp8_dtype(kv_dtype):
+    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(kv_dtype)
 
 
 def torch_baseline(case, token_index, token_count):
@@ -60,7 +60,7 @@ def torch_baseline(case, token_index, token_count):
     valid = torch.arange(token_index.shape[1], device=token_index.device) < token_count.long().unsqueeze(1)
     tok = torch.where(valid, token_index, 0)
     raw = case.kv_cache[tok // ps, :, tok % ps, 0, :]                        # [n, T, 2, D]
-    fp8 = _fp8_dtype(case.kv_format)
+    fp8 = _fp8_dtype(case.kv_dtype)
     kv = raw.view(fp8).to(torch.float16) if fp8 is not None else raw
     k = (kv[:, :, 0] * case.k_scale).unsqueeze(1)                           # [n, 1, T, D]
     v = (kv[:, :, 1] * case.v_scale).unsqueeze(1)
@@ -85,7 +85,7 @@ def _prepare(geometry, seed):
 
 def _runner(variant, p):
     c, plan, fixed = p["case"], p["plan"], p["fixed"]
-    kw = dict(kv_format=c.kv_format, sm_scale=c.sm_scale)
+    kw = dict(kv_dtype=c.kv_dtype, sm_scale=c.sm_scale)
 
     def grouped(pl, v):
         return lambda: grouped_forward(c.q, c.kv_cache, c.k_scale, c.v_scale, pl.group_rows, pl.microblocks,
@@ -129,7 +129,7 @@ def _capture(fn):
 
 def _must_read_bytes(p):
     c, plan = p["case"], p["plan"]
-    elem = 2 if c.kv_format == "fp16" else 1
+    elem = 2 if c.kv_dtype == "fp16" else 1
     real = int((plan.in_plan() & (plan.masks != 0)).sum())
     d = c.geometry.head_dim
     return real * 4 * d * 2 * elem + 2 * c.q.numel() * 2

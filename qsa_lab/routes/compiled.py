@@ -4,11 +4,11 @@ Same functions and return conventions as qsa_lab.routes.emulate, so every CUDA
 result can be checked against its PyTorch twin:
 
     grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len,
-                    *, kv_format, sm_scale, variant, return_lse=False)
+                    *, kv_dtype, sm_scale, variant, return_lse=False)
         -> out [groups, 8, q_heads, head_dim] fp16 (, lse [groups, 8, q_heads] fp32)
-    xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale)
+    xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_dtype, sm_scale)
         -> out [n, q_heads, head_dim] fp16
-    decode_panel(kv_cache, microblocks, *, plane, kv_format) -> [len(microblocks) * 4, head_dim] fp16
+    decode_panel(kv_cache, microblocks, *, plane, kv_dtype) -> [len(microblocks) * 4, head_dim] fp16
 
 Build: torch.utils.cpp_extension.load on first use, TORCH_CUDA_ARCH_LIST set to the
 visible GPU's major.minor, into ~/.cache/qsa_lab/ext-<torch>-cu<cuda>-sm<arch>
@@ -41,7 +41,7 @@ STALE_LOCK_S = 600  # a torch build lock older than this was left by a killed bu
 # 16 cores; evidence/gpu_check_h200.log, "build wall"); fewer cores take longer
 BUILD_ESTIMATE = "about 1.5 minutes on an H200, longer with fewer cores"
 
-KV_FORMATS = {"e4m3": 0, "e5m2": 1, "fp16": 2}
+KV_DTYPE_CODES = {"e4m3": 0, "e5m2": 1, "fp16": 2}
 # Kernel variants of the grouped forward, numbered as csrc/grouped_page4.cuh's enum Variant: the
 # routes' (routes.labels), then two that no route runs: kernel_fix without its leading barrier (a
 # race kept for the sanitizer) and early_v, the unfixed kernel with each tile's V bytes read
@@ -270,15 +270,15 @@ def _q(q, arg: str) -> None:
           f"[16, {MAX_HEAD_DIM}], got {d}")
 
 
-def _kv(kv_cache, kv_format: str, head_dim: int, device) -> int:
-    _need(kv_format in KV_FORMATS, "kv_format", f"expected one of {tuple(KV_FORMATS)}, got {kv_format!r}")
-    dtype = torch.float16 if kv_format == "fp16" else torch.uint8
+def _kv(kv_cache, kv_dtype: str, head_dim: int, device) -> int:
+    _need(kv_dtype in KV_DTYPE_CODES, "kv_dtype", f"expected one of {tuple(KV_DTYPE_CODES)}, got {kv_dtype!r}")
+    dtype = torch.float16 if kv_dtype == "fp16" else torch.uint8
     _tensor(kv_cache, "kv_cache", (dtype,), 5, device)
     p, two, ps, one, d = kv_cache.shape
     _need(two == 2 and one == 1 and d == head_dim and p > 0, "kv_cache",
           f"expected shape [pages, 2, page_size, 1, head_dim={head_dim}], got {tuple(kv_cache.shape)}")
     _need(ps > 0 and ps % 4 == 0, "kv_cache", f"page_size (dim 2) must be a positive multiple of 4, got {ps}")
-    return KV_FORMATS[kv_format]
+    return KV_DTYPE_CODES[kv_dtype]
 
 
 def _scales(**scales) -> None:
@@ -290,7 +290,7 @@ def _scales(**scales) -> None:
 # ---------------------------------------------------------------- kernels
 
 def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len, *,
-                    kv_format, sm_scale, variant, return_lse=False):
+                    kv_dtype, sm_scale, variant, return_lse=False):
     """Grouped page4 forward on the GPU, one CTA per group.
 
     q [rows, Hq, D] fp16; kv_cache [pages, 2, page_size, 1, D] uint8 codes or fp16;
@@ -299,7 +299,7 @@ def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, mask
     Returns out [groups, 8, Hq, D] fp16 (and lse [groups, 8, Hq] fp32 when return_lse).
     """
     _q(q, "q")
-    fmt = _kv(kv_cache, kv_format, q.shape[2], q.device)
+    dtype_code = _kv(kv_cache, kv_dtype, q.shape[2], q.device)
     _need(variant in VARIANTS, "variant", f"expected one of {tuple(VARIANTS)}, got {variant!r}")
     _scales(k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale)
     _tensor(group_rows, "group_rows", (torch.int64, torch.int32), 2, q.device)
@@ -313,36 +313,36 @@ def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, mask
     _tensor(seq_len, "seq_len", (torch.int32,), 1, q.device)
     _need(seq_len.shape[0] == groups, "seq_len", f"expected shape [groups={groups}], got {tuple(seq_len.shape)}")
     out, lse = load().grouped_forward(q, kv_cache, float(k_scale), float(v_scale), group_rows, microblocks,
-                                      masks, seq_len, fmt, float(sm_scale), VARIANTS[variant], bool(return_lse))
+                                      masks, seq_len, dtype_code, float(sm_scale), VARIANTS[variant], bool(return_lse))
     return (out, lse) if return_lse else out
 
 
-def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
+def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_dtype, sm_scale):
     """Row-wise XQA page4 on the GPU: only each row's token_count real tokens.
 
     q_rows [n, Hq, D] fp16; token_index [n, T] int64 (page*page_size + token, INT64_MAX
     unused, sorted last); token_count [n] int32. Returns [n, Hq, D] fp16.
     """
     _q(q_rows, "q_rows")
-    fmt = _kv(kv_cache, kv_format, q_rows.shape[2], q_rows.device)
+    dtype_code = _kv(kv_cache, kv_dtype, q_rows.shape[2], q_rows.device)
     _scales(k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale)
     n = q_rows.shape[0]
     _tensor(token_index, "token_index", (torch.int64,), 2, q_rows.device)
     _need(token_index.shape[0] == n, "token_index", f"expected shape [n={n}, T], got {tuple(token_index.shape)}")
     _tensor(token_count, "token_count", (torch.int32,), 1, q_rows.device)
     _need(token_count.shape[0] == n, "token_count", f"expected shape [n={n}], got {tuple(token_count.shape)}")
-    return load().xqa_forward(q_rows, kv_cache, float(k_scale), float(v_scale), token_index, token_count, fmt,
+    return load().xqa_forward(q_rows, kv_cache, float(k_scale), float(v_scale), token_index, token_count, dtype_code,
                               float(sm_scale))
 
 
-def decode_panel(kv_cache, microblocks, *, plane, kv_format):
+def decode_panel(kv_cache, microblocks, *, plane, kv_dtype):
     """Debug: microblocks [n] int32 -> [n*4, D] fp16, decoded by the kernels' own decoder (no scale)."""
     _need(plane in (0, 1), "plane", f"expected 0 (K) or 1 (V), got {plane!r}")
     _need(isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5, "kv_cache",
           "expected a tensor of shape [pages, 2, page_size, 1, head_dim]")
     d = kv_cache.shape[4]
     _need(16 <= d <= MAX_HEAD_DIM and d % 16 == 0, "kv_cache", f"head_dim must be a multiple of 16 in [16, 256], got {d}")
-    fmt = _kv(kv_cache, kv_format, d, kv_cache.device)
+    dtype_code = _kv(kv_cache, kv_dtype, d, kv_cache.device)
     _tensor(microblocks, "microblocks", (torch.int32, torch.int64), 1, kv_cache.device)
     microblocks = microblocks.to(torch.int32)
-    return load().decode_panel(kv_cache, microblocks, int(plane), fmt)
+    return load().decode_panel(kv_cache, microblocks, int(plane), dtype_code)

@@ -45,10 +45,10 @@ def fmax_reduce(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(nan.all(dim=dim), torch.nan, m)
 
 
-def decode_panel(kv_cache, microblocks, *, plane, kv_format):
+def decode_panel(kv_cache, microblocks, *, plane, kv_dtype):
     """[n] microblock ids -> [n*4, head_dim] fp16: their tokens decoded, no scale."""
     tok = (microblocks.long().unsqueeze(1) * 4 + torch.arange(4, device=kv_cache.device)).flatten()
-    return token_values(kv_cache, tok, plane, kv_format).to(torch.float16)
+    return token_values(kv_cache, tok, plane, kv_dtype).to(torch.float16)
 
 
 def _check_variant(variant):
@@ -56,7 +56,7 @@ def _check_variant(variant):
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, kv_format, sm_scale):
+def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, kv_dtype, sm_scale):
     """One chunk of groups through the grouped kernel, for several (microblocks, variant) at once.
 
     What the variants share is computed once: they differ only in the panel rows that no query
@@ -75,7 +75,7 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     toks = [(mb.long().unsqueeze(-1) * 4 + arange4).view(G, nt, 32) for mb, _ in panels]
     # kernel_fix zeroes unattended rows after the load, masked_load never loads them: same panel
     dead = unattended_tokens(masks).view(G, nt, 32, 1)
-    K = token_values(kv_cache, toks[0], 0, kv_format)  # attended rows are the same in every panel
+    K = token_values(kv_cache, toks[0], 0, kv_dtype)  # attended rows are the same in every panel
     # 2. active M-tiles of each tile (tiles past seq_len are never walked)
     mt_bits = tile_active_m_tiles(masks, seq_len, hq)
     row_tile = torch.arange(R, device=dev) // 16
@@ -110,7 +110,7 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     done = {}
     for i in dict.fromkeys(owner):  # each distinct panel once
         zeroed = panels[i][1] != "unfixed"
-        V = token_values(kv_cache, toks[0 if zeroed else i], 1, kv_format)  # zeroed rows: the token read is moot
+        V = token_values(kv_cache, toks[0 if zeroed else i], 1, kv_dtype)  # zeroed rows: the token read is moot
         if zeroed:
             V.masked_fill_(dead, 0.0)
         # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
@@ -142,14 +142,14 @@ def _equal_panels(panels) -> list:
 
 
 def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, masks, seq_len, *,
-                    kv_format, sm_scale, variant, return_lse=False):
+                    kv_dtype, sm_scale, variant, return_lse=False):
     """q [rows, Hq, D] fp16 -> out [groups, 8, Hq, D] fp16 (and lse [groups, 8, Hq] fp32)."""
     (out, lse), = grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, [(microblocks, variant)], masks,
-                                       seq_len, kv_format=kv_format, sm_scale=sm_scale)
+                                       seq_len, kv_dtype=kv_dtype, sm_scale=sm_scale)
     return (out, lse) if return_lse else out
 
 
-def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, *, kv_format, sm_scale):
+def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, *, kv_dtype, sm_scale):
     """grouped_forward for several kernel variants and plans of one case at once: `panels` is a
     list of (microblocks, variant), plans that differ only in their padding entries (a plan and
     its pad_fix) -> [(out, lse)], each bit for bit what grouped_forward gives it alone."""
@@ -167,7 +167,7 @@ def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, mask
     for g0 in range(0, G, step):
         sl = slice(g0, g0 + step)
         parts.append(_grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows[sl], [(mb[sl], v) for mb, v in panels],
-                                    masks[sl], seq_len[sl], kv_format, sm_scale))
+                                    masks[sl], seq_len[sl], kv_dtype, sm_scale))
     result = []
     for i in range(len(panels)):
         if parts:
@@ -178,7 +178,7 @@ def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, mask
     return result
 
 
-def gather_tokens(kv_cache, token_index, token_count, kv_format, width: int | None = None):
+def gather_tokens(kv_cache, token_index, token_count, kv_dtype, width: int | None = None):
     """Decoded K and V [n, T, D] float32 of each row's real tokens; unused slots are 0 and
     never read from the cache (a real XQA never touches them). width: T rounded up to XQA's
     partition (more unused slots at the end), so that one gather serves XQA and the reference."""
@@ -186,33 +186,33 @@ def gather_tokens(kv_cache, token_index, token_count, kv_format, width: int | No
     width = T if width is None else width
     valid = torch.arange(width, device=token_index.device) < token_count.long().unsqueeze(1)
     index = token_index if width == T else torch.nn.functional.pad(token_index, (0, width - T))
-    K, V = (slot_values(kv_cache, index, valid, plane, kv_format) for plane in (0, 1))
+    K, V = (slot_values(kv_cache, index, valid, plane, kv_dtype) for plane in (0, 1))
     return K, V, valid
 
 
-def xqa_width(tokens: int, kv_format: str) -> int:
+def xqa_width(tokens: int, kv_dtype: str) -> int:
     """Token slots XQA walks: `tokens` rounded up to whole partitions."""
-    part = XQA_PARTITION[kv_format][0]
+    part = XQA_PARTITION[kv_dtype][0]
     return -(-tokens // part) * part
 
 
-def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_format, sm_scale):
+def xqa_forward(q_rows, kv_cache, k_scale, v_scale, token_index, token_count, *, kv_dtype, sm_scale):
     """Row-wise XQA: partitions (XQA_PARTITION: size and partial dtype per kv format), each
     with its own max m_p (NaN ignored), exp sum l_p and normalised partial O_p * v_scale / l_p
     stored in the partial dtype; the reduce weighs partitions by exp(m_p - M) * l_p.
     -> [n, Hq, D] fp16."""
     if q_rows.shape[0] == 0:
         return q_rows.new_zeros((0,) + tuple(q_rows.shape[1:]))
-    return xqa_from_tokens(q_rows, *gather_tokens(kv_cache, token_index, token_count, kv_format), k_scale, v_scale,
-                           kv_format=kv_format, sm_scale=sm_scale)
+    return xqa_from_tokens(q_rows, *gather_tokens(kv_cache, token_index, token_count, kv_dtype), k_scale, v_scale,
+                           kv_dtype=kv_dtype, sm_scale=sm_scale)
 
 
-def xqa_from_tokens(q_rows, K, V, valid, k_scale, v_scale, *, kv_format, sm_scale):
+def xqa_from_tokens(q_rows, K, V, valid, k_scale, v_scale, *, kv_dtype, sm_scale):
     """xqa_forward on the rows' tokens as gather_tokens gives them (shared with the reference)."""
     n, hq, D = q_rows.shape
     if n == 0:
         return q_rows.new_zeros((0, hq, D))
-    part, part_dtype = XQA_PARTITION[kv_format]
+    part, part_dtype = XQA_PARTITION[kv_dtype]
     T = K.shape[1]
     n_part = -(-T // part)
     pad = n_part * part - T

@@ -48,12 +48,12 @@ def every_row(case: Case, index, count, width: int, *, reference: bool = True, x
     out = torch.empty_like(case.q) if xqa else None
     with torch_threads(1) if one_by_one else contextlib.nullcontext():
         for part in [slice(n, n + 1) for n in range(rows)] if one_by_one else [slice(None)]:
-            K, V, valid = gather_tokens(case.kv_cache, index[part], count[part], case.kv_format, width=width)
+            K, V, valid = gather_tokens(case.kv_cache, index[part], count[part], case.kv_dtype, width=width)
             if reference:
                 ref[part] = reference_rows(case, q64[part], K, V, valid, T)
             if xqa:
                 out[part] = xqa_from_tokens(case.q[part], K, V, valid, case.k_scale, case.v_scale,
-                                            kv_format=case.kv_format, sm_scale=case.sm_scale)
+                                            kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
     return ref, out
 
 

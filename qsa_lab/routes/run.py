@@ -144,7 +144,7 @@ def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl, checked: b
     out = torch.empty_like(case.q)
     if plan.groups:
         g = impl.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
-                                 plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                 plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                  sm_scale=case.sm_scale, variant=variant)
         out[plan.group_rows.flatten()] = g.reshape(-1, *case.q.shape[1:])
     if plan.xqa_rows.numel():
@@ -155,7 +155,7 @@ def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl, checked: b
 def xqa_output(case: Case, rows: torch.Tensor, impl) -> torch.Tensor:
     token_index, token_count = xqa_tokens(case, rows)
     return impl.xqa_forward(case.q[rows], case.kv_cache, case.k_scale, case.v_scale, token_index,
-                            token_count, kv_format=case.kv_format, sm_scale=case.sm_scale)
+                            token_count, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
 
 
 def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | None = None, *,
@@ -190,12 +190,12 @@ def run_routes_planned(case: Case, routes, backend: str, plan: GroupedPlan, *, p
 
     bar = tqdm(routes, desc="routes", disable=not progress, file=sys.stderr)
     if backend == "emulate":
-        with decoded_once(case.kv_cache, case.kv_format):  # every route reads this one decode
+        with decoded_once(case.kv_cache, case.kv_dtype):  # every route reads this one decode
             result.outputs, result.reference64 = emulated_routes(case, routes, plan, fixed_plan, reference=reference,
                                                                  memo=memo, bar=bar)
         return result
     if reference or "reference" in routes:
-        with decoded_once(case.kv_cache, case.kv_format):
+        with decoded_once(case.kv_cache, case.kv_dtype):
             result.reference64 = reference_forward(case)
     all_rows = torch.arange(case.geometry.rows, device=dev)
     for route in bar:
@@ -243,7 +243,7 @@ def _every_row(case: Case, memo: dict, reference: bool, xqa: bool) -> tuple:
     if "xqa_tokens" not in memo:
         memo["xqa_tokens"] = xqa_tokens(case)
     index, count = memo["xqa_tokens"]
-    return every_row(case, index, count, emulate.xqa_width(index.shape[1], case.kv_format), reference=reference,
+    return every_row(case, index, count, emulate.xqa_width(index.shape[1], case.kv_dtype), reference=reference,
                      xqa=xqa)
 
 
@@ -257,7 +257,7 @@ def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict) -> torch.Tenso
         memo["rest_tokens"] = xqa_tokens(case, plan.xqa_rows)
     token_index, token_count = memo["rest_tokens"]
     return emulate.xqa_forward(case.q[plan.xqa_rows], case.kv_cache, case.k_scale, case.v_scale, token_index,
-                               token_count, kv_format=case.kv_format, sm_scale=case.sm_scale)
+                               token_count, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
 
 
 def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan, memo: dict, remainder: bool) -> dict:
@@ -265,7 +265,7 @@ def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan, memo: d
     if plan.groups:
         panels = [((fixed_plan if GROUPED[r][1] else plan).microblocks, GROUPED[r][0]) for r in routes]
         many = emulate.grouped_forward_many(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
-                                            panels, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                            panels, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                             sm_scale=case.sm_scale)
         rows = plan.group_rows.flatten()
         for r, (g, _) in zip(routes, many):

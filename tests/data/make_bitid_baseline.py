@@ -36,7 +36,7 @@ from qsa_lab.routes import emulate
 
 def lse_of(case, plan, variant):
     _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
-                                     plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                     plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                      sm_scale=case.sm_scale, variant=variant, return_lse=True)
     return lse
 

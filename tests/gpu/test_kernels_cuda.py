@@ -102,7 +102,7 @@ def test_attended_poison_matches_emulation(kv_dtype, site, payload):
     c = case.to("cuda")
     plan = plan_groups(c)
     for variant in ("unfixed", "kernel_fix", "masked_load"):
-        kw = dict(kv_format=kv_dtype, sm_scale=c.sm_scale, variant=variant, return_lse=True)
+        kw = dict(kv_dtype=kv_dtype, sm_scale=c.sm_scale, variant=variant, return_lse=True)
         _, lse_c = kernels.grouped_forward(*grouped_args(c, plan), **kw)
         _, lse_e = emulate.grouped_forward(*grouped_args(c, plan), **kw)
         assert_close_to(lse_c, lse_e, 1e-4, 1e-5, f"lse {variant} {kv_dtype} {site} {payload}")
@@ -126,7 +126,7 @@ def test_early_v_bitwise_equals_unfixed():
     for kv_dtype in KV_DTYPES:
         case = case_for(kv_dtype, "targeted", payload="nan").to("cuda")  # null-block NaN in every dtype
         plan = plan_groups(case)
-        kw = dict(kv_format=kv_dtype, sm_scale=case.sm_scale, return_lse=True)
+        kw = dict(kv_dtype=kv_dtype, sm_scale=case.sm_scale, return_lse=True)
         out_u, lse_u = kernels.grouped_forward(*grouped_args(case, plan), variant="unfixed", **kw)
         out_e, lse_e = kernels.grouped_forward(*grouped_args(case, plan), variant="early_v", **kw)
         assert torch.isnan(out_u).any(), "the case should show the bug"
@@ -170,8 +170,8 @@ def test_decoded_panels_equal_emulation(kv_dtype):
     kv = kv.cuda()
     mb = torch.randperm(pages * ps // 4, generator=g)[:40].to(torch.int32).cuda()
     for plane in (0, 1):
-        cuda = kernels.decode_panel(kv, mb, plane=plane, kv_format=kv_dtype)
-        emu = emulate.decode_panel(kv, mb, plane=plane, kv_format=kv_dtype)
+        cuda = kernels.decode_panel(kv, mb, plane=plane, kv_dtype=kv_dtype)
+        emu = emulate.decode_panel(kv, mb, plane=plane, kv_dtype=kv_dtype)
         nan = torch.isnan(emu)
         assert torch.equal(torch.isnan(cuda), nan)
         assert torch.equal(bits(cuda)[~nan], bits(emu)[~nan]), "decoded values differ bitwise"
@@ -179,7 +179,7 @@ def test_decoded_panels_equal_emulation(kv_dtype):
         codes = torch.tensor([0x7F, 0xFF], dtype=torch.uint8, device="cuda")
         one = torch.zeros(1, 2, 4, 1, 16, dtype=torch.uint8, device="cuda")
         one[0, 1, 0, 0, :2] = codes
-        out = kernels.decode_panel(one, torch.zeros(1, dtype=torch.int32, device="cuda"), plane=1, kv_format="e4m3")
+        out = kernels.decode_panel(one, torch.zeros(1, dtype=torch.int32, device="cuda"), plane=1, kv_dtype="e4m3")
         assert bits(out)[0, :2].tolist() == [0x7E00, 0xFE00 - 0x10000]
 
 
@@ -192,7 +192,7 @@ def grouped_args(case, plan):
 def test_lse_and_repeat_bitwise(variant):
     case = case_for("e4m3", "random").to("cuda")
     plan = plan_groups(case)
-    kw = dict(kv_format="e4m3", sm_scale=case.sm_scale, variant=variant, return_lse=True)
+    kw = dict(kv_dtype="e4m3", sm_scale=case.sm_scale, variant=variant, return_lse=True)
     out1, lse1 = kernels.grouped_forward(*grouped_args(case, plan), **kw)
     out2, lse2 = kernels.grouped_forward(*grouped_args(case, plan), **kw)
     assert torch.equal(bits(out1), bits(out2)) and torch.equal(lse1.view(torch.int32), lse2.view(torch.int32))
@@ -223,7 +223,7 @@ def test_cuda_graph_pad_fix_and_forward_equal_eager():
     static = {k: v.clone() for k, v in dict(q=cases[0].q, kv=cases[0].kv_cache, rows=plans[0].group_rows,
                                               mb=plans[0].microblocks, masks=plans[0].masks,
                                               seq=plans[0].seq_len).items()}
-    kw = dict(kv_format="e4m3", sm_scale=cases[0].sm_scale, variant="unfixed")
+    kw = dict(kv_dtype="e4m3", sm_scale=cases[0].sm_scale, variant="unfixed")
     scales = (cases[0].k_scale, cases[0].v_scale)
 
     def step():
@@ -266,12 +266,12 @@ def good():
 def call_grouped(case, plan, binding=False, **over):
     a = dict(q=case.q, kv_cache=case.kv_cache, k_scale=case.k_scale, v_scale=case.v_scale,
              group_rows=plan.group_rows, microblocks=plan.microblocks, masks=plan.masks, seq_len=plan.seq_len,
-             kv_format="e4m3", sm_scale=case.sm_scale, variant="unfixed")
+             kv_dtype="e4m3", sm_scale=case.sm_scale, variant="unfixed")
     a.update(over)
     if binding:  # straight to the C++ binding: its own checks, not the Python wrapper's
         return kernels.load().grouped_forward(
             a["q"], a["kv_cache"], a["k_scale"], a["v_scale"], a["group_rows"], a["microblocks"], a["masks"],
-            a["seq_len"], kernels.KV_FORMATS.get(a["kv_format"], 7), a["sm_scale"],
+            a["seq_len"], kernels.KV_DTYPE_CODES.get(a["kv_dtype"], 7), a["sm_scale"],
             kernels.VARIANTS.get(a["variant"], 9), False)
     return kernels.grouped_forward(**a)
 
@@ -288,7 +288,7 @@ def bad_grouped(case, plan):
         "q": dict(q=case.q.float()),
         "kv_cache": dict(kv_cache=case.kv_cache.cpu()),
         "masks": dict(masks=plan.masks[:, :-1]),
-        "kv_format": dict(kv_format="e3m4"),
+        "kv_dtype": dict(kv_dtype="e3m4"),
         "variant": dict(variant="fixed"),
     }
 
@@ -325,7 +325,7 @@ def test_bad_xqa_and_decode_input_raises(good, binding):
         a.update(over)
         if binding:
             return f(a["q_rows"], a["kv_cache"], 1.0, 1.0, a["token_index"], a["token_count"], 0, 0.1)
-        return kernels.xqa_forward(**a, kv_format="e4m3", sm_scale=0.1)
+        return kernels.xqa_forward(**a, kv_dtype="e4m3", sm_scale=0.1)
 
     xqa()
     big = idx.clone()
@@ -339,5 +339,5 @@ def test_bad_xqa_and_decode_input_raises(good, binding):
         if binding:
             kernels.load().decode_panel(case.kv_cache, mb, 1, 0)
         else:
-            kernels.decode_panel(case.kv_cache, mb, plane=1, kv_format="e4m3")
+            kernels.decode_panel(case.kv_cache, mb, plane=1, kv_dtype="e4m3")
     torch.cuda.synchronize()

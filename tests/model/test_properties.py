@@ -40,7 +40,7 @@ def test_fixed_routes_match_reference_and_unfixed_matches_prediction(case):
     # fix B only repoints padding: stale bytes inside a real tail microblock still leak through it
     fixed = [x for x in FIXED if not (x == "grouped+pad_fix" and case.poison["site"] == "stale-tail")]
     for route in fixed + ["xqa"]:
-        assert analysis.within_tolerance(r.outputs[route], r.reference64, case.kv_format), route
+        assert analysis.within_tolerance(r.outputs[route], r.reference64, case.kv_dtype), route
     assert torch.equal(analysis.predict_nan(case, r.plan), torch.isnan(r.outputs["grouped"]))
 
 

@@ -103,7 +103,7 @@ def test_vectorised_emulation_equals_the_tile_loop(case, variant, fixed_plan):
         plan = pad_fix(plan)
     want = loop_grouped(case, plan, variant)
     got = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
-                                  plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                  plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                   sm_scale=case.sm_scale, variant=variant)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     fin = ~torch.isnan(want)
@@ -121,7 +121,7 @@ def test_the_loop_drops_an_attended_nan_key_where_the_reference_is_nan():
     ref = reference_forward(case)
     assert torch.isfinite(out).all() and torch.isnan(ref).any()
     emu = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
-                                  plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                  plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                   sm_scale=case.sm_scale, variant="unfixed")
     assert torch.isfinite(emu).all()
 
@@ -141,7 +141,7 @@ def test_an_infinite_attended_score_matches_the_loop():
                                             kv_dtype="e5m2")), "attended-k", dims=[0], payload="inf")
     plan = plan_groups(case)
     got = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
-                                  plan.microblocks, plan.masks, plan.seq_len, kv_format=case.kv_format,
+                                  plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                   sm_scale=case.sm_scale, variant="unfixed")
     want = loop_grouped(case, plan, "unfixed")
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and not torch.isnan(want).any()

@@ -16,7 +16,7 @@ REFERENCE_ROWS = reference.reference_rows   # the real one, before any test wrap
 def _gathered(case) -> int:
     """Elements of K as the routes gather it for every row (as reference.every_row counts them)."""
     index, _ = xqa_tokens(case)
-    return case.q.shape[0] * emulate.xqa_width(index.shape[1], case.kv_format) * case.q.shape[-1]
+    return case.q.shape[0] * emulate.xqa_width(index.shape[1], case.kv_dtype) * case.q.shape[-1]
 
 
 def _run(case, monkeypatch, batch_bytes):

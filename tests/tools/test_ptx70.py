@@ -51,7 +51,7 @@ def test_every_entry_point_is_in_the_ptx_under_nvrtcs_name(built):
     for e in entries:
         assert re.search(rf"^\.(?:visible|weak) \.entry {re.escape(e['lowered'])}\(", ptx, re.M), e["label"]
         if e["fmt"]:
-            assert e["fmt"] in kernels.KV_FORMATS
+            assert e["fmt"] in kernels.KV_DTYPE_CODES
         if e["variant"]:
             assert e["variant"] in kernels.VARIANTS  # the extension can run each variant the PTX has
     assert manifest["arch"] == "compute_70" and re.search(r"^\.target sm_70\b", ptx, re.M)
@@ -178,7 +178,7 @@ def test_constants_come_from_the_headers(built):
     for e in manifest["entry_points"]:
         if e["kind"] != "probe":
             assert e["maxntid"] == c["grouped_threads" if e["kind"] == "grouped" else "xqa_threads"], e["label"]
-    assert c["grouped_threads"] % 32 == 0 and set(c["xqa_partition"]) == set(kernels.KV_FORMATS)
+    assert c["grouped_threads"] % 32 == 0 and set(c["xqa_partition"]) == set(kernels.KV_DTYPE_CODES)
     assert set(c["xqa_partial_bytes"].values()) <= {2, 4}
     n = 2 + 2 * len(nvrtc_sm70.FORMATS)
     swapped = re.sub(rf"({ptx70.CONSTANTS}\[{4 * n}\] = \{{)[^}}]*", r"\g<1>0, 2", ptx)
@@ -278,7 +278,7 @@ def test_launches_mirror_the_binding(folder):
     case = build_case(Geometry(rows=19, requests=2, context=600, topk=32, q_heads=5, head_dim=64, page_size=16))
     plan = plan_groups(case)
     out = p.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks,
-                            plan.masks, plan.seq_len, kv_format="e4m3", sm_scale=case.sm_scale, variant="masked_load")
+                            plan.masks, plan.seq_len, kv_dtype="e4m3", sm_scale=case.sm_scale, variant="masked_load")
     (_, fn0, smem0), (_, fn, grid, threads, smem, (s,)), _ = p.driver.calls
     assert fn0 == fn == "grouped_page4_forward<e4m3,masked_load>"
     assert grid == (plan.groups,) and threads == p.const["grouped_threads"]
@@ -294,7 +294,7 @@ def test_launches_mirror_the_binding(folder):
     p.driver.calls.clear()
     rows = torch.arange(19)
     ti, tc = xqa_tokens(case, rows)
-    p.xqa_forward(case.q[rows], case.kv_cache, case.k_scale, case.v_scale, ti, tc, kv_format="fp16",
+    p.xqa_forward(case.q[rows], case.kv_cache, case.k_scale, case.v_scale, ti, tc, kv_dtype="fp16",
                   sm_scale=case.sm_scale)
     (_, fn_a, smem_a), (_, fn1, grid1, t1, smem1, (x,)), (_, fn2, grid2, t2, smem2, (x2,)), _ = p.driver.calls
     part = p.const["xqa_partition"]["fp16"]
