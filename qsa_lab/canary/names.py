@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qsa_lab.routes.labels import ROUTES, was_renamed
+
 #: the kinds of a name
 BUILTIN, ADAPTER, FILE, MODULE = "built-in", "adapter", "file", "module"
 #: the prefixes of the kernels qsa_lab runs itself, listed once, with their kind
@@ -70,8 +72,10 @@ def parse_kernel(text, option: str = "kernels", registering: bool = False) -> Ke
     if not text:
         raise KernelNameError(option, "an empty kernel name")
     prefix, _, rest = text.partition(":")
-    kind = PREFIXES.get(prefix) or ((registering or text in REGISTERED) and ADAPTER)
-    if kind == BUILTIN and prefix == "qsa":
+    kind = PREFIXES.get(prefix)
+    if kind is None and (registering or text in REGISTERED):
+        kind = ADAPTER
+    if prefix == "qsa":
         _check_route(rest, option)
     if kind:
         return KernelName(text, kind, prefix, rest, option)
@@ -88,8 +92,7 @@ def parse_kernel(text, option: str = "kernels", registering: bool = False) -> Ke
 
 
 def _check_route(route: str, option: str) -> None:
-    from qsa_lab.routes.labels import ROUTES, was_renamed
-
+    """A qsa route by its name now; an earlier spelling is refused naming the new one."""
     renamed = was_renamed(route, prefix="qsa:")
     if renamed:
         raise KernelNameError(option, renamed)
