@@ -229,11 +229,6 @@ def as_int32_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)
 
 
-def tile_view(x: torch.Tensor) -> torch.Tensor:
-    """[groups, cap] -> [groups, tiles, 8]."""
-    return x.view(x.shape[0], -1, TILE_ENTRIES)
-
-
 def tile_active_m_tiles(masks: torch.Tensor, seq_len: torch.Tensor, q_heads: int) -> torch.Tensor:
     """[groups, cap] masks -> [groups, tiles] int64 bits of the M-tiles each 32-token tile
     activates: those touched by any query in the OR of its 8 masks; 0 past seq_len (never walked)."""
