@@ -195,7 +195,7 @@ def time_point(geometry, reps=30, warmup=5, copies=COPIES, variants=VARIANTS, fl
 
 def run_bench(json_path=None, *, quick=False, reps=30, warmup=5, copies=COPIES, log=print) -> dict:
     """The report's geometry plus the sweep; writes JSON to json_path when given."""
-    from qsa_lab import __version__
+    from qsa_lab.support.version import __version__
     from qsa_lab.model.case import Geometry
     from qsa_lab.routes.compiled import load
 
