@@ -194,7 +194,7 @@ def plan_groups(case: Case, grouping: str | None = None) -> GroupedPlan:
 
 
 def pad_fix(plan: GroupedPlan) -> GroupedPlan:
-    """Fix B: repoint every mask == 0 entry at the group's first real microblock (column 0).
+    """pad_fix (B): repoint every mask == 0 entry at the group's first real microblock (column 0).
 
     torch.where + copy_ only: no host synchronisation, so it can be captured in a CUDA graph.
     Real entries always carry a nonzero mask, so they are untouched.
