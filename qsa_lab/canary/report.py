@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from qsa_lab import __version__
+from qsa_lab.support.version import __version__
 from qsa_lab.canary.calls import call_stem, kernel_runner, save_call, smallest_leak
 from qsa_lab.canary.names import FILE, MODULE, parse_kernel
 from qsa_lab.canary.render import html, markdown
