@@ -5,6 +5,8 @@
     write_report(run_canary(["flashinfer:prefill-fa2"], attend="sparse", ...), "leak-report")
 
 The folder travels: copy or zip it, and everything in it works from wherever it is unpacked.
+This module builds the report's data (blocks); qsa_lab.canary.calls writes the call files and
+runs the calls that find the smallest leak, qsa_lab.canary.render writes the Markdown and HTML.
 
     report.md, report.html  the counts (qsa_lab.canary.verdicts.counts: the same numbers as the
                             command line and canary.json), the command line that wrote it, the
