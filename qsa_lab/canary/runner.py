@@ -31,7 +31,7 @@ from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
 from qsa_lab.canary.overlap import take as take_overlap
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
 from qsa_lab.analysis.leaks import (CHECKED, CLEAN, ERROR, FAILURES, FINITE_LEAK, INPUT_MODIFIED, LEAKS, NA,
-                                    UNSTABLE, VERDICTS, LeakReport, compare, control_problem)  # noqa: F401 - named here too
+                                    UNSTABLE, LeakReport, compare, control_problem)
 
 SCHEMA = "qsa_lab.canary/1"
 DEFAULT_PAYLOADS = ("nan", "inf", "max")

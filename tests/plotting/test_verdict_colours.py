@@ -42,12 +42,11 @@ def test_the_canary_grid_and_the_scribble_grid_give_a_verdict_the_same_colour_ma
     from qsa_lab.canary.figures import leak_matrix, plot_leak_matrix
     from qsa_lab.scribble.check import Cell, ScribbleReport
     from qsa_lab.scribble.figures import verdict_grid
+    from qsa_lab.scribble.verdicts import REGIONS as regions
 
     doc = {"kernels": ["k"], "backend": None, "results": [
         {"kernel": "k", "region": f"r{i}", "plane": "v", "payload": "nan", "verdict": v} for i, v in enumerate(SHARED)]}
     canary = plot_leak_matrix(leak_matrix(doc), ax=plt.figure().add_subplot())
-    regions = ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-trash", "prefix-cache",
-               "out-of-window")
     report = ScribbleReport("e", "gather", False, "m", {}, [Cell("read", r, "nan", v) for r, v in zip(regions, SHARED)]
                             + [Cell("write", "read-trash", "-", "stray-write")])
     scribble = verdict_grid(report, ax=plt.figure().add_subplot())

@@ -3,8 +3,8 @@ import json
 
 import compare_verdicts
 
-CANARY = {"schema": "qsa_lab.canary/1", "date": "2026-01-01T00:00:00Z", "counts": {"cells": 2, "checks": 2, "leaking": 1},
-          "results": [{"kernel": "k", "region": "null-block", "plane": "v", "payload": "nan", "verdict": "nan-leak",
+CANARY = {"schema": "qsa_lab.canary/1", "date": "2026-01-01T00:00:00Z",
+          "counts": {"cells": 2, "checks": 2, "leaking": 1}, "results": [{"kernel": "k", "region": "null-block", "plane": "v", "payload": "nan", "verdict": "nan-leak",
                        "nan": 4, "inf": 0, "finite_changed": 0, "note": "x"},
                       {"kernel": "k", "region": "null-block", "plane": "k", "payload": "nan", "verdict": "clean",
                        "nan": 0, "inf": 0, "finite_changed": 0}]}
@@ -28,7 +28,8 @@ def test_a_changed_verdict_or_count_is_named(tmp_path, capsys):
     other["results"][0]["nan"] = 5
     assert compare_verdicts.main([_write(tmp_path, "a.json", CANARY), _write(tmp_path, "b.json", other)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out == ["k/null-block/v/nan: ('nan-leak', 4, 0, 0, 0) -> ('nan-leak', 5, 0, 0, 0)", "2 and 2 cells: 1 difference(s)"]
+    assert out == ["k/null-block/v/nan: ('nan-leak', 4, 0, 0, 0) -> ('nan-leak', 5, 0, 0, 0)",
+                   "2 and 2 cells: 1 difference(s)"]
 
 
 def test_not_a_leak_check_document_is_exit_2(tmp_path, capsys):
