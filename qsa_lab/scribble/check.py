@@ -182,7 +182,7 @@ class ScribbleReport(LeakReport):
     cells: list
     control_seconds: float = 0.0
     facts: dict = field(default_factory=dict)
-    SCHEMA = SCHEMA            # the JSON's (LeakReport.header); exit_code: the canary's, a stray write a leak
+    SCHEMA = SCHEMA            # the JSON's (LeakReport.header)
 
     def verdicts(self) -> list:
         return [c.verdict for c in self.cells]
