@@ -209,7 +209,7 @@ def machine_facts() -> dict:
 
     import torch
 
-    from qsa_lab import __version__
+    from qsa_lab.support.version import __version__
 
     return {"qsa_lab_version": __version__, "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "gpu": gpu_name(),

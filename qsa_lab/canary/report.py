@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from qsa_lab import __version__
 from qsa_lab.analysis.leaks import CLEAN, LEAKS, NA, counts, summary
+from qsa_lab.support.version import __version__
 
 SCHEMA = "qsa_lab.canary-call/1"
 MAX_STEPS = 24  # halving steps: enough for 2**24 slots
