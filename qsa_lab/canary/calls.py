@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from qsa_lab.analysis.leaks import LEAKS, compare
 from qsa_lab.model.regions import AttentionSpec, attended_tokens, region_slots
 from qsa_lab.canary.case import load_case
 from qsa_lab.canary.execution import INPUTS
 from qsa_lab.canary.names import FILE, KernelName
-from qsa_lab.canary.runner import LEAKS, PLANES, call_meta, compare, runner_of, write_region
+from qsa_lab.canary.runner import PLANES, call_meta, runner_of, write_region
 
 SCHEMA = "qsa_lab.canary-call/1"
 MAX_STEPS = 24  # halving steps: enough for 2**24 slots

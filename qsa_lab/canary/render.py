@@ -2,18 +2,15 @@
 qsa_lab.canary.report), and a run's matrix and notes for the terminal (`qsa-lab canary`).
 
 Blocks are (kind, ...) tuples: ("h1" | "h2" | "h3", text), ("p", text), ("code", text),
-("img", file name), ("table", header, rows). Plain Python (pandas for the matrix).
+("img", file name), ("table", header, rows). Plain Python (pandas for the matrix); the marks and
+the legend are the verdict grids' own (qsa_lab.plotting.verdicts).
 """
 from __future__ import annotations
 
 from html import escape
 
-from qsa_lab.canary.verdicts import FAILURES, LEAKS, summary
-
-MARKS = {"clean": ".", "nan-leak": "N", "inf-leak": "I", "finite-leak": "F", "error": "E", "unstable-control": "U",
-         "input-modified": "M", "n/a": "/"}
-LEGEND = ("# . clean   N NaN leak   I Inf leak   F finite leak (bits changed)   E error   U unstable control   "
-          "M input modified   / n/a (no input references the region)   - not run")
+from qsa_lab.analysis.leaks import FAILURES, LEAKS, NOT_RUN, STRAY_WRITE, VERDICTS
+from qsa_lab.plotting.verdicts import MARKS, legend_line
 
 
 # -- a leak report's blocks ---------------------------------------------------------------------------
@@ -71,11 +68,12 @@ def terminal(report, doc: dict) -> list[str]:
     lines = [f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; "
              f"backend {report.backend}, device {report.device}",
              f"# regions (slots): {doc['regions']}; payload bits: {doc['payload_bits']}",
-             matrix(report), LEGEND, *notes(report)]
+             matrix(report), legend_line([v for v in VERDICTS if v != STRAY_WRITE]),   # a kernel call writes no pool
+             *notes(report)]
     for s in report.skipped:
         what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
         lines.append(f"# skipped {what}: {s['reason']}")
-    return lines + [f"# {summary(doc['counts'])}"]
+    return lines + [f"# {report.summary()}"]
 
 
 def _group_cells(cells) -> str:
@@ -111,7 +109,7 @@ def notes(report) -> list[str]:
 
 
 def matrix(report) -> str:
-    """Kernels down, region/plane/payload across, one mark per verdict."""
+    """Kernels down, region/plane/payload across, one mark per verdict (qsa_lab.plotting.verdicts)."""
     import pandas as pd
 
     df = report.frame()
@@ -119,6 +117,6 @@ def matrix(report) -> str:
         return "(no results)"
     df["mark"] = df.verdict.map(MARKS)
     t = df.pivot_table(index="kernel", columns=["region", "plane", "payload"], values="mark", aggfunc="first",
-                       sort=False).fillna("-")
+                       sort=False).fillna(MARKS[NOT_RUN])
     with pd.option_context("display.width", 250, "display.max_columns", 200):
         return t.to_string()

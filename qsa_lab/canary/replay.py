@@ -64,9 +64,10 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     given as a string is parsed here (errors name `kernel`)."""
     import torch
 
+    from qsa_lab.analysis.leaks import compare
     from qsa_lab.canary.calls import kernel_runner, load_call, run_call
     from qsa_lab.canary.kernels import kernel_name
-    from qsa_lab.canary.runner import compare, resolve_devices
+    from qsa_lab.canary.runner import resolve_devices
 
     name = None if kernel is None else as_kernel_name(kernel, "kernel")
     control, poisoned, meta = load_call(path)
@@ -126,7 +127,9 @@ def main(argv=None) -> int:
     if r["control_nan"]:
         print("replay: cannot tell: the control output holds NaN", file=sys.stderr)
         return 3
-    return 0 if r["verdict"] == "clean" else 1
+    from qsa_lab.analysis.leaks import CLEAN
+
+    return 0 if r["verdict"] == CLEAN else 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from qsa_lab.canary.case import canary_case
 from qsa_lab.canary.calls import save_call
 from qsa_lab.canary.report import write_report
 from qsa_lab.canary.standalone import script_text
-from qsa_lab.canary.verdicts import summary
+from qsa_lab.analysis.leaks import summary
 
 DATA = Path(__file__).parents[1] / "data"
 LEAKY = f"{DATA / 'canary_kernels.py'}:leaky"
