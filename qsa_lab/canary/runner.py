@@ -32,7 +32,7 @@ from qsa_lab.canary.overlap import take as take_overlap
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
 from qsa_lab.canary.names import KernelName, as_kernel_name
 from qsa_lab.analysis.leaks import (CHECKED, CLEAN, ERROR, FAILURES, FINITE_LEAK, INPUT_MODIFIED, LEAKS, NA,
-                                    UNSTABLE, LeakReport, compare, control_problem)
+                                    UNSTABLE, LeakReport, bits, compare, control_problem)
 
 SCHEMA = "qsa_lab.canary/1"
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
@@ -521,6 +521,25 @@ def _failed(o: Outcome | None, what: str) -> dict | None:
     return None
 
 
+def _combine(judged: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(control, poisoned, rows [rows] bool or None)] of a cell's parts -> one (control, poisoned)
+    pair: each output from a part that judges its row, and from one where it changed when any
+    did. A row is judged by several parts (other-requests at 5+ requests: one per bit of the
+    request id); a later part where it stayed the same never hides an earlier part's leak."""
+    first = judged[0][0]
+    if len(judged) == 1 and judged[0][2] is None:
+        return first, judged[0][1]
+    control, poisoned = bits(first).clone(), bits(first).clone()    # raw bits: float8 has no index_put
+    leaked = torch.zeros(first.shape, dtype=torch.bool)
+    for ctrl, out, rows in judged:
+        pick = torch.ones(first.shape, dtype=torch.bool) if rows is None else \
+            rows.cpu().view(-1, *[1] * (first.dim() - 1)).expand(first.shape)
+        pick = pick & ~leaked
+        control[pick], poisoned[pick] = bits(ctrl)[pick], bits(out)[pick]
+        leaked |= pick & compare(ctrl, out).changed
+    return control.view(first.dtype), poisoned.view(first.dtype)
+
+
 def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResult:
     """One payload's verdict over every part of the cell: each part's outputs count on its judged
     rows only (all rows for a one-part region)."""
@@ -538,11 +557,8 @@ def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResul
             judged = [(control.output, o.output, None)]   # compare() names the mismatch
             break
         judged.append((control.output, o.output, rows))
-    control, poisoned = judged[0][0].clone(), judged[0][0].clone()
-    for ctrl, out, rows in judged:   # each row's outputs from the part that judges it
-        pick = slice(None) if rows is None else rows
-        control[pick], poisoned[pick] = ctrl[pick], out[pick]
     try:
+        control, poisoned = _combine(judged)
         verdict, counts, changed = compare(control, poisoned)
     except (TypeError, ValueError) as e:
         return LeakResult(**row, payload=payload, verdict=ERROR, error=f"{payload} run: {e}")
