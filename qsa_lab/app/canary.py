@@ -171,7 +171,7 @@ def kernel_source(name) -> str | None:
     if name.kind != MODULE:
         return None
     parts = name.source.split(".")
-    for entry in ["", *sys.path]:   # the worker finds modules in the current folder too
+    for entry in [*sys.path, ""]:   # the worker finds modules in the current folder too, last
         base = Path(entry or ".", *parts)
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():

@@ -1,4 +1,4 @@
-"""`qsa-lab` command line: diff, repro, bench, doctor.
+"""`qsa-lab` command line: diff, repro, bench, doctor, notebooks, lab, canary, replay, scribble.
 
 Exit codes (README "Exit codes and errors"): 0 success; 1 a `--load` replay that differs;
 2 bad input, one line `qsa-lab: error: <argument>: <what is wrong>`; 3 any other failure,
@@ -351,6 +351,12 @@ def _add_canary_parser(sub, parents=()):
     cli.add_parser(sub, parents).set_defaults(func=cmd_canary)
 
 
+def _add_replay_parser(sub, parents=()):
+    from qsa_lab.app import replay
+
+    replay.add_parser(sub, parents)
+
+
 def _add_scribble_parser(sub, parents=()):
     from qsa_lab.app import scribble
 
@@ -414,6 +420,7 @@ def build_parser():
     lab.add_argument("--no-browser", action="store_true", help="do not open a browser (default: open one)")
     lab.set_defaults(func=cmd_lab)
     _add_canary_parser(sub, parents=[common])
+    _add_replay_parser(sub, parents=[common])
     _add_scribble_parser(sub, parents=[common])
     return p
 

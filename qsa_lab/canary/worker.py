@@ -1,4 +1,5 @@
-"""One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary).
+"""One user kernel in its own process (started by the canary: support.processes.spawn, as `python -m
+qsa_lab.canary.worker` would run it, but without the current folder on the import path).
 
 Requests and replies are length-prefixed pickles on the worker's original stdin / stdout;
 the kernel itself sees stdout redirected to stderr and stdin to /dev/null, ignores Ctrl-C
@@ -32,7 +33,10 @@ def main() -> int:
         if msg[0] == "load":
             _, name, cwd, path = msg   # a canary.names.KernelName
             os.chdir(cwd)
-            sys.path[:0] = [p for p in path if p not in sys.path]
+            # the caller's path, then the current folder LAST: a kernel module there is found, but a
+            # torch.py or qsa_lab/ lying there never takes an installed module's place
+            sys.path[:0] = [p for p in path if p and p != cwd and p not in sys.path]
+            sys.path.append(cwd)
             try:
                 fn = load_kernel(name)
                 reply = ("ok", {"paged_inputs": getattr(fn, "paged_inputs", None)})

@@ -31,14 +31,17 @@ def recv(stream):
 
 
 def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:
-    """python -m module [args] with this qsa_lab first on its path; its stdin / stdout the
-    request / reply pipes."""
+    """`module` run as by python -m, with this qsa_lab first on its path and the current folder
+    not on it at all (a received folder's torch.py is never imported: support.safepath); its
+    stdin / stdout the request / reply pipes."""
+    from qsa_lab.support.safepath import RUN_MODULE
+
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])   # the folder holding this qsa_lab
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=stderr, env=env)
+    return subprocess.Popen([sys.executable, "-c", RUN_MODULE.format(module), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=stderr, env=env)
 
 
 def end(p: subprocess.Popen | None, wait: float = 2) -> None:

@@ -1,0 +1,22 @@
+"""The current folder off the import path, for commands run inside a folder someone sent.
+
+`python -m module` and `python -c` put the current folder first on sys.path, so a `shlex.py`,
+`torch.py` or `safetensors/` lying in a received report folder would be imported in place of the
+real module, and run. An entry point that may run there calls `drop_current_folder()` before it
+imports anything else; this module itself imports nothing that Python has not loaded at start-up.
+(The `qsa-lab` program never has the current folder on its path: its script's folder is first.)
+"""
+import os
+import sys
+
+
+def drop_current_folder() -> None:
+    """Remove the entry `python -m` / `python -c` put first on sys.path ('' or the current folder)."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+
+#: `python -c` code that starts `module` as `python -m module` would, without the current folder on
+#: its path (for a second process started in a folder the user received: qsa_lab.support.processes)
+RUN_MODULE = ("import sys; sys.path[:] = [p for p in sys.path if p]; import runpy; "
+              "runpy.run_module({!r}, run_name='__main__', alter_sys=True)")
