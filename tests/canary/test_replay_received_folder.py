@@ -94,3 +94,55 @@ def test_every_replay_line_a_report_prints_is_qsa_lab_replay():
 
     assert _replay_command("calls/x.safetensors", "torch:sdpa-math", None, {}).startswith("qsa-lab replay ")
     assert KernelNotNamed("calls/x.safetensors", "evil:boom").command.startswith("qsa-lab replay ")
+
+
+# -- what a call file supplies reaches the terminal escaped ----------------------------------------
+
+ESC = "\x1b[2J\x1b[31m"
+
+
+def _forge(path, **meta):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        old, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**old, **meta})
+
+
+def _raw(text):
+    return "\x1b" in text or "\r" in text
+
+
+@pytest.mark.parametrize("meta", [{"kernel": f"torch:sdpa-math{ESC}\nverdict clean"},
+                                  {"kernel": f"flashinfer:{ESC}x\rclean"},
+                                  {"region": f"{ESC}stale-tail\nverdict clean", "plane": "v\r", "payload": ESC,
+                                   "verdict": f"clean{ESC}\n"}])
+def test_a_forged_call_file_never_writes_control_codes_to_the_terminal(report, meta, capsys):
+    from qsa_lab.app.cli import main as cli
+    from qsa_lab.canary.replay import main
+
+    call = report / "calls" / "cell.safetensors"
+    _forge(call, **meta)
+    for run_replay in (lambda: main([str(call), "--backend", "emulate"]),
+                       lambda: cli(["replay", str(call), "--backend", "emulate"])):
+        code = run_replay()
+        out, err = capsys.readouterr()
+        assert not _raw(out) and not _raw(err), (out, err)
+        assert "\\x1b" in out + err                         # shown, escaped
+        assert not any(line.startswith("verdict clean") for line in out.splitlines())   # no forged line
+        assert code in (1, 2, 3) and len(err.strip().splitlines()) <= 1, (code, err)
+
+
+def test_an_old_route_name_in_a_call_file_is_bad_input(report, capsys):
+    from qsa_lab.app.cli import main as cli
+    from qsa_lab.canary.replay import main
+
+    call = report / "calls" / "cell.safetensors"
+    _forge(call, kernel="qsa:fixA")
+    assert main([str(call)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("replay: error: call file: ") and "qsa:" in err and len(err.strip().splitlines()) == 1
+    assert cli(["replay", str(call)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qsa-lab: error: CALL_FILE: ") and len(err.strip().splitlines()) == 1, err
