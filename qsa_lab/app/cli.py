@@ -78,7 +78,7 @@ def _replay_differs(case, result, saved_plan, saved) -> list[str]:
 
 def cmd_diff(args) -> int:
     from qsa_lab.model import memory as resources
-    from qsa_lab.support.outputs import write_text
+    from qsa_lab.support.outputs import write_together
 
     if args.save == "-":
         raise UsageError("--save: writes a file; '-' (stdout) is only for --json")
@@ -147,16 +147,17 @@ def cmd_diff(args) -> int:
         _print_table(rows, result)
         if replay:
             print(f"# replay of {args.load}: {replay}")
-    with blame({}, "--json"):
-        if "--json" in outs:
-            write_text(outs["--json"], text, "--json", force=args.force)
-            if args.json != "-":
-                print(f"# wrote {outs['--json']}")
-    with blame({}, "--save"):
-        if "--save" in outs:
-            io.save(result, outs["--save"], overwrite=args.force, arg="--save", origin=origin)
-            if args.json != "-":
-                print(f"# saved {outs['--save']}")
+    files = []       # published together: a signal or a failure leaves both or neither
+    if "--json" in outs:
+        files.append((outs["--json"], text.encode("utf-8"), "--json"))
+    if "--save" in outs:
+        with blame({}, "--save"):
+            files.append((outs["--save"], io.encode(result, origin=origin), "--save"))
+    with blame({}, files[-1][2] if files else "output"):
+        write_together(files, force=args.force)
+    if args.json != "-":
+        for path, _, flag in files:
+            print(f"# {'wrote' if flag == '--json' else 'saved'} {path}")
     return EXIT_OK if replay in (None, "bit-identical") else EXIT_DIFFERS
 
 

@@ -292,8 +292,13 @@ A `qsa-lab diff --save` file is one of these.
 
 
 def _read_tensors(path) -> tuple[dict, dict]:
+    import os
     from pathlib import Path
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected the path of a case file (str or Path), got {type(path).__name__}")
+    if not str(path).strip():
+        raise ValueError("path: empty")
     p = Path(path)
     if not p.is_file():
         if p.exists():   # a FIFO or a device would block the read
@@ -319,6 +324,31 @@ def _read_tensors(path) -> tuple[dict, dict]:
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+def _check_shapes(path, t: dict) -> None:
+    """The ranks and lengths load_case relies on, before it indexes anything (ValueError naming
+    the tensor, never an IndexError)."""
+    def integral(x):
+        return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+
+    kv, q, seq, bt = t["kv_cache"], t["q"], t["seq_lens"], t["block_table"]
+    need(kv.dim() in (4, 5) and kv.numel() > 0, "kv_cache",
+         f"[pages, 2, page_size, kv_heads, head_dim] (or without kv_heads) in {path}, got {list(kv.shape)}")
+    need(q.dim() == 3 and q.shape[0] >= 1, "q", f"[rows, q_heads, head_dim] in {path}, got {list(q.shape)}")
+    need(seq.dim() == 1 and seq.numel() >= 1 and integral(seq), "seq_lens",
+         f"[requests] integers, at least one, in {path}, got {list(seq.shape)} {seq.dtype}")
+    need(bt.dim() == 2 and bt.shape[0] == seq.numel() and integral(bt), "block_table",
+         f"[requests={seq.numel()}, max_pages] integers in {path}, got {list(bt.shape)} {bt.dtype}")
+    R, rows = seq.numel(), q.shape[0]
+    if "query_lens" in t:
+        ql = t["query_lens"]
+        need(ql.dim() == 1 and ql.numel() == R and integral(ql) and bool((ql >= 0).all()), "query_lens",
+             f"[requests={R}] integers >= 0 in {path}, got {list(ql.shape)} {ql.dtype}")
+    elif "token_to_req" in t:
+        t2r = t["token_to_req"]
+        need(t2r.dim() == 1 and t2r.numel() == rows and integral(t2r) and bool(((t2r >= 0) & (t2r < R)).all()),
+             "token_to_req", f"[rows={rows}] request ids in 0..{R - 1} in {path}, got {list(t2r.shape)} {t2r.dtype}")
+
+
 def load_case(path, attend=None) -> CanaryCase:
     """A case file (CASE_FORMAT: a `diff --save` file or your engine's own dump) as a CanaryCase.
     attend: its spec (default sparse when it has selections, else dense)."""
@@ -332,6 +362,7 @@ def load_case(path, attend=None) -> CanaryCase:
     kv_dtype = str(meta.get("kv_dtype", "fp16" if kv.dtype == torch.float16 else ""))
     if kv.dtype == torch.uint8 and kv_dtype not in ("e4m3", "e5m2"):
         raise ValueError(f"case: {path}: a uint8 kv_cache needs metadata kv_dtype e4m3 or e5m2")
+    _check_shapes(path, t)
     q, seq, bt = t["q"], t["seq_lens"].to(torch.int32), t["block_table"].to(torch.int32).clone()
     R, rows = seq.numel(), q.shape[0]
     if "query_lens" in t:

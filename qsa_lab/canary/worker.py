@@ -23,7 +23,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
 
-    from qsa_lab.canary.execution import Outcome, call_kernel, load_kernel, recv, send
+    from qsa_lab.canary.execution import Outcome, call_kernel, load_kernel, portable, recv, send
 
     fn, memo = None, {}
     while True:
@@ -48,7 +48,7 @@ def main() -> int:
             out = call_kernel(fn, inputs, meta, device, memo) if fn is not None else \
                 Outcome("error", error="no kernel loaded")
             sys.stdout.flush()
-            send(proto_out, out)
+            send(proto_out, portable(out))
 
 
 if __name__ == "__main__":

@@ -123,16 +123,23 @@ def budget_bytes(value, arg: str = "max_memory") -> int:
     return int(value)
 
 
-def require(g: Geometry, budget=None) -> Estimate:
+def require(g: Geometry, budget=None, api: bool = False) -> Estimate:
     """Raise MemoryBudgetError (a ValueError) when the estimate exceeds `budget` (budget_bytes:
-    bytes or text such as '4G'; default DEFAULT_FRACTION of the memory available now)."""
+    bytes or text such as '4G'; default DEFAULT_FRACTION of the memory available now). The error
+    names the command line's options, or with `api` the Python arguments (the first that drives
+    the estimate; max_memory when the budget is below what any case needs)."""
     est = estimate(g)
     limit = budget_bytes(budget)
     if est.bytes > limit:
+        terms, why = est.driver.split(" (")[0], est.driver.split(" (")[1].rstrip(")")
+        if api:
+            terms = terms.replace("--", "").replace("-", "_")
+            lead = "max_memory" if BASE_BYTES > limit else terms.split(" x ")[0]
+            raise MemoryBudgetError(f"{lead}: this case needs an estimated {format_bytes(est.bytes)}, above the "
+                                    f"budget of {format_bytes(limit)} ({terms}: {why}); shrink it or raise max_memory")
         raise MemoryBudgetError(
-            f"{est.driver.split(' (')[0]}: this case needs an estimated {format_bytes(est.bytes)}, above the "
-            f"budget of {format_bytes(limit)} ({est.driver.split(' (')[1].rstrip(')')} dominates); "
-            "shrink it or raise --max-memory")
+            f"{terms}: this case needs an estimated {format_bytes(est.bytes)}, above the "
+            f"budget of {format_bytes(limit)} ({why} dominates); shrink it or raise --max-memory")
     return est
 
 
