@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-SUPPORTED_TRANSFORMERS = ("5.24.0",)
+SUPPORTED_TRANSFORMERS = ("5.24.0", "5.25.0")
 
 
 def transformers_version() -> str | None:
