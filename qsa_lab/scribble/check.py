@@ -75,6 +75,8 @@ class Scribbler:
         self._after = None              # digest after the last step (or warm-up)
         self._last = None               # the label of that step
         self._calls = []                # (name, moves, changed rows) of the engine calls since then
+        self._owner = None              # _owners() of the last step's view
+        self._request_ids = {}          # request -> its number in _owners()
 
     # ------------------------------------------------------------------ the hooks
     def before_step(self, view: StepView) -> None:
@@ -90,6 +92,7 @@ class Scribbler:
                 self.taken_back += int((self._poisoned & moved).sum())
                 self._poisoned &= ~moved
         self._calls = []
+        self._owner = self._owners(view)
         for name, rows in view.regions.items():
             if name in self.region_rows:
                 self.region_rows[name] += int(rows.numel())
@@ -132,10 +135,20 @@ class Scribbler:
             self._calls.append((name, moves, changed))
 
     # ------------------------------------------------------------------ between steps
+    def _owners(self, view: StepView) -> torch.Tensor:
+        """[rows] int64: a number per request for the rows only it may read, -2 for owned rows that several
+        requests share, -1 for the rest."""
+        device = view.pool.device
+        owner = torch.full((view.pool.shape[0],), -1, dtype=torch.int64, device=device)
+        owner[view.owned.to(device)] = -2
+        for request, rows in view.request_rows.items():
+            owner[rows.to(device)] = self._request_ids.setdefault(request, len(self._request_ids))
+        return owner
+
     def _judge_moves(self, view: StepView, moved: torch.Tensor) -> None:
         """Rows that changed after the last step and before this one: the engine's own moves (a restore or
-        fork copy into rows that a request owns now) are accounted; anything else is a stray write,
-        named by the innermost engine call that made it."""
+        fork copy into rows that a request owns now, and no request owned before) are accounted; anything
+        else is a stray write, named by the innermost engine call that made it."""
         unowned = torch.zeros_like(moved)
         for name in _UNOWNED:
             if name in view.regions:
@@ -144,7 +157,9 @@ class Scribbler:
         for _, moves, changed in self._calls:
             if moves:
                 legit |= changed
-        legit &= moved & ~unowned
+        # a request's written rows are never a move's target while it still holds them
+        kept = torch.zeros_like(moved) if self._owner is None else (self._owner != -1) & (self._owner == self._owners(view))
+        legit &= moved & ~unowned & ~kept
         self.moved_rows += int(legit.sum())
         stray = moved & ~legit
         if not stray.any():

@@ -22,9 +22,10 @@ MODELS = {
     "qwen2-hybrid": ("Qwen2Config", "Qwen2ForCausalLM",
                      {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
                       "layer_types": ["full_attention", "sliding_attention"]}),
-    # multi-head latent attention: transformers 5.25 caches the two latents (32 + 8 wide) per token and layer
+    # multi-head latent attention: transformers 5.25 caches the two latents (32 + 8 wide) per token and layer,
+    # expanded to every query head after the cache (so as many KV heads as query heads)
     "deepseek-mla": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                     {"kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
                       "v_head_dim": 16, "first_k_dense_replace": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
                       "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32}),
 }
@@ -87,7 +88,7 @@ def tiny_model(name: str = "llama-gqa", seed: int = 0, dtype=None, device=None):
     import torch
     import transformers
     config_cls, model_cls, extra = MODELS[name]
-    config = getattr(transformers, config_cls)(**TINY, **extra)
+    config = getattr(transformers, config_cls)(**(TINY | extra))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     if dtype is not None or device is not None:
