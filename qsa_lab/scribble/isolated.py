@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 from qsa_lab.support.processes import end, read_reply, send, spawn
 
@@ -62,6 +63,9 @@ def scribble_attention(attn: str, regions=REGIONS, payloads=PAYLOADS, localise_l
         raise TypeError(f"scribble_attention: unknown settings {sorted(unknown)}; choose from {sorted(SETTINGS)}")
     if not is_user_attention(attn):
         raise AttentionLoadError(f"{argument}: {attn!r} is not file.py:function nor module:function")
+    path = attn.rpartition(":")[0]
+    if path.endswith(".py") and not Path(path).is_file():        # told at once, before a worker starts
+        raise AttentionLoadError(f"{argument}: {attn!r}: no file {path}")
     proc, kind = spawn("qsa_lab.scribble.worker"), None
     try:
         failed = _send(proc, ("run", attn, argument, os.getcwd(), [p for p in sys.path if isinstance(p, str)],
