@@ -1,7 +1,7 @@
 """Your own attention: `qsa-lab scribble --attn file.py:function` and scribble_attention(), in a worker
 process with the canary's rules for user code (stdout to stderr, killed on a timeout, bad input exit 2)."""
 import json
-import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -11,47 +11,17 @@ from qsa_lab.scribble.verdicts import OTHER
 
 pytest.importorskip("transformers")
 
-LEAKY = '''
-import torch
-from transformers.integrations.eager_paged import eager_paged_attention_forward
+USER = Path(__file__).resolve().parent / "user_attention.py"
 
 
-def attention(module, query, key, value, attention_mask, scaling, **kwargs):
-    """paged|eager per request, that also meets the next request's first key row with weight 0."""
-    print("my attention runs")
-    cu_q, cu_k = kwargs["cu_seq_lens_q"].tolist(), kwargs["cu_seq_lens_k"].tolist()
-    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
-    n = len(cu_q) - 1
-    for i, (qs, qe, ks, ke) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
-        j = cu_k[(i + 1) % n]
-        k = torch.cat([key[:, :, ks:ke], key[:, :, j:j + 1]], dim=2)
-        v = torch.cat([value[:, :, ks:ke], value[:, :, j:j + 1]], dim=2)
-        m = attention_mask[..., qs:qe, ks:ke]
-        m = torch.cat([m, torch.full_like(m[..., :1], torch.finfo(m.dtype).min)], dim=-1)
-        out[:, qs:qe], _ = eager_paged_attention_forward(module, query[:, :, qs:qe], k, v, m, scaling, **kwargs)
-    return out, None
-
-
-def stuck(module, query, key, value, attention_mask, scaling, **kwargs):
-    import time
-    time.sleep(3600)
-'''
-
-
-@pytest.fixture
-def user_file(tmp_path, monkeypatch):
-    (tmp_path / "my_attn.py").write_text(textwrap.dedent(LEAKY))
+def test_attn_catches_a_users_leaking_attention_and_names_it(capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    return tmp_path / "my_attn.py"
-
-
-def test_attn_catches_a_users_leaking_attention_and_names_it(user_file, capfd):
-    rc = main(["scribble", "--attn", "my_attn.py:attention", "--regions", f"{OTHER},free-blocks",
-               "--payloads", "nan", "--json", "-"])
+    spec = f"{USER}:one_more_key"
+    rc = main(["scribble", "--attn", spec, "--regions", f"{OTHER},free-blocks", "--payloads", "nan", "--json", "-"])
     out, err = capfd.readouterr()
     report = json.loads(out)                       # what the function printed went to stderr, not into the JSON
-    assert rc == 1 and "my attention runs" in err
-    assert report["engine"] == "transformers:my_attn.py:attention (in the paged|eager slot)"
+    assert rc == 1 and "one_more_key runs" in err
+    assert report["engine"] == f"transformers:{spec} (in the paged|eager slot)"
     verdicts = {(r["check"], r["region"], r["payload"]): r["verdict"] for r in report["results"]}
     assert verdicts == {("write", "free-blocks", "-"): "clean", ("read", OTHER, "nan"): "nan-leak",
                         ("read", "free-blocks", "nan"): "clean"}
@@ -67,16 +37,17 @@ def test_the_api_runs_a_module_function_in_a_worker_and_the_example_is_clean():
 
 @pytest.mark.parametrize("spec, problem", [
     ("nofile.py:attention", "--attn: 'nofile.py:attention': no file nofile.py"),
-    ("my_attn.py:nothing", "--attn: 'my_attn.py:nothing': my_attn.py has no callable 'nothing'"),
+    ("user_attention.py:nothing", "--attn: 'user_attention.py:nothing': user_attention.py has no callable 'nothing'"),
 ])
-def test_an_attention_that_cannot_be_loaded_is_bad_input_in_one_line(user_file, capsys, spec, problem):
+def test_an_attention_that_cannot_be_loaded_is_bad_input_in_one_line(capsys, monkeypatch, spec, problem):
+    monkeypatch.chdir(USER.parent)
     assert main(["scribble", "--attn", spec]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"qsa-lab: error: {problem}") and err.count("\n") == 1
 
 
-def test_a_stuck_attention_is_killed_at_the_timeout_and_every_check_is_an_error(user_file):
-    report = scribble_attention("my_attn.py:stuck", regions=("free-blocks",), payloads=("nan",), timeout=15)
+def test_a_stuck_attention_is_killed_at_the_timeout_and_every_check_is_an_error():
+    report = scribble_attention(f"{USER}:stuck", regions=("free-blocks",), payloads=("nan",), timeout=15)
     assert {c.verdict for c in report.cells} == {"error"} and report.exit_code() == 3
     assert all("timed out after 15 s" in c.error for c in report.cells)
 
