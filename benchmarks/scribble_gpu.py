@@ -1,6 +1,6 @@
 """The scribble on a CUDA GPU, under every supported transformers: the matrix, CUDA graphs included.
 
-    python benchmarks/scribble_gpu.py OUT_DIR [--wheels .whl] [--versions 5.24.0,5.25.0] [--budget 540]
+    python benchmarks/scribble_gpu.py OUT_DIR [--wheels .whl] [--versions 5.24.0,5.25.0] [--budget 480]
 
 For each transformers version: the installed one runs as it is; another is installed from its wheel in
 --wheels (`transformers-<version>-py3-none-any.whl`, with a `huggingface_hub-*.whl` beside it when the
@@ -116,7 +116,8 @@ def run_configs(out: Path, names: list, dtype: str, payloads: tuple, deadline: f
 
 
 def site_packages_for(version: str, wheels: Path, say) -> Path | None:
-    """A folder holding transformers `version` (and a newer huggingface_hub if one is carried), or None."""
+    """A folder holding transformers `version` that imports here (with a carried huggingface_hub wheel too
+    when the installed hub is too old for it), or None."""
     target = Path(tempfile.gettempdir()) / f"qsa_lab-transformers-{version}"     # not under OUT: 130 MB
     if (target / ".installed").exists():
         return target
@@ -125,13 +126,21 @@ def site_packages_for(version: str, wheels: Path, say) -> Path | None:
         say(f"scribble_gpu: transformers {version}: no wheel {wheels}/transformers-{version}-*.whl (carry it)")
         return None
     hub = sorted(wheels.glob("huggingface_hub-*.whl"))[-1:]
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
-                           str(target), str(found[-1]), *map(str, hub)], capture_output=True, text=True)
-    if done.returncode:
-        say(f"scribble_gpu: transformers {version}: pip could not install the wheel: {done.stderr.strip()[-500:]}")
-        return None
-    (target / ".installed").touch()
-    return target
+    for extra in ([], hub) if hub else ([],):
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade",
+                               "--target", str(target), str(found[-1]), *map(str, extra)], capture_output=True, text=True)
+        if done.returncode:
+            say(f"scribble_gpu: transformers {version}: pip could not install the wheel: {done.stderr.strip()[-500:]}")
+            return None
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]))
+        check = subprocess.run([sys.executable, "-c", "import transformers.generation.continuous_batching"], env=env,
+                               capture_output=True, text=True)
+        if check.returncode == 0:
+            (target / ".installed").touch()
+            return target
+    say(f"scribble_gpu: transformers {version} does not import here (carry the wheels it needs, e.g. a newer "
+        f"huggingface_hub, in {wheels}): {check.stderr.strip().splitlines()[-1] if check.stderr.strip() else ''}")
+    return None
 
 
 def main(argv=None) -> int:
@@ -142,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)} (default all)")
     p.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--payloads", default="nan,inf,max")
-    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole call (default 540)")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole call: configs not begun by then are skipped (default 480)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a dry run of the configs without graphs (default cuda)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)   # VERSION: run here, print a JSON summary
