@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)} (default all)")
     p.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--payloads", default="nan,inf,max")
-    p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole call: configs not begun by then are skipped (default 480)")
+    p.add_argument("--budget", type=float, default=480.0,
+                   help="seconds for the whole call: configs not begun by then are skipped (default 480)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a dry run of the configs without graphs (default cuda)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)   # VERSION: run here, print a JSON summary
