@@ -128,7 +128,8 @@ def site_packages_for(version: str, wheels: Path, say) -> Path | None:
     hub = sorted(wheels.glob("huggingface_hub-*.whl"))[-1:]
     for extra in ([], hub) if hub else ([],):
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade",
-                               "--target", str(target), str(found[-1]), *map(str, extra)], capture_output=True, text=True)
+                               "--target", str(target), str(found[-1]), *map(str, extra)],
+                              capture_output=True, text=True)
         if done.returncode:
             say(f"scribble_gpu: transformers {version}: pip could not install the wheel: {done.stderr.strip()[-500:]}")
             return None
@@ -208,7 +209,8 @@ def main(argv=None) -> int:
     facts_files = sorted(out.glob("*/scribble_*.json"))
     if facts_files:
         facts = json.loads(facts_files[0].read_text())["facts"]
-        summary["facts"] = facts | {"transformers": ", ".join(v for v in versions if summary["versions"].get(v) == "ran")}
+        ran = [v for v in versions if summary["versions"].get(v) == "ran"]
+        summary["facts"] = facts | {"transformers": ", ".join(ran)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     say(f"== scribble_gpu done: {sum('exit_code' in r for r in summary['configs'].values())} configs ran, "
         f"{sum(bool(r.get('unexpected')) for r in summary['configs'].values())} UNEXPECTED, "

@@ -158,7 +158,9 @@ class Scribbler:
             if moves:
                 legit |= changed
         # a request's written rows are never a move's target while it still holds them
-        kept = torch.zeros_like(moved) if self._owner is None else (self._owner != -1) & (self._owner == self._owners(view))
+        kept = torch.zeros_like(moved)
+        if self._owner is not None:
+            kept = (self._owner != -1) & (self._owner == self._owners(view))
         legit &= moved & ~unowned & ~kept
         self.moved_rows += int(legit.sum())
         stray = moved & ~legit
