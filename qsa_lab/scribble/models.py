@@ -26,9 +26,8 @@ MODELS = {
     # expanded to every query head after the cache (so as many KV heads as query heads)
     "deepseek-mla": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                      {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8,
-                      "qk_nope_head_dim": 16,
-                      "v_head_dim": 16, "first_k_dense_replace": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
-                      "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32}),
+                      "qk_nope_head_dim": 16, "v_head_dim": 16, "first_k_dense_replace": 2, "n_routed_experts": 4,
+                      "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32}),
 }
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
