@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .contract import Generation, StepView
-from .verdicts import LEAKS, OTHER, PAYLOADS, POOL_REGIONS, REGION_TEXT, REGIONS, SCHEMA, STRAY
+from .verdicts import LEAKS, OTHER, PAYLOADS, POOL_REGIONS, REGION_TEXT, REGIONS, SCHEMA, STRAY, VERDICTS
 
 _UNOWNED = ("free-blocks", "prefix-cache", "read-trash", "write-trash")   # rows in no live request's block
 
@@ -353,7 +353,7 @@ class ScribbleReport:
     def summary(self) -> str:
         """One line: how many checks ran, what they found, and the exit code."""
         verdicts = [c.verdict for c in self.cells]
-        found = ", ".join(f"{verdicts.count(v)} {v}" for v in dict.fromkeys(verdicts))
+        found = ", ".join(f"{verdicts.count(v)} {v}" for v in VERDICTS if v in verdicts)
         leaking = sorted({c.region for c in self.leaks()})
         return (f"{len(verdicts)} cells: {found}" + (f"; leaks or stray writes in {', '.join(leaking)}" if leaking
                                                       else "") + f"; exit code {self.exit_code()}")

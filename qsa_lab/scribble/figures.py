@@ -8,7 +8,7 @@ COLOURS = {"clean": "#cfe8cf", "n/a": "#eeeeee", "nan-leak": "#d73027", "inf-lea
 
 
 def verdict_grid(report, ax=None):
-    """Rows: regions; columns: the read check's payloads, then the write guard."""
+    """Rows: regions; columns: the read check's payloads, then the write guard; the report's summary under it."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
     if ax is None:
@@ -24,4 +24,5 @@ def verdict_grid(report, ax=None):
     ax.set_xticks(range(len(columns)), columns)
     ax.set_yticks(range(len(regions)), regions)
     ax.set_title(f"{report.engine} ({report.reads_pool})", fontsize=9)
+    ax.set_xlabel(report.summary(), fontsize=7)
     return ax

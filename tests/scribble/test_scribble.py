@@ -173,6 +173,8 @@ def test_verdict_grid_draws_every_region_and_column():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["free-blocks", "read-trash"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["nan", "write"]
     assert sorted(t.get_text() for t in ax.texts) == ["", "clean", "nan-leak", "stray-write"]
+    assert ax.get_xlabel() == report.summary() == ("3 cells: 1 clean, 1 nan-leak, 1 stray-write; leaks or stray "
+                                                   "writes in read-trash; exit code 1")
 
 
 def test_the_table_ends_with_a_summary_line_and_a_legend_of_its_regions():
