@@ -102,3 +102,12 @@ def test_a_leak_that_does_not_reproduce_is_unstable_control():
     cell = next(c for c in report.cells if c.check == "read")
     assert cell.verdict == "unstable-control" and "did not reproduce" in cell.error
     assert report.exit_code() == 3
+
+
+@pytest.mark.parametrize("wl", ["reuse", "offload", "fork"])
+def test_shared_prefixes_restores_and_forks_give_no_request_another_ones_rows(wl):
+    """A per-request attention stays clean at other-requests through prefix sharing (rows two requests read
+    are nobody's alone), restores and forks (a child reads its parent's rows: one family)."""
+    eng = TransformersEngine(tiny_model(), workload(wl), attn=per_request_attention)
+    report = scribble(eng, regions=(OTHER,), payloads=("nan",))
+    assert other(report).verdict == "clean" and other(report).slots > 0, report.table()
