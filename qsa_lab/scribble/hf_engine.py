@@ -233,9 +233,9 @@ class _Run:
 
         def call(obj, *args, **kwargs):
             pool = run.pool()
-            if pool is None:
+            before = count(obj, *args) if count and pool is not None else None
+            if pool is None or (moves and before == 0):     # no engine yet, or a move with nothing to move
                 return orig(obj, *args, **kwargs)
-            before = count(obj, *args) if count else None
             with run.hooks.engine_call(name, pool, moves):
                 out = orig(obj, *args, **kwargs)
                 if pool.is_cuda:       # the copies run on transformers' compute stream
@@ -380,7 +380,7 @@ def pool_view(bp, step) -> StepView:
     batch = {fs.state.request_id: fs for fs in io.requests_in_batch}
     active = bp.scheduler.active_requests
     may_write = [torch.arange(rows_per_sector, 2 * rows_per_sector)]
-    readers = {}              # row -> the families that may read it
+    readable = {}             # family -> the rows it may read (a list of tensors)
     for a in allocators:
         page, stride = a.tokens_per_page, a.block_physical_stride
         plane_offsets, layer_of_offset = layout(a)
@@ -423,8 +423,7 @@ def pool_view(bp, step) -> StepView:
                     writes.extend(i for i in a.get_write_indices(rid, past, fs.query_length)
                                   if i != a.write_trash_index)
             visible.extend(mine)
-            for r in rows_of_slots(mine).tolist():
-                readers.setdefault(r, set()).add(family(rid))
+            readable.setdefault(family(rid), []).append(rows_of_slots(mine))
         # precedence: an owned block's other rows < out of window < this step's writes < what may be read
         # (a sliding ring's chunked prefill reads a slot before it overwrites it: that slot stays owned)
         if held:
@@ -436,11 +435,11 @@ def pool_view(bp, step) -> StepView:
         if visible:
             label[rows_of_slots(visible)] = _OWNED
     regions = {name: torch.nonzero(label == code).reshape(-1) for code, name in _LABELS.items()}
-    alone = {}
-    for r, families in readers.items():
-        if len(families) == 1:             # rows two requests share (a common prefix) are nobody's alone
-            alone.setdefault(next(iter(families)), []).append(r)
-    request_rows = {f: torch.tensor(sorted(rows), dtype=torch.int64) for f, rows in sorted(alone.items())}
+    readable = {f: torch.cat(rows).unique() for f, rows in sorted(readable.items())}
+    every = torch.cat(list(readable.values())) if readable else torch.zeros(0, dtype=torch.int64)
+    rows, count = every.unique(return_counts=True)
+    shared = rows[count > 1]                # rows two requests read (a common prefix) are nobody's alone
+    request_rows = {f: r[~torch.isin(r, shared)] for f, r in readable.items()}
     requests = [fs.state.request_id for fs in io.requests_in_batch]
     return StepView(step, pool, regions, torch.nonzero(label == _OWNED).reshape(-1), torch.cat(may_write).unique(),
                     row_layer, requests, [fs.query_length for fs in io.requests_in_batch], padded, request_rows)
