@@ -3,9 +3,10 @@
     python benchmarks/scribble_gpu.py OUT_DIR [--wheels .whl] [--versions 5.24.0,5.25.0] [--budget 480]
 
 For each transformers version: the installed one runs as it is; another is installed from its wheel in
---wheels (`transformers-<version>-py3-none-any.whl`, with a `huggingface_hub-*.whl` beside it when the
-installed hub is too old for it) into $TMPDIR/qsa_lab-transformers-<version> without dependencies, and runs in a
-child process with that folder first on its path. Every region (other-requests included), payloads nan,
+--wheels (`transformers-<version>-py3-none-any.whl`; if it does not import with the packages installed here,
+again with every other wheel carried there, e.g. a newer huggingface_hub and its own new dependencies) into
+$TMPDIR/qsa_lab-transformers-<version> without dependencies, and runs in a child process with that folder
+first on its path. Every region (other-requests included), payloads nan,
 inf and max, fp16, the tiny Llama on workload issue32, for the configs of the committed matrix:
   eager, eager+graphs, sdpa, sdpa+graphs       (paged|eager and sdpa, each without and with CUDA graphs)
 then, while the time budget lasts, the extras:
@@ -116,8 +117,9 @@ def run_configs(out: Path, names: list, dtype: str, payloads: tuple, deadline: f
 
 
 def site_packages_for(version: str, wheels: Path, say) -> Path | None:
-    """A folder holding transformers `version` that imports here (with a carried huggingface_hub wheel too
-    when the installed hub is too old for it), or None."""
+    """A folder holding transformers `version` that imports here, or None: the wheel alone, else with every
+    other wheel carried in `wheels` (a newer huggingface_hub and what it needs, when the installed one is too
+    old for that transformers)."""
     target = Path(tempfile.gettempdir()) / f"qsa_lab-transformers-{version}"     # not under OUT: 130 MB
     if (target / ".installed").exists():
         return target
@@ -125,8 +127,8 @@ def site_packages_for(version: str, wheels: Path, say) -> Path | None:
     if not found:
         say(f"scribble_gpu: transformers {version}: no wheel {wheels}/transformers-{version}-*.whl (carry it)")
         return None
-    hub = sorted(wheels.glob("huggingface_hub-*.whl"))[-1:]
-    for extra in ([], hub) if hub else ([],):
+    others = [w for w in sorted(wheels.glob("*.whl")) if not w.name.startswith("transformers-")]
+    for extra in ([], others) if others else ([],):
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade",
                                "--target", str(target), str(found[-1]), *map(str, extra)],
                               capture_output=True, text=True)
