@@ -26,10 +26,11 @@ def add_parser(sub, parents=()):
     p = sub.add_parser(
         "scribble", parents=list(parents),
         help="poison every KV slot an engine does not own, at every step; guard every slot it must not write",
-        description="Fill one region of a running engine's KV pool before every step of a whole generation "
-                    "and compare tokens, logprobs and logits with a clean run; hash every row around every "
-                    "step and report writes outside the step's own slots (stray-write). Engine: transformers' "
-                    "continuous batching (pip install 'qsa_lab[scribble]').")
+        description="Fill one region of a running engine's KV pool (or one live request's own rows, to judge the "
+                    "others) before every step of a whole generation and compare tokens, logprobs and logits with "
+                    "a clean run, every leak confirmed by a second clean and a second filled run; hash every row "
+                    "around every step and between steps and report writes where none may land (stray-write). "
+                    "Engine: transformers' continuous batching (pip install 'qsa_lab[scribble]').")
     p.add_argument("--model", default="llama-gqa",
                    help=f"a tiny model built from a config ({', '.join(MODEL_NAMES)}) or a local checkpoint "
                         "folder (default llama-gqa)")
