@@ -7,7 +7,7 @@ For each transformers version: the installed one runs as it is; another is insta
 again with every other wheel carried there, e.g. a newer huggingface_hub and its own new dependencies) into
 $TMPDIR/qsa_lab-transformers-<version> without dependencies, and runs in a child process with that folder
 first on its path. Every region (other-requests included), payloads nan,
-inf and max, fp16, the tiny Llama on workload issue32, for the configs of the committed matrix:
+inf and max, fp16, the tiny Llama on workload chunked-prefill, for the configs of the committed matrix:
   eager, eager+graphs, sdpa, sdpa+graphs       (paged|eager and sdpa, each without and with CUDA graphs)
 then, while the time budget lasts, the extras:
   per-request                                  (qsa_lab.scribble.examples.per_request_attention, no graphs)
@@ -36,11 +36,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MATRIX = {"eager": ("paged|eager", False, "issue32"), "eager+graphs": ("paged|eager", True, "issue32"),
-          "sdpa": ("sdpa", False, "issue32"), "sdpa+graphs": ("sdpa", True, "issue32")}
+MATRIX = {"eager": ("paged|eager", False, "chunked-prefill"), "eager+graphs": ("paged|eager", True, "chunked-prefill"),
+          "sdpa": ("sdpa", False, "chunked-prefill"), "sdpa+graphs": ("sdpa", True, "chunked-prefill")}
 PER_REQUEST = "qsa_lab.scribble.examples:per_request_attention"
-EXTRAS = {"per-request": (PER_REQUEST, False, "issue32"), "eager+graphs/offload": ("paged|eager", True, "offload"),
-          "eager+graphs/fork": ("paged|eager", True, "fork")}
+EXTRAS = {"per-request": (PER_REQUEST, False, "chunked-prefill"),
+          "eager+graphs/offload": ("paged|eager", True, "offload"), "eager+graphs/fork": ("paged|eager", True, "fork")}
 CONFIGS = MATRIX | EXTRAS
 LEAKS = ("nan-leak", "inf-leak", "finite-leak", "stray-write")
 STOCK_LEAKS = {"other-requests"}     # paged|eager and sdpa pack a batch: one request's NaN reaches the others

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qsa_lab.analysis.leaks import bits
 from qsa_lab.canary.call import KernelSkipped, PagedCall
-from qsa_lab.support.loading import first_line, load_callable
+from qsa_lab.canary.names import FILE, MODULE, KernelName
+from qsa_lab.support.loading import LoadError, first_line, import_function
 from qsa_lab.support.processes import end as _end, read_reply, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
 from qsa_lab.model.paged import TENSORS as INPUTS  # the paged call's tensors, declared once
 
@@ -52,12 +54,6 @@ class Outcome:
     def dead(self) -> bool:
         """The kernel cannot be called again (it hung or ended its process)."""
         return self.kind in ("timeout", "exited")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bits as an integer tensor of the same element size."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.detach().contiguous().view(ints[t.element_size()]) if t.element_size() in ints else t
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -133,10 +129,11 @@ class InProcess:
 # -- a worker process per user kernel -----------------------------------------------------------
 
 class Worker:
-    """`module:function` or `file.py:function` in its own process (see the module docstring)."""
+    """A user's kernel (canary.names: `module:function` or `file.py:function`) in its own process
+    (see the module docstring)."""
 
-    def __init__(self, spec: str, timeout: float):
-        self.spec, self.timeout, self.proc, self.dead = spec, timeout, None, None
+    def __init__(self, name: KernelName, timeout: float):
+        self.name, self.timeout, self.proc, self.dead = name, timeout, None, None
         self.paged_inputs = None
 
     def _start(self) -> None:
@@ -162,11 +159,11 @@ class Worker:
         workers of one run import at once)."""
         if self.proc is None:
             self._start()
-            self._loading = (self._send(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
+            self._loading = (self._send(("load", self.name, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
                              time.monotonic() + max(self.timeout, LOAD_TIMEOUT_MIN))
 
     def load(self) -> None:
-        """Import the kernel in the worker; ValueError naming `kernels` when it cannot be loaded."""
+        """Import the kernel in the worker; ValueError naming the name's option when it cannot be loaded."""
         self.begin()
         failed, deadline = self._loading
         kind, reply = failed or self._read(deadline)
@@ -175,10 +172,10 @@ class Worker:
             return
         self.close()
         if kind == "timeout":
-            raise ValueError(f"kernels: {self.spec!r}: importing it did not finish within "
-                             f"{max(self.timeout, LOAD_TIMEOUT_MIN):g} s")
+            raise self.name.error(f"{self.name.text!r}: importing it did not finish within "
+                                  f"{max(self.timeout, LOAD_TIMEOUT_MIN):g} s")
         if kind == "eof":
-            raise ValueError(f"kernels: {self.spec!r}: importing it ended the process (exit code {reply})")
+            raise self.name.error(f"{self.name.text!r}: importing it ended the process (exit code {reply})")
         raise ValueError(reply[1])
 
     def call(self, inputs: dict, meta: dict, device) -> Outcome:
@@ -199,9 +196,13 @@ class Worker:
         _end(p)
 
 
-def load_kernel(spec: str):
-    """'package.module:function' or 'path/to/file.py:function' -> the callable (the file's
-    folder goes first on sys.path, so it can import its neighbours). ValueError naming `kernels`."""
-    if not spec.rpartition(":")[0] or not spec.rpartition(":")[2]:
-        raise ValueError(f"kernels: {spec!r} is not a known kernel nor module:function")
-    return load_callable(spec, "kernels")
+def load_kernel(name: KernelName):
+    """A user's kernel (canary.names: FILE 'path/to/file.py:function' or MODULE
+    'package.module:function') -> the callable (the file's folder goes first on sys.path, so it
+    can import its neighbours). ValueError naming the option the name came from."""
+    if name.kind not in (FILE, MODULE):
+        raise name.error(f"{name.text!r} is not a module:function / file.py:function")
+    try:
+        return import_function(name.source, name.function)
+    except LoadError as e:
+        raise name.error(f"{name.text!r}: {e}") from None

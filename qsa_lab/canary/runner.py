@@ -1,16 +1,14 @@
 """The canary run: for each kernel x region x plane x payload, a poisoned run of one call
-compared bit for bit with the same kernel's control run (the region zero-filled on that
-plane). The control runs twice per kernel x region x plane, before and after the payloads.
+compared with the same kernel's control run (the region zero-filled on that plane) by the one
+leak check (qsa_lab.analysis.leaks: its verdicts, and what "changed" means). The control runs
+twice per kernel x region x plane, before and after the payloads.
 
-Verdicts per cell:
-    clean            the output did not change
-    nan-leak         an output went NaN
-    inf-leak         an output went +-Inf
-    finite-leak      finite outputs whose bits changed: the kernel gave unattended bytes weight
+What each verdict means for a kernel call:
+    nan-leak, inf-leak, finite-leak   outputs went NaN, +-Inf, or changed finite: the kernel gave
+                     unattended bytes weight
     error            the call raised (SystemExit and KeyboardInterrupt too), timed out, ended its
                      process, or returned a non-tensor / wrong shape, dtype or device
-    unstable-control the two control runs differ, or the control holds NaN / Inf: no leak
-                     verdict can be drawn
+    unstable-control the two control runs differ, or the control holds NaN / Inf
     input-modified   the call changed an input (pool, block table, seq_lens, q, ...)
     n/a              clean, but the call's inputs reference no byte of the region (say so
                      rather than "clean")
@@ -20,26 +18,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from qsa_lab import __version__
 from qsa_lab.model.poison import PAYLOADS, int_list, payload_bits
 from qsa_lab.support.processes import torch_threads
 from qsa_lab.model.regions import REGIONS, check_region, region_parts, region_referenced, region_sizes, regions_of
 from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_case
 from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
 from qsa_lab.canary.overlap import take as take_overlap
-from qsa_lab.canary.execution import bits as _as_bits
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
-
-from qsa_lab.canary.verdicts import CHECKED, DEFAULT_PAYLOADS, FAILURES, LEAKS, VERDICTS  # noqa: F401 - named here too
-from qsa_lab.canary.verdicts import counts as verdict_counts
+from qsa_lab.canary.names import KernelName, as_kernel_name
+from qsa_lab.analysis.leaks import (CHECKED, CLEAN, ERROR, FAILURES, FINITE_LEAK, INPUT_MODIFIED, LEAKS, NA,
+                                    UNSTABLE, LeakReport, compare, control_problem)
 
 SCHEMA = "qsa_lab.canary/1"
+DEFAULT_PAYLOADS = ("nan", "inf", "max")
 PLANES = {"k": 0, "v": 1}
 #: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its
 #: padding entries (default), only each request's used pages (page_table()), or tables of its
@@ -96,7 +92,7 @@ class LeakResult:
 
 
 @dataclass
-class CanaryReport:
+class CanaryReport(LeakReport):
     backend: str | None        # what the qsa routes ran on: "cuda" | "emulate" (None: not run)
     device: str                # where the other kernels ran
     case: CanaryCase
@@ -105,16 +101,17 @@ class CanaryReport:
     skipped: list              # {"kernel"?, "region"?, "payload"?, "reason"}
     requested: bool = True     # the kernels were named (a skipped one then fails the run)
     timeout: float = DEFAULT_TIMEOUT
+    names: dict = field(default_factory=dict)   # kernel -> its canary.names.KernelName (none for a callable)
+    SCHEMA = SCHEMA            # the JSON's (LeakReport.header)
+
+    def verdicts(self) -> list:
+        return [r.verdict for r in self.results]
 
     def leaks(self) -> list:
         return [r for r in self.results if r.verdict in LEAKS]
 
     def non_clean(self) -> list:
-        return [r for r in self.results if r.verdict != "clean"]
-
-    def counts(self) -> dict:
-        """{"cells", "checks", "leaking"} (qsa_lab.canary.verdicts.counts): what every surface prints."""
-        return verdict_counts(r.verdict for r in self.results)
+        return [r for r in self.results if r.verdict != CLEAN]
 
     def checks(self, kernel: str) -> int:
         """Cells of `kernel` whose leak check ran (clean or a leak)."""
@@ -144,15 +141,12 @@ class CanaryReport:
 
     def exit_code(self) -> int:
         """The CLI's: 3 a kernel failed (error, unstable control, modified input, no checks), 1 a leak, 0 clean."""
-        return 3 if self.failures() else 1 if self.leaks() else 0
+        return 3 if self.failures() else super().exit_code()
 
     def to_json(self) -> dict:
-        from qsa_lab.plotting.export import gpu_name
-
         c = self.case
-        return {"schema": SCHEMA, "backend": self.backend, "device": self.device, "gpu": gpu_name(),
-                "torch": torch.__version__, "python": platform.python_version(), "qsa_lab_version": __version__,
-                "kv_dtype": c.kv_dtype, "attend": str(c.spec), "geometry": c.geometry_dict(),
+        return {**self.header(), "backend": self.backend, "device": self.device, "kv_dtype": c.kv_dtype,
+                "attend": str(c.spec), "geometry": c.geometry_dict(),
                 "pool_pages": int(c.kv_cache.shape[0]), "regions": region_sizes(c),
                 "payload_bits": {p: f"0x{payload_bits(c.kv_dtype, p):X}" for p in _available_payloads(c.kv_dtype)},
                 "timeout_s": self.timeout, "kernels": list(self.kernels), "counts": self.counts(),
@@ -183,44 +177,6 @@ def _available_payloads(kv_dtype: str) -> tuple:
         except ValueError:
             pass
     return tuple(out)
-
-
-def compare(control: torch.Tensor, poisoned: torch.Tensor) -> tuple[str, dict, torch.Tensor]:
-    """-> (verdict, {"nan", "inf", "finite_changed"}, changed mask). Two NaNs count as equal
-    whatever their payload bits; anything else must be bit-identical."""
-    if control.shape != poisoned.shape or control.dtype != poisoned.dtype:
-        raise ValueError(f"poisoned output {list(poisoned.shape)} {poisoned.dtype} does not match the control "
-                         f"{list(control.shape)} {control.dtype}")
-    if not control.is_floating_point():
-        raise TypeError(f"kernel output must be a floating-point tensor, got {control.dtype}")
-    # isnan / isinf in float32: float8 dtypes have no such kernels (every float dtype converts exactly)
-    c, p = control.float(), poisoned.float()
-    both_nan = torch.isnan(c) & torch.isnan(p)
-    changed = (_as_bits(control) != _as_bits(poisoned)) & ~both_nan
-    counts = {"nan": int((changed & torch.isnan(p)).sum()),
-              "inf": int((changed & torch.isinf(p)).sum()),
-              "finite_changed": int((changed & torch.isfinite(p)).sum())}
-    verdict = ("nan-leak" if counts["nan"] else "inf-leak" if counts["inf"] else
-               "finite-leak" if counts["finite_changed"] else "clean")
-    return verdict, counts, changed
-
-
-def control_problem(first: torch.Tensor, second: torch.Tensor | None) -> str:
-    """Why no leak verdict can be drawn from these control outputs ('' when none)."""
-    f = first.float()
-    nan, inf = int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
-    if nan or inf:
-        return f"the control output holds {nan} NaN and {inf} Inf of {f.numel()}"
-    if second is not None:
-        if second.shape != first.shape or second.dtype != first.dtype:
-            return (f"two control runs returned {list(first.shape)} {first.dtype} and "
-                    f"{list(second.shape)} {second.dtype}")
-        differ = int((_as_bits(first) != _as_bits(second)).sum())
-        if differ:
-            d = float((second.double() - first.double()).abs().max())
-            return (f"two control runs differ in {differ} outputs (max |difference| {d:.3g}): "
-                    "the kernel is not deterministic")
-    return ""
 
 
 def _choices(arg: str, given, allowed, default) -> tuple:
@@ -272,21 +228,21 @@ def write_region(kv_cache: torch.Tensor, slots: torch.Tensor, plane: int, kv_dty
 
 
 def _named(kernels) -> list:
-    """-> [(name, kernel)]: names as given; a name twice is refused, callables of one name numbered."""
+    """-> [(name, kernel)], kernel a KernelName (strings parsed here, canary.names) or a callable:
+    names as given; a name twice is refused, callables of one name numbered."""
     if isinstance(kernels, dict):
         items = list(kernels.items())
         for name, _ in items:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"kernels: names must be non-empty strings, got {name!r}")
-        return items
+        return [(name, as_kernel_name(k)) for name, k in items]
     items, seen = [], set()
     for k in kernels:
-        if isinstance(k, str):
-            name = k.strip()
-            if not name:
-                raise ValueError("kernels: an empty kernel name")
+        if isinstance(k, (str, KernelName)):
+            k = as_kernel_name(k)
+            name = k.text
             if name in seen:
-                raise ValueError(f"kernels: {name!r} given twice (each kernel is keyed by its name)")
+                raise k.error(f"{name!r} given twice (each kernel is keyed by its name)")
         elif callable(k):
             base = kernel_name(k)
             name, n = base, 1
@@ -326,8 +282,9 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
                timeout: float = DEFAULT_TIMEOUT, second=None, **geometry) -> CanaryReport:
     """Run the canary matrix.
 
-    kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`),
-        callables fn(PagedCall) -> [rows, q_heads, head_dim], or a dict {name: either};
+    kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`; parsed by
+        qsa_lab.canary.names, or given as its KernelName records), callables fn(PagedCall) ->
+        [rows, q_heads, head_dim], or a dict {name: either};
         default every built-in kernel (then one that cannot run here is only listed as skipped).
     regions: of the case's spec (qsa_lab.model.regions.regions_of; default all); payloads: of nan,
         inf, max, zero (default nan, inf, max); planes: "k", "v".
@@ -348,8 +305,8 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     """
     requested = kernels is not None
     kernels = list(builtin_kernels()) if kernels is None else (
-        kernels if isinstance(kernels, dict) else [kernels] if isinstance(kernels, str) or callable(kernels)
-        else list(kernels))
+        kernels if isinstance(kernels, dict) else [kernels] if isinstance(kernels, (str, KernelName))
+        or callable(kernels) else list(kernels))
     if not kernels:
         raise ValueError("kernels: empty list")
     named = _named(kernels)
@@ -379,14 +336,14 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     if not regions:
         raise ValueError(f"regions: every one asked for is empty in this case ({case.describe()})")
 
-    qsa = any(isinstance(k, str) and k.startswith("qsa:") for _, k in named)
+    qsa = any(isinstance(k, KernelName) and k.source == "qsa" for _, k in named)
     why = case.qsa_unsupported() if qsa else None
     device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry, qsa and why is None)
     qsa_reason = why or qsa_reason
     runners, overlap = {}, None
     try:
         for name, k in named:
-            runners[name] = _runner(k, qsa_backend, qsa_reason, timeout)
+            runners[name] = runner_of(k, qsa_backend, qsa_reason, timeout)
         for r in runners.values():
             r.begin()       # every worker process imports its kernel at once
         for r in runners.values():
@@ -399,30 +356,32 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     finally:
         for r in [*runners.values(), *([overlap] if overlap else [])]:
             r.close()
-    return CanaryReport(qsa_backend, str(device), case, list(runners), results, skipped, requested, float(timeout))
+    return CanaryReport(qsa_backend, str(device), case, list(runners), results, skipped, requested, float(timeout),
+                        {n: k for n, k in named if isinstance(k, KernelName)})
 
 
-def _runner(kernel, qsa_backend, qsa_reason, timeout):
-    if isinstance(kernel, str) and ":" in kernel and kernel.split(":", 1)[0] not in ("qsa", "torch") \
-            and not _is_registered(kernel):
+def runner_of(kernel, qsa_backend, qsa_reason, timeout):
+    """How the canary calls `kernel` (a KernelName, a name or a callable): a user's file or
+    module in a Worker process, anything else in this process (InProcess)."""
+    kernel = as_kernel_name(kernel)
+    if isinstance(kernel, KernelName) and not kernel.in_process:
         return Worker(kernel, timeout)
     return InProcess(resolve_kernel(kernel, qsa_backend, qsa_reason), timeout, thread=callable(kernel))
-
-
-def _is_registered(name: str) -> bool:
-    from qsa_lab.canary.kernels import THIRD_PARTY, registered
-
-    return name in registered() or name.startswith(THIRD_PARTY)
 
 
 def _paged_inputs(runner) -> str:
     v = getattr(runner, "paged_inputs", None) or getattr(getattr(runner, "fn", None), "paged_inputs", "block_table")
     if v not in PAGED_INPUTS:
-        raise ValueError(f"kernels: paged_inputs must be one of {PAGED_INPUTS}, got {v!r}")
+        problem = f"paged_inputs must be one of {PAGED_INPUTS}, got {v!r}"
+        name = getattr(runner, "name", None)   # a Worker's KernelName: the error names its option
+        if isinstance(name, KernelName):
+            raise name.error(f"{name.text!r}: {problem}")
+        raise ValueError(f"kernels: {problem}")
     return v
 
 
-def _meta(case: CanaryCase) -> dict:
+def call_meta(case: CanaryCase) -> dict:
+    """The call's scalars and spec, as a kernel runner takes them beside the tensors."""
     return {"k_scale": float(case.k_scale), "v_scale": float(case.v_scale), "sm_scale": float(case.sm_scale),
             "kv_dtype": case.kv_dtype, "spec": case.spec, "mla": case.mla, "v_head_dim": case.v_head_dim,
             "geometry": case.geometry}
@@ -456,7 +415,7 @@ def _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, s
 
     cells = [(r, pl) for r in regions for pl in planes]
     remote = overlap.submit(run_overlap, case, parts, regions, planes, payloads, dims) if overlap else []
-    inputs, meta = _Pools(case, parts, dims), _meta(case)
+    inputs, meta = _Pools(case, parts, dims), call_meta(case)
     done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
     try:
@@ -488,8 +447,8 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
         bar.update(1)
         row = {"kernel": name, "region": region, "plane": plane}
         if stop:
-            if stop[0] == "error":
-                results += [LeakResult(**row, payload=p, verdict="error", error=stop[1]) for p in payloads]
+            if stop[0] == ERROR:
+                results += [LeakResult(**row, payload=p, verdict=ERROR, error=stop[1]) for p in payloads]
             continue
         cell = []       # one per part of the region (other-requests: per judged requests)
         for part in range(len(inputs.parts[region])):
@@ -506,7 +465,7 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
         for payload in payloads:
             results.append(_verdict(row, payload, cell, referenced))
         if cell["dead"]:
-            stop = ("error", f"not run: the kernel {cell['dead']} at {region}/{plane}")
+            stop = (ERROR, f"not run: the kernel {cell['dead']} at {region}/{plane}")
     return results, skipped
 
 
@@ -518,7 +477,7 @@ def run_overlap(names, case, parts, regions, planes, payloads, dims, progress=No
     class Bar:
         update = staticmethod(progress or (lambda n: None))
 
-    inputs, meta, cells = _Pools(case, parts, dims), _meta(case), [(r, pl) for r in regions for pl in planes]
+    inputs, meta, cells = _Pools(case, parts, dims), call_meta(case), [(r, pl) for r in regions for pl in planes]
     torch.set_num_threads(1)
     return {n: _run_kernel(n, InProcess(TORCH_KERNELS[n], DEFAULT_TIMEOUT, thread=False), case, inputs, meta,
                            torch.device("cpu"), cells, payloads, Bar) for n in names}
@@ -551,13 +510,13 @@ def _cell(runner, inputs, meta, device, region, part, plane, payloads) -> dict:
 def _failed(o: Outcome | None, what: str) -> dict | None:
     """The error / input-modified fields of a cell whose call `o` failed (None when it did not)."""
     if o is None:
-        return {"verdict": "error", "error": "not run: the kernel failed earlier in this cell"}
+        return {"verdict": ERROR, "error": "not run: the kernel failed earlier in this cell"}
     if o.kind == "skipped":
-        return {"verdict": "error", "error": f"{what}: skipped ({o.error}) after other calls ran"}
+        return {"verdict": ERROR, "error": f"{what}: skipped ({o.error}) after other calls ran"}
     if o.kind != "ok":
-        return {"verdict": "error", "error": f"{what}: {o.error}", "traceback": o.traceback}
+        return {"verdict": ERROR, "error": f"{what}: {o.error}", "traceback": o.traceback}
     if o.modified:
-        return {"verdict": "input-modified", "modified": list(o.modified),
+        return {"verdict": INPUT_MODIFIED, "modified": list(o.modified),
                 "error": f"{what} changed {', '.join(o.modified)}"}
     return None
 
@@ -574,7 +533,7 @@ def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResul
                 return LeakResult(**row, payload=payload, **bad)
         problem = control_problem(control.output, again.output)
         if problem:
-            return LeakResult(**row, payload=payload, verdict="unstable-control", note=problem)
+            return LeakResult(**row, payload=payload, verdict=UNSTABLE, note=problem)
         if control.output.shape != o.output.shape or control.output.dtype != o.output.dtype:
             judged = [(control.output, o.output, None)]   # compare() names the mismatch
             break
@@ -586,10 +545,10 @@ def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResul
     try:
         verdict, counts, changed = compare(control, poisoned)
     except (TypeError, ValueError) as e:
-        return LeakResult(**row, payload=payload, verdict="error", error=f"{payload} run: {e}")
-    note = MAX_HINT if verdict == "finite-leak" and payload == "max" else ""
-    if verdict == "clean" and not referenced:
-        verdict, note = "n/a", "the call's inputs reference no byte of this region"
+        return LeakResult(**row, payload=payload, verdict=ERROR, error=f"{payload} run: {e}")
+    note = MAX_HINT if verdict == FINITE_LEAK and payload == "max" else ""
+    if verdict == CLEAN and not referenced:
+        verdict, note = NA, "the call's inputs reference no byte of this region"
     return LeakResult(**row, payload=payload, verdict=verdict, leak=changed, output=poisoned.float(), note=note,
                       **counts)
 

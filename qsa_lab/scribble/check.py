@@ -3,7 +3,8 @@
 Read check, per region x payload: before every step, fill the region's rows with the payload (one
 region at a time; rows filled earlier that left the region get their own bytes back, unless the
 engine wrote them since: those are the engine's bytes now), run the whole generation, and compare
-tokens, logprobs and (where no graph hides them) logits bit for bit with a clean run.
+tokens, logprobs and (where no graph hides them) logits with a clean run by the canary's rule
+(qsa_lab.analysis.leaks: bit for bit, two NaNs equal).
 
 Other-requests check, per payload: the same, filling one live request's own rows at a time (rows
 only it and its forked children may read); every OTHER request's tokens and logprobs must stay
@@ -31,8 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qsa_lab.analysis.leaks import (CLEAN, ERROR, FAILURES, LEAKS, NA, READ_LEAKS, STRAY_WRITE, UNSTABLE, VERDICTS,
+                                    LeakReport, compare_generation, verdict_of)
+from qsa_lab.analysis.leaks import compare as compare_outputs
+
 from .contract import Generation, StepView
-from .verdicts import LEAKS, OTHER, PAYLOADS, POOL_REGIONS, REGION_TEXT, REGIONS, SCHEMA, STRAY, VERDICTS
+from .verdicts import OTHER, PAYLOADS, POOL_REGIONS, REGION_TEXT, REGIONS, SCHEMA
 
 _UNOWNED = ("free-blocks", "prefix-cache", "read-trash", "write-trash")   # rows in no live request's block
 
@@ -217,49 +222,31 @@ def _flat(gen: Generation, requests=None) -> tuple[list, torch.Tensor]:
 
 
 def same(a: Generation, b: Generation) -> bool:
-    """Bit-identical tokens, logprobs and logits."""
-    ta, va = _flat(a)
-    tb, vb = _flat(b)
-    return ta == tb and va.shape == vb.shape and torch.equal(va.view(torch.int32), vb.view(torch.int32))
+    """Nothing changed between two generations (compare)."""
+    return not any(compare(a, b).values())
 
 
 def compare(clean: Generation, other: Generation, requests=None) -> dict:
-    """Counts of what changed: nan / inf (values that became NaN / Inf), finite_changed, tokens_changed;
-    over every request and the logits, or over the tokens and logprobs of `requests` only."""
+    """Counts of what changed (qsa_lab.analysis.leaks.compare_generation): nan / inf (values that became
+    NaN / Inf), finite_changed, tokens_changed; over every request and the logits, or over the tokens and
+    logprobs of `requests` only."""
     tc, vc = _flat(clean, requests)
     to, vo = _flat(other, requests)
-    tokens_changed = sum(x != y for a, b in zip(tc, to) for x, y in zip(a, b)) + abs(
-        sum(map(len, tc)) - sum(map(len, to)))
-    if vc.shape != vo.shape:    # a different number of steps or requests: count it all as changed
-        return {"nan": int(vo.isnan().sum()), "inf": int(vo.isinf().sum()), "finite_changed": int(vo.numel()),
-                "tokens_changed": max(tokens_changed, 1)}
-    diff = vc.view(torch.int32) != vo.view(torch.int32)
-    nan = diff & vo.isnan() & ~vc.isnan()
-    inf = diff & vo.isinf() & ~vc.isinf()
-    return {"nan": int(nan.sum()), "inf": int(inf.sum()), "finite_changed": int((diff & ~nan & ~inf).sum()),
-            "tokens_changed": tokens_changed}
-
-
-def verdict_of(counts: dict) -> str:
-    if counts["nan"]:
-        return "nan-leak"
-    if counts["inf"]:
-        return "inf-leak"
-    if counts["finite_changed"] or counts["tokens_changed"]:
-        return "finite-leak"
-    return "clean"
+    return compare_generation(tc, to, vc, vo).counts
 
 
 def changed_requests(clean: Generation, other: Generation, requests) -> dict:
-    """request -> the index of its first generated token (or logprob) that differs, for those that differ."""
+    """request -> the index of its first generated token or logprob that changed (compare's rule), for the
+    requests whose output changed."""
     out = {}
     for r in requests:
         a, b = clean.tokens.get(r, []), other.tokens.get(r, [])
-        la = torch.tensor(clean.logprobs.get(r, []), dtype=torch.float32).view(torch.int32).tolist()
-        lb = torch.tensor(other.logprobs.get(r, []), dtype=torch.float32).view(torch.int32).tolist()
-        firsts = [i for i, (x, y) in enumerate(zip(a, b)) if x != y] + [i for i, (x, y) in enumerate(zip(la, lb))
-                                                                       if x != y]
-        if firsts or len(a) != len(b) or len(la) != len(lb):
+        la = torch.tensor(clean.logprobs.get(r, []), dtype=torch.float32)
+        lb = torch.tensor(other.logprobs.get(r, []), dtype=torch.float32)
+        firsts = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        if la.shape == lb.shape:
+            firsts += torch.nonzero(compare_outputs(la, lb).changed).reshape(-1).tolist()
+        if firsts or len(a) != len(b) or la.shape != lb.shape:
             out[r] = min(firsts, default=min(len(a), len(b)))
     return out
 
@@ -276,7 +263,7 @@ def localise(clean: Generation, other: Generation, requests=None) -> dict:
         for layer in sorted(a):
             if layer not in b or a[layer].shape != b[layer].shape:
                 continue
-            diff = (a[layer].view(torch.int32) != b[layer].view(torch.int32))     # [q_rows, heads, head_dim]
+            diff = compare_outputs(a[layer], b[layer]).changed          # [q_rows, heads, head_dim]
             if requests is not None:
                 keep = torch.zeros(diff.shape[0], dtype=torch.bool)
                 for r, s, n in zip(batch, starts, query_rows):
@@ -317,7 +304,7 @@ class Cell:
 
 
 @dataclass
-class ScribbleReport:
+class ScribbleReport(LeakReport):
     engine: str
     reads_pool: str
     graphs: bool
@@ -328,21 +315,21 @@ class ScribbleReport:
     facts: dict = field(default_factory=dict)
     events: dict = field(default_factory=dict)     # what the clean run's engine did (Generation.events)
     moved_rows: int = 0                            # rows the engine moved between steps in the clean run
+    SCHEMA = SCHEMA            # the JSON's (LeakReport.header)
+
+    def verdicts(self) -> list:
+        return [c.verdict for c in self.cells]
 
     def leaks(self) -> list:
-        return [c for c in self.cells if c.verdict in LEAKS + (STRAY,)]
+        return [c for c in self.cells if c.verdict in LEAKS]
 
     def failures(self) -> list:
-        return [c for c in self.cells if c.verdict in ("error", "unstable-control")]
-
-    def exit_code(self) -> int:
-        """The canary's: 3 when a check could not be trusted, 1 for a leak or stray write, else 0."""
-        return 3 if self.failures() else 1 if self.leaks() else 0
+        return [c for c in self.cells if c.verdict in FAILURES]
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "engine": self.engine, "reads_pool": self.reads_pool, "graphs": self.graphs,
+        return {**self.header(), "engine": self.engine, "reads_pool": self.reads_pool, "graphs": self.graphs,
                 "model": self.model, "workload": self.workload, "control_seconds": self.control_seconds,
-                "facts": self.facts, "events": self.events, "moved_rows": self.moved_rows,
+                "facts": self.facts, "events": self.events, "moved_rows": self.moved_rows, "counts": self.counts(),
                 "summary": self.summary(), "results": [c.to_dict() for c in self.cells]}
 
     def frame(self):
@@ -351,12 +338,13 @@ class ScribbleReport:
                              {"where": _where_text(c)} for c in self.cells])
 
     def summary(self) -> str:
-        """One line: how many checks ran, what they found, and the exit code."""
-        verdicts = [c.verdict for c in self.cells]
+        """The one line under the table: the leak check's counts (LeakReport), each verdict's cells, the
+        regions that leaked, and the exit code."""
+        verdicts = self.verdicts()
         found = ", ".join(f"{verdicts.count(v)} {v}" for v in VERDICTS if v in verdicts)
         leaking = sorted({c.region for c in self.leaks()})
-        return (f"{len(verdicts)} cells: {found}" + (f"; leaks or stray writes in {', '.join(leaking)}" if leaking
-                                                      else "") + f"; exit code {self.exit_code()}")
+        return (f"{super().summary()}: {found}" + (f"; leaks or stray writes in {', '.join(leaking)}" if leaking
+                                                    else "") + f"; exit code {self.exit_code()}")
 
     def legend(self) -> list:
         """One line per region in the report: the rows one read run filled (summed over steps), what it holds."""
@@ -427,7 +415,7 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     meta = dict(engine=engine.name, reads_pool=engine.reads_pool, graphs=engine.graphs,
                 model=_model_name(engine.model), workload=engine.workload.to_dict(), control_seconds=seconds)
     if err or err2:
-        cells = [Cell("read", r, p, "error", error=err or err2) for r in regions for p in payloads]
+        cells = [Cell("read", r, p, ERROR, error=err or err2) for r in regions for p in payloads]
         return ScribbleReport(cells=cells, **meta)
     stable = same(clean, again)
     # the write guard, from the clean runs: every region that some step held, checked at every step
@@ -437,17 +425,16 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
             continue
         mine = [s for s in strays if s["region"] == r]
         held = guards[0].region_rows[r]
-        verdict = STRAY if mine else "clean" if held or r == "read-trash" else "n/a"
+        verdict = STRAY_WRITE if mine else CLEAN if held or r == "read-trash" else NA
         cells.append(Cell("write", r, "-", verdict, slots=held, strays=mine))
     for s in strays:
         if s["region"] not in regions:          # owned rows or a region not asked for: still reported
-            cells.append(Cell("write", s["region"], "-", STRAY, strays=[s]))
+            cells.append(Cell("write", s["region"], "-", STRAY_WRITE, strays=[s]))
     judge = _Judge(engine, clean, strays, record=localise_leaks and not engine.graphs)
     for r in regions:
         for p in payloads:
             if not stable:
-                cells.append(Cell("read", r, p, "unstable-control",
-                                  error="two clean runs differ: no read verdict can be trusted"))
+                cells.append(Cell("read", r, p, UNSTABLE, error="two clean runs differ: no read verdict can be trusted"))
             elif r == OTHER:
                 cells.append(judge.other_requests(p))
             else:
@@ -486,18 +473,18 @@ class _Judge:
         hooks = Scribbler(region, payload)
         gen, secs, err = _run(self.engine, hooks)
         if err:
-            return Cell("read", region, payload, "error", error=err, seconds=secs)
+            return Cell("read", region, payload, ERROR, error=err, seconds=secs)
         if hooks.filled_rows == 0:
-            return Cell("read", region, payload, "n/a", seconds=secs)
+            return Cell("read", region, payload, NA, seconds=secs)
         counts = compare(self.clean, gen)
         cell = Cell("read", region, payload, verdict_of(counts), slots=hooks.filled_rows, seconds=secs,
                     strays=self._new_strays(hooks), **counts)
-        if cell.verdict in LEAKS:
+        if cell.verdict in READ_LEAKS:
             control, problem = self._control()
             if not problem:
                 second, problem = self._again(gen, Scribbler(region, payload))
             if problem:
-                cell.verdict, cell.error = "unstable-control", problem
+                cell.verdict, cell.error = UNSTABLE, problem
             else:
                 cell.where = localise(control, second)
         return cell
@@ -507,7 +494,7 @@ class _Judge:
         families = {}
         for r in self.clean.tokens:
             families.setdefault(self.clean.family(r), []).append(r)
-        cell = Cell("read", OTHER, payload, "n/a")
+        cell = Cell("read", OTHER, payload, NA)
         control, problems, errors, checked = None, [], [], False
         for victim in sorted(families):
             others = [r for r in self.clean.tokens if r not in families[victim]]
@@ -523,7 +510,7 @@ class _Judge:
                 continue
             checked = True
             counts = compare(self.clean, gen, others)
-            if verdict_of(counts) not in LEAKS:
+            if verdict_of(counts) not in READ_LEAKS:
                 continue
             problem = ""
             if control is None:
@@ -542,9 +529,9 @@ class _Judge:
         if cell.pairs:           # a confirmed leak stands, whatever another request's run gave
             cell.verdict = verdict_of({k: getattr(cell, k) for k in ("nan", "inf", "finite_changed", "tokens_changed")})
         elif problems or errors:
-            cell.verdict, cell.error = ("unstable-control" if problems else "error"), "; ".join(problems + errors)
+            cell.verdict, cell.error = (UNSTABLE if problems else ERROR), "; ".join(problems + errors)
         elif checked:
-            cell.verdict = "clean"
+            cell.verdict = CLEAN
         return cell
 
 

@@ -23,8 +23,8 @@ from .verdicts import PAYLOADS, POOL_REGIONS, REGIONS
 
 DEFAULT_TIMEOUT = 1800.0
 #: what builds an engine, with its defaults (build_engine's keywords)
-SETTINGS = {"model": "llama-gqa", "workload": "issue32", "pad": False, "cuda_graph": False, "dtype": "float32",
-            "device": "cpu", "seed": 0}
+SETTINGS = {"model": "llama-gqa", "workload": "chunked-prefill", "pad": False, "cuda_graph": False,
+            "dtype": "float32", "device": "cpu", "seed": 0}
 
 
 def is_user_attention(attn) -> bool:

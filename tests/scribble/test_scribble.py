@@ -13,11 +13,11 @@ from qsa_lab.scribble.verdicts import PAYLOADS, POOL_REGIONS, REGION_TEXT  # noq
 from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.models import tiny_model, workload  # noqa: E402
 
-# regions the issue32 workload fills at some step; out-of-window needs a sliding-window model
+# regions the chunked-prefill workload fills at some step; out-of-window needs a sliding-window model
 HELD = ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-trash", "prefix-cache")
 
 
-def engine(pad=False, name="llama-gqa", wl="issue32"):
+def engine(pad=False, name="llama-gqa", wl="chunked-prefill"):
     return TransformersEngine(tiny_model(name), workload(wl), pad=pad)
 
 
@@ -135,7 +135,7 @@ def test_unsupported_transformers_version_is_one_line_and_no_verdict(monkeypatch
     assert line is not None and "\n" not in line and "5.17.0" in line and "5.24.0" in line
     monkeypatch.setattr(versions, "transformers_version", lambda: "5.17.0")
     with pytest.raises(versions.UnsupportedVersion, match="5.17.0"):
-        TransformersEngine(tiny_model(), workload("issue32"))
+        TransformersEngine(tiny_model(), workload("chunked-prefill"))
     assert main(["scribble", "--regions", "read-trash", "--payloads", "nan"]) == 3
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("qsa-lab: failed: transformers: version 5.17.0")
@@ -172,9 +172,10 @@ def test_verdict_grid_draws_every_region_and_column():
     ax = verdict_grid(report)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["free-blocks", "read-trash"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["nan", "write"]
-    assert sorted(t.get_text() for t in ax.texts) == ["", "clean", "nan-leak", "stray-write"]
-    assert ax.get_xlabel() == report.summary() == ("3 cells: 1 clean, 1 nan-leak, 1 stray-write; leaks or stray "
-                                                   "writes in read-trash; exit code 1")
+    # one mark per cell (qsa_lab.plotting.verdicts): free-blocks has no write cell, read-trash every one
+    assert sorted(t.get_text() for t in ax.texts) == sorted([".", "-", "N", "W"])
+    assert ax.get_xlabel() == report.summary() == ("2 leaking of 3 checks (3 cells): 1 clean, 1 nan-leak, "
+                                                   "1 stray-write; leaks or stray writes in read-trash; exit code 1")
 
 
 def test_the_table_ends_with_a_summary_line_and_a_legend_of_its_regions():
@@ -182,7 +183,8 @@ def test_the_table_ends_with_a_summary_line_and_a_legend_of_its_regions():
     lines = report.table().splitlines()
     summary = next(line for line in lines if line.startswith("summary: "))
     assert summary == "summary: " + report.summary()
-    assert report.summary() == ("4 cells: 3 clean, 1 nan-leak; leaks or stray writes in read-trash; exit code 1")
+    assert report.summary() == ("1 leaking of 4 checks (4 cells): 3 clean, 1 nan-leak; leaks or stray writes in "
+                                "read-trash; exit code 1")
     legend = lines[lines.index(summary) + 1:]
     assert legend[0].startswith("regions (rows filled per read run")
     for line, region in zip(legend[1:], ("free-blocks", "read-trash")):
@@ -198,9 +200,9 @@ def test_an_mla_models_latent_rows_are_the_pool_on_525_and_refused_on_524():
     model = tiny_model("deepseek-mla")
     if versions.transformers_version() == "5.24.0":
         with pytest.raises(ValueError, match="^model: an MLA model"):
-            TransformersEngine(model, workload("issue32"))
+            TransformersEngine(model, workload("chunked-prefill"))
         return
-    eng = TransformersEngine(model, workload("issue32"))
+    eng = TransformersEngine(model, workload("chunked-prefill"))
     widths = []
 
     class Rows(Scribbler):

@@ -75,7 +75,7 @@ def test_the_payloads_the_padded_read_trash_leaks_with_are_what_the_page_says():
     assert rows[0][0] == "attention" and len(rows) == 3
     for attn, said in rows[1:]:
         attn = attn.strip("`")
-        report = scribble(TransformersEngine(tiny_model(), workload("issue32"), attn=attn, pad=True),
+        report = scribble(TransformersEngine(tiny_model(), workload("chunked-prefill"), attn=attn, pad=True),
                           regions=("read-trash",), localise_leaks=False)
         leaking = {c.payload for c in report.cells if c.check == "read" and c.verdict in LEAKS}
         assert leaking == names(said), (attn, report.table())

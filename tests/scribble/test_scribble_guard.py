@@ -54,7 +54,7 @@ def test_a_write_into_a_free_block_between_steps_is_a_stray_write_with_its_step_
     every update_batch: the engine's bytes change between steps, outside any step."""
     from transformers.generation.continuous_batching import continuous_api as api
     orig = api.ContinuousBatchProcessor.update_batch
-    eng = engine("issue32")
+    eng = engine("chunked-prefill")
 
     def update_batch(bp):
         orig(bp)

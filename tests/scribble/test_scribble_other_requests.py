@@ -20,10 +20,10 @@ def other(report, payload="nan"):
 
 
 def test_a_weight_zero_read_of_another_live_requests_kv_is_a_nan_leak_at_other_requests():
-    clean = scribble(TransformersEngine(tiny_model(), workload("issue32"), attn=per_request_attention),
+    clean = scribble(TransformersEngine(tiny_model(), workload("chunked-prefill"), attn=per_request_attention),
                      regions=(OTHER, "free-blocks"), payloads=("nan",))
     assert {c.verdict for c in clean.cells} == {"clean"} and other(clean).slots > 0
-    report = scribble(TransformersEngine(tiny_model(), workload("issue32"), attn=one_more_key),
+    report = scribble(TransformersEngine(tiny_model(), workload("chunked-prefill"), attn=one_more_key),
                       regions=(OTHER, "free-blocks"), payloads=("nan",))
     cell = other(report)
     assert cell.verdict == "nan-leak" and cell.nan > 0
@@ -39,7 +39,7 @@ def test_a_weight_zero_read_of_another_live_requests_kv_is_a_nan_leak_at_other_r
 def test_stock_paged_eager_lets_one_requests_nan_reach_every_request_batched_with_it():
     """transformers packs a batch into one sequence with a block-diagonal mask: each request's queries
     multiply the other requests' V rows by an exact 0, and 0 * NaN = NaN."""
-    report = scribble(TransformersEngine(tiny_model(), workload("issue32")), regions=(OTHER,))
+    report = scribble(TransformersEngine(tiny_model(), workload("chunked-prefill")), regions=(OTHER,))
     for payload in ("nan", "inf", "max"):
         cell = other(report, payload)
         assert cell.verdict == "nan-leak", (payload, cell)
@@ -75,7 +75,8 @@ class NoisyHead:
 def test_a_kernel_noisy_in_one_generation_of_five_never_yields_a_leak():
     verdicts, noisy = [], 0
     for seed in range(6):
-        eng = NoisyHead(TransformersEngine(tiny_model(), workload("issue32"), attn=per_request_attention), seed)
+        eng = TransformersEngine(tiny_model(), workload("chunked-prefill"), attn=per_request_attention)
+        eng = NoisyHead(eng, seed)
         report = scribble(eng, regions=("free-blocks", "unwritten-tail", "read-trash", OTHER), payloads=("nan",))
         verdicts += [c.verdict for c in report.cells]
         noisy += eng.noisy_runs
@@ -86,7 +87,7 @@ def test_a_kernel_noisy_in_one_generation_of_five_never_yields_a_leak():
 
 def test_a_leak_that_does_not_reproduce_is_unstable_control():
     """A poisoned run that differs once (the second does not): never a leak."""
-    eng = TransformersEngine(tiny_model(), workload("issue32"), attn=per_request_attention)
+    eng = TransformersEngine(tiny_model(), workload("chunked-prefill"), attn=per_request_attention)
     runs = []
     orig = eng.generate
 
