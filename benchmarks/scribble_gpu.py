@@ -111,7 +111,7 @@ def run_configs(out: Path, names: list, dtype: str, payloads: tuple, deadline: f
             f"({time.perf_counter() - start:.1f} s, exit code {report.exit_code()})")
         say(report.table())
         results[name] = {"exit_code": report.exit_code(), "unexpected": off, "transformers": facts["transformers"],
-                         "events": report.events, "moved_rows": report.moved_rows, "summary": report.summary(),
+                         "events": report.events, "moved_rows": report.moved_rows, "summary": report.verdict_line(),
                          "verdicts": {f"{c.check}:{c.region}:{c.payload}": c.verdict for c in report.cells}}
     return results
 

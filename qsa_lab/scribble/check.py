@@ -330,20 +330,20 @@ class ScribbleReport(LeakReport):
         return {**self.header(), "engine": self.engine, "reads_pool": self.reads_pool, "graphs": self.graphs,
                 "model": self.model, "workload": self.workload, "control_seconds": self.control_seconds,
                 "facts": self.facts, "events": self.events, "moved_rows": self.moved_rows, "counts": self.counts(),
-                "summary": self.summary(), "results": [c.to_dict() for c in self.cells]}
+                "results": [c.to_dict() for c in self.cells]}
 
     def frame(self):
         import pandas as pd
         return pd.DataFrame([{k: v for k, v in c.to_dict().items() if k not in ("strays", "where", "pairs")} |
                              {"where": _where_text(c)} for c in self.cells])
 
-    def summary(self) -> str:
-        """The one line under the table: the leak check's counts (LeakReport), each verdict's cells, the
-        regions that leaked, and the exit code."""
+    def verdict_line(self) -> str:
+        """The one line under the table: the leak check's counts (LeakReport.summary), each verdict's cells,
+        the regions that leaked, and the exit code."""
         verdicts = self.verdicts()
         found = ", ".join(f"{verdicts.count(v)} {v}" for v in VERDICTS if v in verdicts)
         leaking = sorted({c.region for c in self.leaks()})
-        return (f"{super().summary()}: {found}" + (f"; leaks or stray writes in {', '.join(leaking)}" if leaking
+        return (f"{self.summary()}: {found}" + (f"; leaks or stray writes in {', '.join(leaking)}" if leaking
                                                     else "") + f"; exit code {self.exit_code()}")
 
     def legend(self) -> list:
@@ -362,7 +362,7 @@ class ScribbleReport(LeakReport):
         for c in self.cells:
             lines.append(f"{c.check:6} {c.region:15} {c.payload:7} {c.verdict:17} {c.nan:5d} {c.inf:5d} "
                          f"{c.finite_changed:7d} {c.tokens_changed:6d}  {_where_text(c)}")
-        lines.append(f"summary: {self.summary()}")
+        lines.append(f"summary: {self.verdict_line()}")
         legend = self.legend()
         if legend:
             lines += ["regions (rows filled per read run, summed over steps):"] + legend
@@ -434,7 +434,8 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     for r in regions:
         for p in payloads:
             if not stable:
-                cells.append(Cell("read", r, p, UNSTABLE, error="two clean runs differ: no read verdict can be trusted"))
+                cells.append(Cell("read", r, p, UNSTABLE,
+                                  error="two clean runs differ: no read verdict can be trusted"))
             elif r == OTHER:
                 cells.append(judge.other_requests(p))
             else:

@@ -174,7 +174,7 @@ def test_verdict_grid_draws_every_region_and_column():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["nan", "write"]
     # one mark per cell (qsa_lab.plotting.verdicts): free-blocks has no write cell, read-trash every one
     assert sorted(t.get_text() for t in ax.texts) == sorted([".", "-", "N", "W"])
-    assert ax.get_xlabel() == report.summary() == ("2 leaking of 3 checks (3 cells): 1 clean, 1 nan-leak, "
+    assert ax.get_xlabel() == report.verdict_line() == ("2 leaking of 3 checks (3 cells): 1 clean, 1 nan-leak, "
                                                    "1 stray-write; leaks or stray writes in read-trash; exit code 1")
 
 
@@ -182,8 +182,8 @@ def test_the_table_ends_with_a_summary_line_and_a_legend_of_its_regions():
     report = scribble(engine(pad=True), regions=("free-blocks", "read-trash"), payloads=("nan",))
     lines = report.table().splitlines()
     summary = next(line for line in lines if line.startswith("summary: "))
-    assert summary == "summary: " + report.summary()
-    assert report.summary() == ("1 leaking of 4 checks (4 cells): 3 clean, 1 nan-leak; leaks or stray writes in "
+    assert summary == "summary: " + report.verdict_line()
+    assert report.verdict_line() == ("1 leaking of 4 checks (4 cells): 3 clean, 1 nan-leak; leaks or stray writes in "
                                 "read-trash; exit code 1")
     legend = lines[lines.index(summary) + 1:]
     assert legend[0].startswith("regions (rows filled per read run")
@@ -191,7 +191,7 @@ def test_the_table_ends_with_a_summary_line_and_a_legend_of_its_regions():
         name, rows, text = line.split(maxsplit=2)
         rows_filled = next(c.slots for c in report.cells if c.check == "read" and c.region == region)
         assert (name, int(rows), text) == (region, rows_filled, REGION_TEXT[region]) and rows_filled > 0
-    assert report.to_dict()["summary"] == report.summary()
+    assert report.to_dict()["counts"] == {"cells": 4, "checks": 4, "leaking": 1}
 
 
 def test_an_mla_models_latent_rows_are_the_pool_on_525_and_refused_on_524():

@@ -6,7 +6,7 @@ import pytest
 
 from qsa_lab.scribble.check import scribble
 from qsa_lab.scribble.contract import NoHooks
-from qsa_lab.scribble.verdicts import LEAKS
+from qsa_lab.analysis.leaks import READ_LEAKS
 
 pytest.importorskip("transformers")
 
@@ -77,5 +77,5 @@ def test_the_payloads_the_padded_read_trash_leaks_with_are_what_the_page_says():
         attn = attn.strip("`")
         report = scribble(TransformersEngine(tiny_model(), workload("chunked-prefill"), attn=attn, pad=True),
                           regions=("read-trash",), localise_leaks=False)
-        leaking = {c.payload for c in report.cells if c.check == "read" and c.verdict in LEAKS}
+        leaking = {c.payload for c in report.cells if c.check == "read" and c.verdict in READ_LEAKS}
         assert leaking == names(said), (attn, report.table())

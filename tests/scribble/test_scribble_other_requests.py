@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from qsa_lab.scribble.check import scribble
-from qsa_lab.scribble.verdicts import LEAKS, OTHER
+from qsa_lab.analysis.leaks import LEAKS
+from qsa_lab.scribble.verdicts import OTHER
 
 transformers = pytest.importorskip("transformers")
 
