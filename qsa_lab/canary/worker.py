@@ -12,6 +12,7 @@ import signal
 import sys
 
 from qsa_lab.support.processes import die_with_parent
+from qsa_lab.support.safepath import take_path
 
 
 def main() -> int:
@@ -33,10 +34,7 @@ def main() -> int:
         if msg[0] == "load":
             _, name, cwd, path = msg   # a canary.names.KernelName
             os.chdir(cwd)
-            # the caller's path, then the current folder LAST: a kernel module there is found, but a
-            # torch.py or qsa_lab/ lying there never takes an installed module's place
-            sys.path[:0] = [p for p in path if p and p != cwd and p not in sys.path]
-            sys.path.append(cwd)
+            take_path(cwd, path)   # the current folder last: nothing there shadows an installed module
             try:
                 fn = load_kernel(name)
                 reply = ("ok", {"paged_inputs": getattr(fn, "paged_inputs", None)})

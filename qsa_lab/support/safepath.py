@@ -16,6 +16,15 @@ def drop_current_folder() -> None:
         del sys.path[0]
 
 
+def take_path(cwd: str, path: list) -> None:
+    """In a worker started by support.processes.spawn: the caller's import path, then the current
+    folder `cwd` LAST, so a module the user names there is found but a torch.py or qsa_lab/ lying
+    there never takes an installed module's place."""
+    sys.path[:0] = [p for p in path if p and p != cwd and p not in sys.path]
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 #: `python -c` code that starts `module` as `python -m module` would, without the current folder on
 #: its path (for a second process started in a folder the user received: qsa_lab.support.processes)
 RUN_MODULE = ("import sys; sys.path[:] = [p for p in sys.path if p]; import runpy; "
