@@ -6,6 +6,7 @@ real module, and run. An entry point that may run there calls `drop_current_fold
 imports anything else; this module itself imports nothing that Python has not loaded at start-up.
 (The `qsa-lab` program never has the current folder on its path: its script's folder is first.)
 """
+import contextlib
 import os
 import sys
 
@@ -29,3 +30,19 @@ def take_path(cwd: str, path: list) -> None:
 #: its path (for a second process started in a folder the user received: qsa_lab.support.processes)
 RUN_MODULE = ("import sys; sys.path[:] = [p for p in sys.path if p]; import runpy; "
               "runpy.run_module({!r}, run_name='__main__', alter_sys=True)")
+
+
+@contextlib.contextmanager
+def children_off_the_current_folder():
+    """Processes started inside (multiprocessing's spawn children and its resource tracker, which
+    start as `python -c ...`) get no current folder on their path: PYTHONSAFEPATH (Python 3.11+;
+    3.10 has no such switch) is set while they start, then put back as it was."""
+    old = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONSAFEPATH", None)
+        else:
+            os.environ["PYTHONSAFEPATH"] = old
