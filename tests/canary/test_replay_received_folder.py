@@ -152,12 +152,14 @@ def test_an_old_route_name_in_a_call_file_is_bad_input(report, capsys):
 def test_the_second_process_of_a_run_in_a_received_folder_imports_nothing_from_it(tmp_path):
     """`qsa-lab canary` (e.g. --case calls/x.safetensors inside a report) starts multiprocessing's spawn
     children, which start as `python -c`, the current folder first on their path."""
-    marks = plant(tmp_path, names=("shlex",))
-    (tmp_path / "multiprocessing").mkdir()
-    (tmp_path / "multiprocessing" / "__init__.py").write_text(MARK.format(path=str(marks / "multiprocessing")))
+    folder = tmp_path / "received"
+    folder.mkdir()
+    marks = plant(folder, names=("shlex",))
+    (folder / "multiprocessing").mkdir()
+    (folder / "multiprocessing" / "__init__.py").write_text(MARK.format(path=str(marks / "multiprocessing")))
     code = ("import sys; sys.path[:] = [p for p in sys.path if p]\n"
             "from qsa_lab.support.executor import SecondProcess\n"
             "s = SecondProcess('shlex'); print(s.submit(sum, [1, 2]).result()); s.close()\n")
-    p = run([sys.executable, "-c", code], tmp_path)
+    p = run([sys.executable, "-c", code], folder)
     assert sorted(x.name for x in marks.iterdir()) == [], p.stderr
     assert p.stdout.strip() == "3", p.stderr
