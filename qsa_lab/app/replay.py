@@ -10,10 +10,9 @@ Exit codes: 1 the leak reproduces, 0 it does not, 3 it cannot run or cannot tell
 """
 from __future__ import annotations
 
-import re
 import sys
 
-from qsa_lab.app.args import Failure, UsageError, one_line
+from qsa_lab.app.args import Failure, UsageError, blame, one_line
 from qsa_lab.model.geometry import BACKENDS
 
 #: what the call file's errors say about it, as the command line names it
@@ -41,16 +40,6 @@ def add_parser(sub, parents=()):
     return p
 
 
-def _usage(e: Exception) -> UsageError:
-    msg = one_line(e)
-    m = re.match(r"(call file|[A-Za-z_]\w*):\s*", msg)
-    if m and m.group(1) in FLAGS:
-        msg = f"{FLAGS[m.group(1)]}: {msg[m.end():]}"
-    elif not msg.startswith("--"):
-        msg = f"CALL_FILE: {msg}"
-    return UsageError(msg)
-
-
 def run(args) -> int:
     if not args.call_file.strip():
         raise UsageError("CALL_FILE: empty path")
@@ -58,10 +47,9 @@ def run(args) -> int:
     from qsa_lab.canary.replay import replay, report_lines
 
     try:
-        kernel = None if args.kernel is None else parse_kernel(args.kernel, "--kernel")
-        r = replay(args.call_file, kernel, args.backend)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        raise _usage(e) from e
+        with blame(FLAGS, "CALL_FILE"):
+            kernel = None if args.kernel is None else parse_kernel(args.kernel, "--kernel")
+            r = replay(args.call_file, kernel, args.backend)
     except RuntimeError as e:      # the kernel cannot load or run here
         raise Failure(f"replay: {one_line(e)}") from e
     out, err, code = report_lines(r)
