@@ -110,6 +110,11 @@ def check_args(args) -> dict:
                              "nor a local folder")
         with blame({"model": "--model"}, "--model"):
             check_checkpoint(args.model)
+    attn = args.attn.strip()
+    if not attn:
+        raise UsageError("--attn: empty; an implementation name (paged|eager, sdpa, ...) or file.py:function")
+    if attn.endswith(".py") or (attn.endswith(":") and not is_user_attention(attn)):
+        raise UsageError(f"--attn: {args.attn!r} names no function; give file.py:function or module:function")
     lo, hi = RANGES["seed"]
     if not lo <= args.seed <= hi:
         raise UsageError(f"--seed: must be in {lo}..{hi}, got {args.seed}")
@@ -131,6 +136,7 @@ def run(args) -> int:
     import torch
 
     from qsa_lab.scribble.check import scribble
+    from qsa_lab.scribble.hf_engine import AttentionNameError
     from qsa_lab.scribble.isolated import build_engine, scribble_attention
     from qsa_lab.scribble.versions import machine_facts
     from qsa_lab.support.outputs import write_text
@@ -150,6 +156,8 @@ def run(args) -> int:
             report = scribble(build_engine(attn=args.attn, **engine), **matrix)
     except AttentionLoadError as e:
         raise UsageError(str(e)) from None
+    except AttentionNameError as e:   # a name transformers cannot use here
+        raise UsageError(f"--attn: {str(e).removeprefix('attn: ')}") from None
     except CheckpointError as e:      # what the loader itself refused in the folder: still bad input
         raise UsageError(f"--model: {str(e).removeprefix('model: ')}") from None
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line

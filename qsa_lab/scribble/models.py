@@ -153,7 +153,17 @@ def check_checkpoint(path) -> dict:
     if heads and hidden and not config.get("head_dim") and hidden % heads:
         raise CheckpointError(f"model: {_text(config_file)}: num_attention_heads ({heads}) must divide hidden_size "
                               f"({hidden}) when no head_dim is given")
-    _check_weights(folder)
+    weight_bytes = _check_weights(folder)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab, hidden, layers = (text.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
+    if all(isinstance(v, int) and v >= 1 for v in (vocab, hidden, layers)):
+        # every causal LM holds an embedding (vocab x hidden) and, per layer, at least one projection
+        # from the hidden size: at even one bit a weight, weights smaller than that cannot be this model
+        least = vocab * hidden + layers * hidden
+        if least > 8 * weight_bytes:
+            raise CheckpointError(f"model: {_text(config_file)} describes at least {least:.3g} weights (vocab_size x "
+                                  f"hidden_size + num_hidden_layers x hidden_size), but the folder's weights are "
+                                  f"{weight_bytes} bytes")
     return config
 
 
@@ -162,9 +172,9 @@ def _text(path) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def _check_weights(folder) -> None:
+def _check_weights(folder) -> int:
     """Weights are there, and each safetensors file is whole: its header parses and every tensor's
-    bytes lie inside the file (a truncated download is caught here, not by the loader)."""
+    bytes lie inside the file (a truncated download is caught here, not by the loader). -> their bytes."""
     import json
     import struct
 
@@ -184,8 +194,10 @@ def _check_weights(folder) -> None:
                 files.add(folder / shard)
         else:
             files.add(f)
+    total = 0
     for f in sorted(files):
         size = f.stat().st_size
+        total += size
         if size == 0:
             raise CheckpointError(f"model: {_text(f)} is empty")
         if f.suffix != ".safetensors":
@@ -214,6 +226,7 @@ def _check_weights(folder) -> None:
             if not ok:
                 raise CheckpointError(f"model: {_text(f)} is truncated or damaged: tensor {name!r} does not lie "
                                       f"whole inside its {size} bytes")
+    return total
 
 
 def local_model(path: str, dtype=None, device=None):

@@ -74,12 +74,13 @@ def checkpoints(tmp_path_factory):
     good = root / "good"
     tiny_model("llama-gqa").save_pretrained(good)
     (root / "empty").mkdir()
-    for name in ("not-json", "zero-heads", "truncated", "no-weights", "list"):
+    for name in ("not-json", "zero-heads", "truncated", "no-weights", "list", "many-layers"):
         shutil.copytree(good, root / name)
     (root / "not-json" / "config.json").write_text("{not json")
     (root / "list" / "config.json").write_text("[1, 2]")
     config = json.loads((good / "config.json").read_text())
     (root / "zero-heads" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    (root / "many-layers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
     weights = root / "truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     (root / "no-weights" / "model.safetensors").unlink()
@@ -94,6 +95,9 @@ BAD = [(["--model", "{root}/empty"], "--model: {root}/empty holds no config.json
        (["--model", "{root}/truncated"], "--model: {root}/truncated/model.safetensors is truncated or damaged"),
        (["--model", "{root}/no-weights"], "--model: {root}/no-weights holds no weights"),
        (["--model", ""], "--model: empty"),
+       (["--attn", ""], "--attn: empty"),
+       (["--attn", "{root}/attention.py"], "--attn: '{root}/attention.py' names no function"),
+       (["--attn", "os:"], "--attn: 'os:' names no function"),
        (["--seed", str(2 ** 64)], "--seed: must be in 0..9223372036854775807, got 18446744073709551616"),
        (["--model", "{root}/good", "--json", "{root}/good/config.json", "--force"],
         "--json: same file as --model config.json")]
@@ -116,3 +120,22 @@ def test_a_good_checkpoint_loads_without_loader_output(checkpoints, capsys):
     model = local_model(str(checkpoints / "good"))
     out, err = capsys.readouterr()
     assert (out, err) == ("", "") and type(model).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("name", ["no-such-attention", ":f"])
+def test_an_attention_name_transformers_cannot_use_is_bad_input(name, capsys):
+    """Refused by the engine (transformers knows its names), still one line, exit 2, naming --attn."""
+    code, out, err = run_cli(["scribble", "--attn", name, "--regions", "read-trash", "--payloads", "nan",
+                              "--device", "cpu"], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, (code, out, err)
+    assert err.startswith(f"qsa-lab: error: --attn: transformers {transformers.__version__} cannot use {name!r}"), err
+
+
+def test_a_config_bigger_than_its_weights_is_refused_before_the_loader_builds_it(checkpoints):
+    """10**9 layers in a config beside 0.4 MB of weights: the loader would build modules for minutes."""
+    from qsa_lab.scribble.models import CheckpointError, check_checkpoint
+
+    with pytest.raises(CheckpointError, match=r"^model: .*many-layers/config.json describes at least 6.4e\+10 "
+                                              r"weights .*, but the folder's weights are \d+ bytes$"):
+        check_checkpoint(checkpoints / "many-layers")
+    assert check_checkpoint(checkpoints / "good")["num_hidden_layers"] == 2
