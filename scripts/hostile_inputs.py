@@ -808,17 +808,21 @@ def iv_probes(d: Path) -> list[Probe]:
         return P
     ck_dir = d / "ckpt"
     tiny_model("llama-gqa").save_pretrained(ck_dir)
-    for name in ("empty", "notjson", "zeroheads", "truncated", "nokv"):
+    for name in ("empty", "notjson", "zeroheads", "truncated", "nokv", "manylayers"):
         shutil.copytree(ck_dir, d / name) if name != "empty" else (d / name).mkdir()
     (d / "notjson" / "config.json").write_text("{x")
     cfg = json.loads((ck_dir / "config.json").read_text())
     (d / "zeroheads" / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
     (d / "nokv" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
+    (d / "manylayers" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 10 ** 9}))
     w = d / "truncated" / "model.safetensors"
     w.write_bytes(w.read_bytes()[:1000])
     small = ["--regions", "read-trash", "--payloads", "nan", "--device", "cpu"]
-    for m in ("empty", "notjson", "zeroheads", "truncated", "nokv", "nowhere"):
+    for m in ("empty", "notjson", "zeroheads", "truncated", "nokv", "manylayers", "nowhere"):
         P.append(iv_cli(["scribble", "--model", str(d / m), *small], "--model"))
+    (d / "attention.py").write_text("def attention(*a, **k):\n    return None\n")
+    for attn in ("", str(d / "attention.py"), "os:", ":f", "no-such-attention"):
+        P.append(iv_cli(["scribble", "--attn", attn, *small], "--attn"))
     P.append(iv_cli(["scribble", "--model", "", *small], "--model"))
     P.append(iv_cli(["scribble", "--seed", str(2 ** 64), *small], "--seed"))
     P.append(iv_cli(["scribble", "--model", str(ck_dir), "--json", str(ck_dir / "config.json"), "--force", *small],
