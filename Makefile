@@ -43,10 +43,9 @@ demo: setup
 
 # the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise
 TEST_WORKERS ?= auto
-# (on an AMD CPU MKL is told to take its Intel kernels: scripts/mkl_intel_path.sh says why)
 test: setup
 	bash scripts/setup_test_extras.sh "$(PY)"
-	$$(bash scripts/mkl_intel_path.sh "$(ENV_DIR)") $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not wheel"
