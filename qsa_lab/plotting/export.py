@@ -20,6 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from qsa_lab.analysis.leaks import gpu_name
 from qsa_lab.support.outputs import check_folder, writing
 from qsa_lab.support.package_data import checkout, locate
 
@@ -69,20 +70,9 @@ def csrc_sha256() -> str:
     return h.hexdigest()[:16]
 
 
-def gpu_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001 - a broken CUDA install still lets the figure be saved
-        pass
-    return "none (CPU)"
-
-
 def full_meta(meta: dict | None) -> dict:
     """meta plus defaults for the required keys (gpu, version, commit and csrc hash filled in here)."""
-    from qsa_lab import __version__
+    from qsa_lab.support.version import __version__
 
     out = {"case": "", "backend": "", "gpu": gpu_name(), "qsa_lab_version": __version__,
            "git_commit": git_commit(), "csrc_sha256": csrc_sha256()}

@@ -85,7 +85,7 @@ def check_no_warnings(path: Path, nb) -> None:
 def check_verdict_order(path: Path, nb) -> None:
     """A table of canary verdicts lists them in VERDICTS' order: leaks before failures before
     n/a (notebook 06's "not clean" table put n/a rows first; issue 31)."""
-    from qsa_lab.canary.verdicts import VERDICTS
+    from qsa_lab.analysis.leaks import VERDICTS
 
     cell = re.compile(r"<td>(" + "|".join(map(re.escape, VERDICTS)) + r")</td>")
     for c in nb.cells:
@@ -243,7 +243,7 @@ def test_05_reads_committed_timings(tmp_path):
     assert nb.cells[0].cell_type == "markdown" and "earlier version" not in json.dumps(nb.cells, default=str)
     first_output = next(c for c in nb.cells if c.cell_type == "code" and c.outputs)
     assert "text/html" not in json.dumps(first_output.outputs)               # opens with the question, no frame
-    assert r["upstream_fix_a_ratio"] == [1.04, 1.045] and r["ours_fix_a_ratio"] == [1.063, 1.073]
+    assert r["upstream_kernel_fix_ratio"] == [1.04, 1.045] and r["ours_kernel_fix_ratio"] == [1.063, 1.073]
     table = next(c for c in nb.cells if "fix_cost_frame(" in c.source)      # the fix-cost table
     text = "".join(o.get("data", {}).get("text/plain", "") for o in table.outputs)
     assert "kernel_fix (A)" in text and "3.49" in text and not re.search(r"\d\.\d{4,}", text), text   # not 3.488375
