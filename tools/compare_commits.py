@@ -13,7 +13,8 @@ one commit after the other, through the same cases:
 - diff: `qsa-lab diff ... --backend emulate --json --save` for each of the report's cases;
 - repro: `qsa-lab repro --backend emulate --no-figures`, its table (stdout, CSV and JSON).
 
-Every output must be the same bits (the exit codes too); the first differences are printed.
+Every output must be the same bits (the exit codes too; not a report's date); the first
+differences are printed.
 Exit 0 identical, 1 they differ, 2 bad input (an unknown commit, a commit whose package this tool
 cannot drive). --quick runs a subset (eight small cases, the canary of two routes, one diff, no
 repro): a check while you work, not before a merge.
@@ -189,12 +190,20 @@ def differences(base: Path, head: Path, parts_base: dict, parts_head: dict) -> d
         if not a.exists() or not b.exists():
             found[str(f)] = [f"written only by {'HEAD' if not a.exists() else 'BASE'}"]
         elif f.suffix == ".json":
-            found[str(f)] = json_differences(json.loads(a.read_text()), json.loads(b.read_text()))
+            found[str(f)] = json_differences(*(without_volatile(json.loads(x.read_text())) for x in (a, b)))
         elif f.suffix in (".npz", ".safetensors"):
             found[str(f)] = array_differences(load_arrays(a), load_arrays(b))
         elif a.read_bytes() != b.read_bytes():
             found[str(f)] = [first_line_difference(a.read_text(errors="replace"), b.read_text(errors="replace"))]
     return {source: lines for source, lines in found.items() if lines}
+
+
+#: header fields that differ from one run to the next (a report's date), not compared
+VOLATILE = ("date",)
+
+
+def without_volatile(doc):
+    return {k: v for k, v in doc.items() if k not in VOLATILE} if isinstance(doc, dict) else doc
 
 
 def first_line_difference(a: str, b: str) -> str:
@@ -229,7 +238,7 @@ def load_arrays(path: Path) -> dict:
     from safetensors import safe_open
 
     with safe_open(str(path), "np") as f:
-        meta = {k: v for k, v in (f.metadata() or {}).items() if k != "qsa_lab_version"}
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k not in VOLATILE + ("qsa_lab_version",)}
         arrays = {k: f.get_tensor(k) for k in f.keys()}
     arrays["metadata"] = np.array(json.dumps(meta, sort_keys=True))
     return arrays
