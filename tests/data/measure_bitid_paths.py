@@ -134,14 +134,15 @@ def indexer_margins() -> dict:
       a dot that crossed 0 would lift its block above the tie."""
     import torch
 
-    from qsa_lab.model import case as C
+    from qsa_lab.model import selection as S
+    from qsa_lab.model.case import build_case
     from qsa_lab.report.repro import REPRO_CASES
     from bitid_cases import small_specs, make_case
 
-    u, root = 2.0 ** -24, float(np.sqrt(C.INDEXER_DIM))
+    u, root = 2.0 ** -24, float(np.sqrt(S.INDEXER_DIM))
     seen = {"rows_cut": 0, "error": 0.0, "margin": float("inf"), "where": "", "zero_ties": 0,
             "zero_margin": float("inf")}
-    scores_of, top_blocks = C._indexer_scores, C._top_blocks
+    scores_of, top_blocks = S.indexer_scores, S.top_blocks
     last = {}
 
     def scores(q, keys):
@@ -173,16 +174,16 @@ def indexer_margins() -> dict:
 
     where = [""]
     specs = small_specs()
-    C._indexer_scores, C._top_blocks = scores, watch
+    S.indexer_scores, S.top_blocks = scores, watch
     try:
         for g in dict.fromkeys(rc.geometry for rc in REPRO_CASES):
             where[0] = f"report geometry {g}"
-            C.build_case(g)
+            build_case(g)
         for i, spec in enumerate(specs):
             where[0] = f"small/{i}"
             make_case(spec)
     finally:
-        C._indexer_scores, C._top_blocks = scores_of, top_blocks
+        S.indexer_scores, S.top_blocks = scores_of, top_blocks
     return seen
 
 
@@ -202,7 +203,9 @@ def main(argv=None):
     for name, (env, _) in PATHS.items():
         load = os.getloadavg()[0]
         out = subprocess.run([sys.executable, __file__, "--path", name], env={**os.environ, **env},
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"path {name} failed:\n{out.stderr[-3000:]}")
         runs.append({**json.loads(out.stdout.splitlines()[-1]), "load_before": round(load, 2),
                      "load_after": round(os.getloadavg()[0], 2)})
         print(name, json.dumps({c: (v["max_ulps"], v["max_own_ulps"], v["differ"], v["values"])
