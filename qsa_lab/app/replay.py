@@ -29,7 +29,8 @@ def add_parser(sub, parents=()):
                                    "nothing in the current folder is imported. Exit 1 the leak reproduces, 0 it "
                                    "does not, 3 cannot run or cannot tell here, 2 bad input.")
     p.add_argument("call_file", metavar="CALL_FILE",
-                   help="a call file written by qsa-lab canary --report (REPORT/calls/<cell>.safetensors)")
+                   help="a call file written by qsa-lab canary --report (REPORT/calls/<cell>.safetensors; "
+                        "required: no default)")
     p.add_argument("--kernel", metavar="NAME",
                    help="the kernel to run: a built-in name, module:function or file.py:function (e.g. "
                         "kernels/<file>.py:fn inside a report); default: the recorded one when it is a built-in "
