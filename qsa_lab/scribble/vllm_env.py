@@ -58,12 +58,12 @@ def checkout_env() -> Path:
 
 
 def vllm_python() -> str | None:
-    """The Python that runs vLLM: this one when it can import vLLM, else $VLLM_PYTHON, else the
-    checkout's `.venv-vllm`; None when there is none."""
+    """The Python that runs vLLM: this one when it can import vLLM, else $VLLM_PYTHON (None if that
+    file does not exist), else the checkout's `.venv-vllm`; None when there is none."""
     if util.find_spec("vllm") is not None:
         return sys.executable
     given = os.environ.get("VLLM_PYTHON")
     if given:
-        return given
+        return given if Path(given).exists() else None
     python = checkout_env() / "bin" / "python"
     return str(python) if python.exists() else None
