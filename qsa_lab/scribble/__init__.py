@@ -10,6 +10,8 @@ logprobs and logits with a clean run; and guard every row the step must not writ
     report = scribble(engine)
     print(report.table())
 
+vLLM (in its own environment, `make vllm-env`): VllmEngine(vllm_model("llama-gqa"), vllm_workload("reuse")).
+
 The contract an engine adapter implements: qsa_lab.scribble.contract (StepView, EngineAdapter).
 Names load on first use, so `qsa-lab scribble --help` needs neither torch nor transformers.
 """
@@ -19,7 +21,8 @@ _NAMES = {
     "REGIONS": ".verdicts", "PAYLOADS": ".verdicts", "SCHEMA": ".verdicts", "STRAY": ".verdicts",
     "SUPPORTED_TRANSFORMERS": ".versions", "refusal": ".versions",
     "StepView": ".contract", "Generation": ".contract", "EngineAdapter": ".contract",
-    "TransformersEngine": ".hf_engine",
+    "TransformersEngine": ".hf_engine", "VllmEngine": ".vllm_engine", "vllm_model": ".vllm_engine",
+    "vllm_workload": ".vllm_engine", "SUPPORTED_VLLM": ".vllm_env",
     "tiny_model": ".models", "local_model": ".models", "workload": ".models", "WORKLOADS": ".models",
     "MODELS": ".models",
     "scribble": ".check", "Scribbler": ".check", "ScribbleReport": ".check", "compare": ".check",

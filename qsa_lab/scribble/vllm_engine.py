@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from .contract import Generation, NoHooks
+from .contract import Generation
 from .models import Workload
 from .vllm_env import require_supported_vllm, vllm_version
 
@@ -145,7 +145,7 @@ class VllmEngine:
             else:
                 worker.flat.copy_(self._initial)
             ACTIVE["scheduler"].names.clear()
-        run = _Run(self, hooks or NoHooks(), record_attention)
+        run = _Run(self, hooks, record_attention)
         ACTIVE["run"] = run if self.scribbled else None
         try:
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in self.prompts], params, use_tqdm=False)
@@ -180,7 +180,8 @@ class _ModelName:
 
 
 class _Run:
-    """The hooks and records of one generation, called by the connector around every forward."""
+    """The hooks and records of one generation, called by the connector around every forward
+    (hooks None: a plain run, which only counts the facts)."""
 
     def __init__(self, engine: VllmEngine, hooks, record_attention: bool):
         self.engine, self.hooks, self.record_attention = engine, hooks, record_attention
@@ -190,6 +191,9 @@ class _Run:
         self._owner = {}       # block -> first request seen holding it
 
     def before_step(self, worker, meta, forward_context) -> None:
+        if self.hooks is None:                    # a plain run: the facts only
+            self._count(meta)
+            return
         try:
             if self.step == 0:
                 self._warmup(worker)
@@ -207,6 +211,8 @@ class _Run:
             raise
 
     def after_step(self, worker) -> None:
+        if self.hooks is None:
+            return
         try:
             self.hooks.after_step(self.view)
         except Exception:

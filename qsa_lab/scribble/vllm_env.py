@@ -67,3 +67,33 @@ def vllm_python() -> str | None:
         return given if Path(given).exists() else None
     python = checkout_env() / "bin" / "python"
     return str(python) if python.exists() else None
+
+
+def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "issue32", regions=None, payloads=None,
+                         prefix_caching: bool = True, timeout: float = 1800):
+    """`qsa-lab scribble --engine vllm` in vLLM's environment, from any other one (a notebook's kernel):
+    its report (qsa_lab.scribble.check.ScribbleReport), or None when there is no vLLM environment.
+    A run that gives no report raises RuntimeError with the command's last line."""
+    import json
+    import subprocess
+
+    from .check import Cell, ScribbleReport
+
+    python = vllm_python()
+    if python is None:
+        return None
+    argv = [python, "-m", "qsa_lab", "scribble", "--engine", "vllm", "--model", model, "--workload", workload,
+            "--json", "-"]
+    argv += ["--regions", ",".join(regions)] if regions else []
+    argv += ["--payloads", ",".join(payloads)] if payloads else []
+    argv += [] if prefix_caching else ["--no-prefix-caching"]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])       # this qsa_lab, first on the child's path
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode not in (0, 1) or not out.stdout.strip():
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"qsa-lab scribble --engine vllm: exit {out.returncode}: {last}")
+    doc = json.loads(out.stdout)
+    return ScribbleReport(doc["engine"], doc["reads_pool"], doc["graphs"], doc["model"], doc["workload"],
+                          [Cell(**r) for r in doc["results"]], doc.get("control_seconds", 0.0), doc.get("facts", {}))

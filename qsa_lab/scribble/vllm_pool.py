@@ -79,6 +79,9 @@ class PoolMap:
         self.layer = torch.full((groups, n), -1, dtype=torch.int64)
         index = torch.arange(n, dtype=torch.int64)
         for group, layer, view, token_of in layers:
+            if view.shape[0] % num_blocks:
+                raise RuntimeError(f"scribble: the attention backend's cache view does not keep blocks in its first "
+                                   f"dimension ({tuple(view.shape)} for {num_blocks} blocks)")
             ids = index.as_strided(view.size(), view.stride(), view.storage_offset() - flat.storage_offset())
             ratio = view.shape[0] // num_blocks          # kernel blocks per manager block
             ids = ids.reshape(num_blocks, -1)            # manager block b: kernel blocks b*ratio .. b*ratio+ratio-1
