@@ -4,7 +4,7 @@
 
 Runs each grouped variant once (plus XQA and decode_panel), prints NaN counts. With
 --trials N it also reruns each variant N times and counts runs whose output has a NaN
-on a route that should be clean (the leak test for fix A without its leading barrier).
+on a route that should be clean (the leak test for kernel_fix (A) without its leading barrier).
 """
 import argparse
 

@@ -49,8 +49,6 @@ KV_DTYPE_CODES = {"e4m3": 0, "e5m2": 1, "fp16": 2}
 VARIANTS = {v: i for i, v in enumerate(KERNEL_VARIANTS + ("kernel_fix_no_leading_barrier", "early_v"))}
 # __syncthreads() per 32-token tile of each variant (kBarriersPerTile in the header).
 BARRIERS_PER_TILE = {"unfixed": 5, "kernel_fix": 7, "masked_load": 5, "kernel_fix_no_leading_barrier": 6, "early_v": 5}
-# XQA partitions per KV format, as upstream: (tokens per partition, partial dtype).
-XQA_PARTITIONS = {"e4m3": (256, "float32"), "e5m2": (256, "float32"), "fp16": (1024, "float16")}
 MAX_Q_HEADS = 8
 MAX_HEAD_DIM = 256
 
