@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from .contract import Generation
-from .models import Workload
+from .models import RENAMED_WORKLOADS, Workload
 from .vllm_env import require_supported_vllm, vllm_version
 
 #: the tiny models vLLM's CPU backend runs: its attention needs head_dim 32, 64, 80, ... (not 16)
@@ -49,8 +49,8 @@ VLLM_MODELS = {
 #: the named workloads sized for vLLM's CPU backend (blocks of 32 tokens: it refuses smaller ones);
 #: num_blocks counts the null block
 VLLM_WORKLOADS = {
-    # the issue's prompts: the 47-token prompt is prefilled in chunks (64 tokens a step)
-    "issue32": Workload("issue32", (5, 13, 30, 47), 6, 32, 17, 64),
+    # 4 requests on 16 usable blocks: the 47-token prompt is prefilled in chunks (64 tokens a step)
+    "chunked-prefill": Workload("chunked-prefill", (5, 13, 30, 47), 6, 32, 17, 64),
     # 6 requests, at most 4 at a time, on 7 usable blocks: requests wait for blocks that finished ones
     # free, running ones are preempted when a decode needs a block, prompts are prefilled in chunks of
     # 48 tokens, and the last two share their first 64 tokens (two full blocks: prefix-cache hits)
@@ -59,6 +59,8 @@ VLLM_WORKLOADS = {
 
 
 def vllm_workload(name: str) -> Workload:
+    if name in RENAMED_WORKLOADS:
+        raise ValueError(f"workload: {name!r} is now called {RENAMED_WORKLOADS[name]!r}")
     if name not in VLLM_WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(VLLM_WORKLOADS)}, got {name!r}")
     return VLLM_WORKLOADS[name]

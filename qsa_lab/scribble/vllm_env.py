@@ -69,7 +69,7 @@ def vllm_python() -> str | None:
     return str(python) if python.exists() else None
 
 
-def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "issue32", regions=None, payloads=None,
+def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "chunked-prefill", regions=None, payloads=None,
                          prefix_caching: bool = True, timeout: float = 1800):
     """`qsa-lab scribble --engine vllm` in vLLM's environment, from any other one (a notebook's kernel):
     its report (qsa_lab.scribble.check.ScribbleReport), or None when there is no vLLM environment.

@@ -61,3 +61,18 @@ def test_the_vllm_adapter_tests_pass_in_the_vllm_environment():
     assert out.returncode == 0, tail
     summary = out.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "skipped" not in summary and "failed" not in summary, tail
+
+
+def test_the_vllm_workloads_are_the_named_workloads_sized_for_blocks_of_32():
+    from qsa_lab.scribble.models import WORKLOADS
+    from qsa_lab.scribble.vllm_engine import VLLM_WORKLOADS, vllm_workload
+    assert set(VLLM_WORKLOADS) == set(WORKLOADS)
+    for name, w in VLLM_WORKLOADS.items():
+        assert w.name == name and w.page_size % 32 == 0
+        assert sum(w.prompt_lengths) > w.max_batch_tokens          # every workload prefills in chunks
+    reuse = vllm_workload("reuse")
+    blocks = sum(-(-(n + reuse.new_tokens) // reuse.page_size) for n in reuse.prompt_lengths[:4])
+    assert blocks > reuse.num_blocks - 1          # the first four requests cannot all hold their blocks at once
+    assert reuse.shared_prefix >= 2 * reuse.page_size                 # two full blocks to hit in the prefix cache
+    with pytest.raises(ValueError, match=r"^workload: 'issue32' is now called 'chunked-prefill'$"):
+        vllm_workload("issue32")

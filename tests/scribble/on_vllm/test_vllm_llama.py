@@ -1,4 +1,4 @@
-"""The scribble on vLLM's CPU backend: a tiny Llama (GQA 4:2, head_dim 32), the issue32 workload,
+"""The scribble on vLLM's CPU backend: a tiny Llama (GQA 4:2, head_dim 32), the chunked-prefill workload,
 prefix caching on. One engine for the module (in-process, ~20 s to start). Runs in the vLLM
 environment (make vllm-env); tests/scribble/test_vllm_env.py runs this folder there."""
 import json
@@ -19,7 +19,7 @@ from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload  
 if vllm_env.refusal() is not None:
     pytest.skip(vllm_env.refusal(), allow_module_level=True)
 
-#: regions the issue32 workload fills at some step on vLLM (no sliding window, no write trash)
+#: regions the chunked-prefill workload fills at some step on vLLM (no sliding window, no write trash)
 HELD = ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "prefix-cache")
 
 
@@ -30,7 +30,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(folder):
-    eng = VllmEngine(folder, vllm_workload("issue32"))
+    eng = VllmEngine(folder, vllm_workload("chunked-prefill"))
     yield eng
     eng.close()
 
@@ -68,7 +68,7 @@ def test_the_stock_cpu_engine_is_clean_everywhere_but_the_unwritten_tails_it_rea
 PLAIN = """
 import json, sys, torch
 from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_workload
-gen = VllmEngine(sys.argv[1], vllm_workload("issue32"), scribble=False).generate()
+gen = VllmEngine(sys.argv[1], vllm_workload("chunked-prefill"), scribble=False).generate()
 torch.save({"tokens": gen.tokens, "logprobs": gen.logprobs, "logits": gen.logits}, sys.argv[2])
 """
 
@@ -93,7 +93,7 @@ def test_an_attention_that_reads_one_free_block_with_weight_zero_is_a_nan_leak_i
                                                                                                monkeypatch):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     forward = CPUAttentionBackendImpl.forward
-    last = engine.workload.num_blocks - 1        # issue32 never needs it: free at every step
+    last = engine.workload.num_blocks - 1        # chunked-prefill never needs it: free at every step
 
     def leaky(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -147,7 +147,7 @@ def test_an_unsupported_vllm_version_is_refused_in_one_line(engine, monkeypatch,
     from qsa_lab.app.cli import main
     monkeypatch.setattr(vllm_env, "vllm_version", lambda: "0.31.0")
     with pytest.raises(vllm_env.UnsupportedVllm, match="0.31.0"):
-        VllmEngine(engine.model_dir, vllm_workload("issue32"))
+        VllmEngine(engine.model_dir, vllm_workload("chunked-prefill"))
     assert main(["scribble", "--engine", "vllm", "--regions", "read-trash", "--payloads", "nan"]) == 3
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("qsa-lab: failed: vllm: version 0.31.0")
