@@ -90,6 +90,9 @@ def check_args(args) -> dict:
     if args.cuda_graph and args.device == "cpu":
         raise UsageError("--cuda-graph: needs a CUDA device, not --device cpu")
     if args.engine == "vllm":
+        if args.model == "qwen2-hybrid":      # vllm_engine.VLLM_REFUSES, without importing torch
+            raise UsageError("--model: qwen2-hybrid: vLLM 0.32 refuses a Qwen2 with a sliding window on some layers "
+                             "only; use llama-gqa or mistral-swa")
         for flag, (name, default) in TRANSFORMERS_ONLY.items():
             if getattr(args, name) != default:
                 raise UsageError(f"{flag}: applies to --engine transformers only (vLLM picks its own attention, "

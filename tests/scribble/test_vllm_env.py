@@ -76,3 +76,9 @@ def test_the_vllm_workloads_are_the_named_workloads_sized_for_blocks_of_32():
     assert reuse.shared_prefix >= 2 * reuse.page_size                 # two full blocks to hit in the prefix cache
     with pytest.raises(ValueError, match=r"^workload: 'issue32' is now called 'chunked-prefill'$"):
         vllm_workload("issue32")
+
+
+def test_the_hybrid_model_vllm_refuses_is_bad_input_naming_why():
+    code = "from qsa_lab.app.cli import main; raise SystemExit(main(['scribble', '--engine', 'vllm', '--model', 'qwen2-hybrid']))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("qsa-lab: error: --model: qwen2-hybrid: vLLM 0.32 refuses")
