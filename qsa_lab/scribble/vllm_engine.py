@@ -195,8 +195,9 @@ class _Run:
         self._owner = {}       # block -> first request seen holding it
 
     def before_step(self, worker, meta, forward_context) -> None:
-        if self.hooks is None:                    # a plain run: the facts only
+        if self.hooks is None:                    # a plain run: the facts and the steps only
             self._count(meta)
+            self.steps.append(([n for n, _ in meta.batch], [q for _, q in meta.batch]))
             return
         try:
             if self.step == 0:

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from qsa_lab.scribble import vllm_env  # noqa: E402
 from qsa_lab.scribble.check import Scribbler, same, scribble  # noqa: E402
-from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS  # noqa: E402
+from qsa_lab.scribble.verdicts import REGIONS  # noqa: E402
 from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload  # noqa: E402
 
 if vllm_env.refusal() is not None:
@@ -37,7 +37,7 @@ def engine(folder):
 
 @pytest.fixture(scope="module")
 def stock(engine):
-    return scribble(engine)
+    return scribble(engine, payloads=("nan", "max"))      # inf behaves as nan here (0 * inf = NaN): the matrix has it
 
 
 def cells(report, check="read"):
@@ -49,9 +49,9 @@ def test_the_stock_cpu_engine_is_clean_everywhere_but_the_unwritten_tails_it_rea
     the request's length are loaded and multiplied by probability 0. NaN or Inf there (stale bytes of a
     block's earlier owner) turns every logprob NaN; the dtype's max changes nothing (0 * max = 0)."""
     read = cells(stock)
-    assert len(read) == len(REGIONS) * len(PAYLOADS)
+    assert len(read) == len(REGIONS) * 2
     for (region, payload), c in read.items():
-        if region == "unwritten-tail" and payload in ("nan", "inf"):
+        if region == "unwritten-tail" and payload == "nan":
             assert c.verdict == "nan-leak" and c.slots > 0, c
             assert c.where["step"] == 0 and c.where["layer"] == 0, c.where
         elif region in HELD:
