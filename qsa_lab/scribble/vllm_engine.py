@@ -121,6 +121,9 @@ class VllmEngine:
         self.prompts = workload.prompts(self.vocab)
         self.name = "vllm" + ("" if prefix_caching else "+no-prefix-caching") + ("" if device == "cpu" else f"+{device}")
         self.scribbled = scribble
+        from .vllm_connector import ACTIVE
+        # this engine's connectors (the last engine built in this process owns ACTIVE's)
+        self._worker, self._scheduler = (ACTIVE["worker"], ACTIVE["scheduler"]) if scribble else (None, None)
         self._initial = None          # the pool after warm-up: every generation starts from these bytes
         self.facts = {}
 
@@ -142,13 +145,13 @@ class VllmEngine:
         params = SamplingParams(max_tokens=self.workload.new_tokens, temperature=0.0, ignore_eos=True,
                                 logprobs=top, detokenize=False)
         self.llm.reset_prefix_cache()
-        worker = ACTIVE["worker"]
+        worker = self._worker
         if worker is not None:
             if self._initial is None:
                 self._initial = worker.flat.clone()
             else:
                 worker.flat.copy_(self._initial)
-            ACTIVE["scheduler"].names.clear()
+            self._scheduler.names.clear()
         run = _Run(self, hooks, record_attention)
         ACTIVE["run"] = run if self.scribbled else None
         try:
