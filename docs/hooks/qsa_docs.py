@@ -421,7 +421,8 @@ def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribbl
     rows = []
     for name in names:
         doc = json.loads(evidence(name).read_text())
-        where = doc["facts"].get("gpu") or doc["facts"].get("processor") or doc["device"]
+        gpu = doc["facts"].get("gpu")
+        where = (gpu if gpu and gpu != "none (CPU)" else None) or doc["facts"].get("processor") or doc["device"]
         load = doc.get("load_avg_1min", {}).get("start")
         engine = f"{doc['engine']}, " if doc.get("engine") == "transformers" else ""    # vLLM's mode is "vllm"
         for mode, r in doc["results"].items():
