@@ -55,8 +55,9 @@ def test_the_vllm_adapter_tests_pass_in_the_vllm_environment():
     python = _vllm_env()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                                                           "PYTEST_CURRENT_TEST", "VIRTUAL_ENV")}
-    out = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          "tests/scribble/on_vllm"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    out = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--tb=short",
+                          "--disable-warnings",
+                          "tests/scribble/on_vllm"], cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0, tail
     summary = out.stdout.strip().splitlines()[-1]
