@@ -36,6 +36,7 @@ import torch
 
 from qsa_lab.analysis.leaks import bits
 from qsa_lab.canary.call import KernelSkipped, PagedCall
+from qsa_lab.canary.names import FILE, MODULE, KernelName
 from qsa_lab.support.processes import end as _end, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
 from qsa_lab.model.paged import TENSORS as INPUTS  # the paged call's tensors, declared once
 
@@ -137,10 +138,11 @@ class InProcess:
 # -- a worker process per user kernel -----------------------------------------------------------
 
 class Worker:
-    """`module:function` or `file.py:function` in its own process (see the module docstring)."""
+    """A user's kernel (canary.names: `module:function` or `file.py:function`) in its own process
+    (see the module docstring)."""
 
-    def __init__(self, spec: str, timeout: float):
-        self.spec, self.timeout, self.proc, self.dead = spec, timeout, None, None
+    def __init__(self, name: KernelName, timeout: float):
+        self.name, self.timeout, self.proc, self.dead = name, timeout, None, None
         self.paged_inputs = None
 
     def _start(self) -> None:
@@ -182,11 +184,11 @@ class Worker:
         workers of one run import at once)."""
         if self.proc is None:
             self._start()
-            self._loading = (self._send(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
+            self._loading = (self._send(("load", self.name, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
                              time.monotonic() + max(self.timeout, LOAD_TIMEOUT_MIN))
 
     def load(self) -> None:
-        """Import the kernel in the worker; ValueError naming `kernels` when it cannot be loaded."""
+        """Import the kernel in the worker; ValueError naming the name's option when it cannot be loaded."""
         self.begin()
         failed, deadline = self._loading
         kind, reply = failed or self._read(deadline)
@@ -195,10 +197,10 @@ class Worker:
             return
         self.close()
         if kind == "timeout":
-            raise ValueError(f"kernels: {self.spec!r}: importing it did not finish within "
-                             f"{max(self.timeout, LOAD_TIMEOUT_MIN):g} s")
+            raise self.name.error(f"{self.name.text!r}: importing it did not finish within "
+                                  f"{max(self.timeout, LOAD_TIMEOUT_MIN):g} s")
         if kind == "eof":
-            raise ValueError(f"kernels: {self.spec!r}: importing it ended the process (exit code {reply})")
+            raise self.name.error(f"{self.name.text!r}: importing it ended the process (exit code {reply})")
         raise ValueError(reply[1])
 
     def call(self, inputs: dict, meta: dict, device) -> Outcome:
@@ -219,20 +221,20 @@ class Worker:
         _end(p)
 
 
-def load_kernel(spec: str):
-    """'package.module:function' or 'path/to/file.py:function' -> the callable (the file's
-    folder goes first on sys.path, so it can import its neighbours). ValueError naming `kernels`."""
+def load_kernel(name: KernelName):
+    """A user's kernel (canary.names: FILE 'path/to/file.py:function' or MODULE
+    'package.module:function') -> the callable (the file's folder goes first on sys.path, so it
+    can import its neighbours). ValueError naming the option the name came from."""
     import importlib
     import importlib.util
 
-    mod_name, _, fn_name = spec.rpartition(":")
-    if not mod_name or not fn_name:
-        raise ValueError(f"kernels: {spec!r} is not a known kernel nor module:function")
+    if name.kind not in (FILE, MODULE):
+        raise name.error(f"{name.text!r} is not a module:function / file.py:function")
     try:
-        if mod_name.endswith(".py"):
-            path = Path(mod_name).resolve()
+        if name.kind == FILE:
+            path = Path(name.source).resolve()
             if not path.is_file():
-                raise ValueError(f"kernels: {spec!r}: no file {mod_name}")
+                raise name.error(f"{name.text!r}: no file {name.source}")
             folder = str(path.parent)
             if folder not in sys.path:
                 sys.path.insert(0, folder)
@@ -241,12 +243,12 @@ def load_kernel(spec: str):
             sys.modules.setdefault(path.stem, module)
             mspec.loader.exec_module(module)
         else:
-            module = importlib.import_module(mod_name)
+            module = importlib.import_module(name.source)
     except ValueError:
         raise
     except BaseException as e:  # noqa: BLE001 - a module that fails (or exits) on import is bad input
-        raise ValueError(f"kernels: {spec!r}: cannot import {mod_name!r} ({first_line(e)})") from None
-    fn = getattr(module, fn_name, None)
+        raise name.error(f"{name.text!r}: cannot import {name.source!r} ({first_line(e)})") from None
+    fn = getattr(module, name.function, None)
     if not callable(fn):
-        raise ValueError(f"kernels: {spec!r}: {mod_name} has no callable {fn_name!r}")
+        raise name.error(f"{name.text!r}: {name.source} has no callable {name.function!r}")
     return fn
