@@ -93,7 +93,8 @@ def test_an_attention_that_reads_one_free_block_with_weight_zero_is_a_nan_leak_i
                                                                                                monkeypatch):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     forward = CPUAttentionBackendImpl.forward
-    last = engine.workload.num_blocks - 1        # chunked-prefill never needs it: free at every step
+    last = engine.workload.num_blocks - 1        # free at least in some steps of every generation (which steps
+                                                 # depends on the free queue's order, which earlier generations set)
 
     def leaky(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -105,7 +106,7 @@ def test_an_attention_that_reads_one_free_block_with_weight_zero_is_a_nan_leak_i
     report = scribble(engine, payloads=("nan",))
     read, before = cells(report), cells(stock)
     assert read[("free-blocks", "nan")].verdict == "nan-leak"
-    assert read[("free-blocks", "nan")].where["step"] == 0
+    assert read[("free-blocks", "nan")].where["layer"] == 0      # the first layer to read the block shows it
     changed = {k for k, c in read.items() if c.verdict != before[k].verdict}
     assert changed == {("free-blocks", "nan")}, {k: read[k].verdict for k in changed}
 
