@@ -250,7 +250,7 @@ RUNNABLE = sorted({c for _, c in documented_commands() if _runnable(c)})
 def test_a_documented_command_runs_as_shown(line, tmp_path):
     """Each command the pages show that needs no GPU runs in a fresh folder; `diff` exits 0, the
     canary 0 or 1 (1: a leak, which the default matrix has: the unfixed grouped route), the scribble
-    0 or 1 (1: the read-trash leak of padded inputs)."""
+    0 or 1 (1: the read-trash leak of padded inputs, or paged|eager's other-requests leak)."""
     env = {**os.environ, "QSA_LAB_FIGURES": str(tmp_path / "figures")}
     if "--engine vllm" in line and not (REPO / ".venv-vllm" / ".qsa_lab-vllm").exists():
         pytest.skip("no vLLM environment here (make vllm-env)")
@@ -262,14 +262,19 @@ def test_a_documented_command_runs_as_shown(line, tmp_path):
         assert "20 NaN bytes" in out.stdout + out.stderr
         row = next(r for r in out.stdout.splitlines() if r.startswith("grouped "))
         assert " 480 " in row and "102,152,168,170,230" in row, row
-    if argv[3] == "scribble":   # what the page says it finds: padded, the read trash leaks; unpadded, nothing
-        leaks = [r.split()[1] for r in out.stdout.splitlines() if r.startswith("read ") and "-leak" in r]
-        if "--engine vllm" in line:    # vLLM's CPU attention reads unwritten tails (and out-of-window slots) with weight 0
-            assert set(leaks) <= {"unwritten-tail", "out-of-window"} and ("unwritten-tail" in leaks or "--regions" in line), \
-                out.stdout
+    if argv[3] == "scribble":   # what the page says it finds: padded, the read trash leaks; paged|eager lets one
+        # request's NaN reach the others (other-requests), per_request_attention does not; every other region clean.
+        # vLLM's CPU attention reads unwritten tails (and out-of-window slots) with weight 0
+        regions = argv[argv.index("--regions") + 1].split(",") if "--regions" in argv else None
+        asked = (lambda r: regions is None or r in regions)
+        leaks = {r.split()[1] for r in out.stdout.splitlines() if r.startswith("read ") and "-leak" in r}
+        if "--engine vllm" in line:
+            want = {"unwritten-tail"} if asked("unwritten-tail") else set()
+            assert leaks - {"out-of-window"} == want, out.stdout
         else:
-            assert leaks == (["read-trash"] * len(leaks) if "--pad" in line else []) and (leaks or "--pad" not in line), \
-                out.stdout
+            want = {r for r, on in (("read-trash", "--pad" in argv),
+                                    ("other-requests", "per_request_attention" not in line)) if on and asked(r)}
+            assert leaks == want, out.stdout
 
 
 # --------------------------------------------------------------------------- the site
