@@ -21,6 +21,7 @@ from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer,
 from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
 from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS
 from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
+from qsa_lab.scribble.vllm_env import NOT_ON_VLLM
 
 MODEL_NAMES = tuple(MODELS)
 DTYPES = ("float32", "float16", "bfloat16")                                  # scribble.isolated.build_engine
@@ -101,9 +102,9 @@ def check_args(args) -> dict:
     if args.cuda_graph and args.device == "cpu":
         raise UsageError("--cuda-graph: needs a CUDA device, not --device cpu")
     if args.engine == "vllm":
-        if args.model == "qwen2-hybrid":      # vllm_engine.VLLM_REFUSES, without importing torch
-            raise UsageError("--model: qwen2-hybrid: vLLM 0.32 refuses a Qwen2 with a sliding window on some layers "
-                             "only; use llama-gqa or mistral-swa")
+        for flag, name in (("--model", args.model), ("--workload", args.workload)):
+            if name in NOT_ON_VLLM:
+                raise UsageError(f"{flag}: {name}: {NOT_ON_VLLM[name]}")
         for flag, (name, default) in TRANSFORMERS_ONLY.items():
             if getattr(args, name) != default:
                 raise UsageError(f"{flag}: applies to --engine transformers only (vLLM picks its own attention, "

@@ -59,6 +59,16 @@ class ScribbleConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._block_pool = gpu_block_pool
 
+    def fresh_free_queue(self) -> None:
+        """With no request live: the free block queue in block order, as a new engine's (vLLM hands out
+        free blocks from its front; finished requests put theirs back at the end)."""
+        from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+        pool = self._block_pool
+        free = [b for b in pool.blocks if not b.is_null]
+        if any(b.ref_cnt for b in free):
+            raise RuntimeError("the free block queue is reset only when no request holds a block")
+        pool.free_block_queue = FreeKVCacheBlockQueue(free)
+
     def on_new_request(self, request) -> None:
         self._live[request.request_id] = request
         self.names[request.request_id] = f"req_{len(self.names)}"
@@ -104,11 +114,14 @@ class ScribbleConnector(KVConnectorBase_V1, SupportsHMA):
                 gone = {b for b in held[g] - set(ids) if pool.blocks[b].ref_cnt == 0}
                 held[g] -= {b for b in held[g] - set(ids) if b not in gone}    # taken by another request
                 window_freed.setdefault(g, []).extend(sorted(gone))
-        new_hits = sum(r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs)
+        new = scheduler_output.scheduled_new_reqs
         chunked = sum(1 for rid, n in scheduled.items() if rid in self._live and
                       self._live[rid].num_computed_tokens + n < self._live[rid].num_prompt_tokens)
-        facts = {"preempted": len(scheduler_output.preempted_req_ids or ()), "prefix_hit_tokens": new_hits,
-                 "chunked_prefills": chunked}
+        facts = {"chunked_prefill": chunked, "preempted": len(scheduler_output.preempted_req_ids or ()),
+                 "prefix_hits": sum(r.num_computed_tokens > 0 for r in new),
+                 "prefix_hit_tokens": sum(r.num_computed_tokens for r in new),
+                 "zeroed_blocks": len(scheduler_output.new_block_ids_to_zero or ()),
+                 "copied_blocks": len(scheduler_output.kv_cache_block_copies or ())}
         step = StepMeta(scheduler_output.total_num_scheduled_tokens, pool.null_block.block_id,
                         [b for b in free if b not in cached_set], cached, window_freed, requests,
                         [(self.names.get(r, r), n) for r, n in scheduled.items()], windows, facts)

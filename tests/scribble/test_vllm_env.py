@@ -67,7 +67,8 @@ def test_the_vllm_adapter_tests_pass_in_the_vllm_environment():
 def test_the_vllm_workloads_are_the_named_workloads_sized_for_blocks_of_32():
     from qsa_lab.scribble.models import WORKLOADS
     from qsa_lab.scribble.vllm_engine import VLLM_WORKLOADS, vllm_workload
-    assert set(VLLM_WORKLOADS) == set(WORKLOADS)
+    from qsa_lab.scribble.vllm_env import NOT_ON_VLLM
+    assert set(VLLM_WORKLOADS) == set(WORKLOADS) - set(NOT_ON_VLLM)
     for name, w in VLLM_WORKLOADS.items():
         assert w.name == name and w.page_size % 32 == 0
         assert sum(w.prompt_lengths) > w.max_batch_tokens          # every workload prefills in chunks
@@ -77,9 +78,14 @@ def test_the_vllm_workloads_are_the_named_workloads_sized_for_blocks_of_32():
     assert reuse.shared_prefix >= 2 * reuse.page_size                 # two full blocks to hit in the prefix cache
     with pytest.raises(ValueError, match=r"^workload: 'issue32' is now called 'chunked-prefill'$"):
         vllm_workload("issue32")
+    for name in ("offload", "fork"):
+        with pytest.raises(ValueError, match=rf"^workload: {name}: vLLM 0.32 "):
+            vllm_workload(name)
 
 
-def test_the_hybrid_model_vllm_refuses_is_bad_input_naming_why():
-    code = "from qsa_lab.app.cli import main; raise SystemExit(main(['scribble', '--engine', 'vllm', '--model', 'qwen2-hybrid']))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.startswith("qsa-lab: error: --model: qwen2-hybrid: vLLM 0.32 refuses")
+def test_the_models_and_workloads_vllm_does_not_run_are_bad_input_naming_why():
+    for flag, name, why in (("--model", "qwen2-hybrid", "vLLM 0.32 refuses"), ("--workload", "offload", "vLLM 0.32 has no"),
+                            ("--workload", "fork", "vLLM 0.32 runs parallel samples")):
+        code = f"from qsa_lab.app.cli import main; raise SystemExit(main(['scribble', '--engine', 'vllm', '{flag}', '{name}']))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.startswith(f"qsa-lab: error: {flag}: {name}: {why}"), out.stderr

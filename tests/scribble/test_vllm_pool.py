@@ -62,3 +62,40 @@ def test_warm_up_owns_nothing_and_names_the_null_block():
     view = pm.warmup_view(pm.pool.clone())
     assert view.owned.numel() == 0 and view.may_write.numel() == 0
     assert view.regions["read-trash"].tolist() == list(range(BS * PER_TOKEN))
+
+
+def rows_of(view, request):
+    """request -> {(block, token)} of the rows only it may read."""
+    return {(r // (BS * PER_TOKEN), r // PER_TOKEN % BS) for r in view.request_rows.get(request, torch.zeros(0)).tolist()}
+
+
+def test_each_request_owns_the_written_slots_no_other_request_reads():
+    a = RequestMeta("a", ([1],), computed=3, scheduled=1)
+    b = RequestMeta("b", ([2, 3],), computed=5, scheduled=1)
+    view = pool_map().view(0, step([a, b]))
+    assert rows_of(view, "a") == {(1, 0), (1, 1), (1, 2)}
+    assert rows_of(view, "b") == {(2, t) for t in range(BS)} | {(3, 0)}
+    mine = torch.cat([view.request_rows["a"], view.request_rows["b"]]).sort().values
+    assert torch.equal(mine, view.owned)              # every owned row is one request's here
+
+
+def test_slots_two_requests_read_are_nobodys_alone_unless_they_are_one_family():
+    a = RequestMeta("a", ([1, 2],), computed=6, scheduled=1)
+    b = RequestMeta("b", ([1, 3],), computed=5, scheduled=1)        # block 1: a prefix both read
+    view = pool_map().view(0, step([a, b]))
+    assert rows_of(view, "a") == {(2, 0), (2, 1)} and rows_of(view, "b") == {(3, 0)}
+    joined = pool_map().view(0, step([a, b]), family=lambda r: "a")
+    assert set(joined.request_rows) == {"a"}
+    assert rows_of(joined, "a") == {(1, t) for t in range(BS)} | {(2, 0), (2, 1), (3, 0)}
+
+
+def test_a_prefix_hit_on_a_block_another_request_wrote_joins_its_family_a_fresh_block_does_not():
+    from qsa_lab.scribble.vllm_pool import Families
+    fam = Families(BS)
+    fam.update(step([RequestMeta("a", ([1, 2],), computed=0, scheduled=6)]))    # a writes blocks 1 and 2
+    fam.update(step([RequestMeta("c", ([2],), computed=0, scheduled=3)]))       # a gone; c gets block 2 fresh
+    assert fam.mapping() == {}
+    fam.update(step([RequestMeta("b", ([1, 3],), computed=4, scheduled=1)]))    # b is handed block 1 written
+    assert fam.mapping() == {"b": "a"} and fam.of("b") == "a" and fam.of("c") == "c"
+    fam.update(step([RequestMeta("b", ([1, 3],), computed=5, scheduled=1)]))    # held since: no new link
+    assert fam.mapping() == {"b": "a"}

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from qsa_lab.scribble import vllm_env  # noqa: E402
 from qsa_lab.scribble.check import Scribbler, same, scribble  # noqa: E402
-from qsa_lab.scribble.verdicts import REGIONS  # noqa: E402
+from qsa_lab.scribble.verdicts import OTHER, REGIONS  # noqa: E402
 from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload  # noqa: E402
 
 if vllm_env.refusal() is not None:
@@ -47,14 +47,16 @@ def cells(report, check="read"):
 def test_the_stock_cpu_engine_is_clean_everywhere_but_the_unwritten_tails_it_reads_with_weight_zero(stock):
     """vLLM's CPU attention walks a request's KV in tiles of 32 tokens: the slots of the last block past
     the request's length are loaded and multiplied by probability 0. NaN or Inf there (stale bytes of a
-    block's earlier owner) turns every logprob NaN; the dtype's max changes nothing (0 * max = 0)."""
+    block's earlier owner) turns every logprob NaN; the dtype's max changes nothing (0 * max = 0). This
+    workload hands no block to a second request, so no request's NaN reaches another (other-requests
+    clean; the reuse workload's test shows the path through a reused block)."""
     read = cells(stock)
     assert len(read) == len(REGIONS) * 2
     for (region, payload), c in read.items():
         if region == "unwritten-tail" and payload == "nan":
             assert c.verdict == "nan-leak" and c.slots > 0, c
             assert c.where["step"] == 0 and c.where["layer"] == 0, c.where
-        elif region in HELD:
+        elif region in HELD or region == OTHER:
             assert c.verdict == "clean" and c.slots > 0, (region, payload, c)
         else:
             assert c.verdict == "n/a", (region, payload, c)
@@ -62,6 +64,7 @@ def test_the_stock_cpu_engine_is_clean_everywhere_but_the_unwritten_tails_it_rea
     assert {r for (r, _), c in write.items() if c.verdict == "clean"} == set(HELD)
     assert {r for (r, _), c in write.items() if c.verdict != "clean"} == {"write-trash", "out-of-window"}
     assert all(c.verdict == "n/a" for (r, _), c in write.items() if r not in HELD)
+    assert stock.moved_rows == 0 and stock.events["chunked_prefill"] >= 1 and stock.events["blocks_reused"] == 0
     assert stock.exit_code() == 1
 
 
@@ -93,8 +96,7 @@ def test_an_attention_that_reads_one_free_block_with_weight_zero_is_a_nan_leak_i
                                                                                                monkeypatch):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     forward = CPUAttentionBackendImpl.forward
-    last = engine.workload.num_blocks - 1        # free at least in some steps of every generation (which steps
-                                                 # depends on the free queue's order, which earlier generations set)
+    last = engine.workload.num_blocks - 1        # handed out last: free in some steps of every generation
 
     def leaky(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -129,6 +131,59 @@ def test_one_byte_written_into_the_null_block_is_a_stray_write(engine, monkeypat
     assert report.exit_code() == 1
 
 
+def test_a_write_into_a_free_block_between_steps_is_a_stray_write_naming_the_step_and_the_call(engine, monkeypatch):
+    """vLLM's model runner works on the pool between two forwards (`_update_states`: zeroing new blocks,
+    copy-on-write copies). One element of a block free at that moment, written after step 1 and before
+    step 2 of every generation."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from qsa_lab.scribble.vllm_connector import ACTIVE
+    update = GPUModelRunner._update_states
+
+    def stray(self, scheduler_output):
+        out = update(self, scheduler_output)
+        if ACTIVE["run"] is not None and ACTIVE["run"].step == 2:
+            pool = ACTIVE["scheduler"]._block_pool
+            free = next(b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is None)
+            worker = ACTIVE["worker"]
+            worker.flat[torch.nonzero(worker.map.block == free)[0]] += 1.0
+        return out
+
+    monkeypatch.setattr(GPUModelRunner, "_update_states", stray)
+    report = scribble(engine, payloads=())
+    write = cells(report, "write")
+    assert {r for (r, _), c in write.items() if c.verdict == "stray-write"} == {"free-blocks"}
+    first = write[("free-blocks", "-")].strays[0]
+    assert first["when"] == "after step 1, before step 2" and first["call"] == "CPUModelRunner._update_states"
+    assert first["count"] == 1 and first["layer"] in (0, 1)
+    assert report.exit_code() == 1
+
+
+def test_an_attention_that_reads_another_live_requests_kv_with_weight_zero_is_a_nan_leak_at_other_requests(
+        engine, stock, monkeypatch):
+    """Each request's attention output gets 0 x the first element (K of its first token) of the next
+    request's first block in the batch: a cross-request read at weight 0. Filling one request's own rows
+    with NaN turns the request before it NaN, named as the reader."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    forward = CPUAttentionBackendImpl.forward
+
+    def across(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is not None:
+            starts = attn_metadata.query_start_loc.tolist()
+            n = len(starts) - 1
+            for i in range(n if n > 1 else 0):
+                out[starts[i]: starts[i + 1]] += 0.0 * kv_cache[attn_metadata.block_table[(i + 1) % n, 0]].reshape(-1)[0]
+        return out
+
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", across)
+    report = scribble(engine, regions=(OTHER, "free-blocks"), payloads=("nan",))
+    other = cells(report)[(OTHER, "nan")]
+    assert other.verdict == "nan-leak" and other.pairs, other
+    assert all(p["reader"] != p["poisoned"] and p["layer"] == 0 for p in other.pairs), other.pairs
+    assert cells(report)[("free-blocks", "nan")].verdict == "clean"
+
+
 def test_a_write_into_the_null_block_during_warm_up_is_a_stray_write_at_warm_up(engine):
     """The pool as allocated against the pool when the first generation starts: what warm-up and
     graph capture wrote. Here the record of the allocated pool is made to differ by one element."""
@@ -158,4 +213,6 @@ def test_the_report_names_the_engine_and_its_facts(stock, engine):
     doc = json.loads(json.dumps(stock.to_dict()))
     assert doc["engine"] == "vllm" and doc["reads_pool"] == "block-table" and doc["graphs"] is False
     assert engine.facts["vllm"] == "0.32.0" and engine.facts["isa"] in ("vec", "vec16", "amx", "neon")
-    assert engine.facts["chunked_prefills"] >= 1       # the 47-token prompt does not fit one step's 64 tokens
+    assert engine.facts["threads"] == 1
+    assert doc["events"]["chunked_prefill"] >= 1       # the 47-token prompt does not fit one step's 64 tokens
+    assert doc["events"]["steps"] == len(engine.generate().steps)
