@@ -408,9 +408,9 @@ def scribble_vllm(folder: str = "scribble_vllm_cpu") -> str:
                 shown.setdefault((c["check"], c["region"], c["verdict"]), []).append(c["payload"])
         found = "; ".join(f"{check} `{region}`: {verdict} ({', '.join(p)})" for (check, region, verdict), p in shown.items())
         held = sorted({c["region"] for c in doc["results"] if c["check"] == "read" and c["verdict"] != "n/a"})
-        f = doc["facts"]
-        engine = (f"{f.get('steps')} steps, {f.get('chunked_prefills')} chunked prefills, {f.get('preempted')} preempted, "
-                  f"{f.get('prefix_hit_tokens')} prefix-hit tokens, {f.get('blocks_reused')} blocks reused")
+        e = doc["events"]
+        engine = (f"{e['steps']} steps, {e['chunked_prefill']} chunked prefills, {e['preempted']} preempted, "
+                  f"{e['prefix_hit_tokens']} prefix-hit tokens, {e['blocks_reused']} blocks reused")
         rows.append([f"`{doc['model']}`, `{wl}`, prefix caching {caching}", engine, ", ".join(held),
                      found or "every check clean or n/a", f"`{path.relative_to(REPO).as_posix()}`"])
     return (table(["configuration", "the engine did", "regions checked", "what was not clean", "source"], rows)
