@@ -101,7 +101,7 @@ def main(argv=None) -> int:
            "load_avg_1min": {"start": LOAD_START, "end": os.getloadavg()[0]},
            "model": args.model, "workload": wl.to_dict(), "engine": args.engine,
            "attn": args.attn if args.engine == "transformers" else "vLLM's own", "device": device,
-           "repeats": args.repeats, "facts": machine_facts() | getattr(engine, "facts", {}), "results": results}
+           "repeats": args.repeats, "threads": torch.get_num_threads(), "facts": machine_facts() | getattr(engine, "facts", {}), "results": results}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
