@@ -45,6 +45,14 @@ check() {   # check WANT LABEL CMD...: run CMD (in the current folder), compare 
     "$(grep -E 'LEAK REPRODUCED|no leak|CANNOT RUN|^verdict|cannot' "$W/last.log" | head -1 | cut -c1-90)"
 }
 
+# the replay lines say `qsa-lab replay` (never python -m inside a received folder); without an installed
+# qsa-lab, a shim runs this checkout's CLI without the current folder on its path
+if ! command -v qsa-lab > /dev/null; then
+  mkdir -p "$W/bin"
+  printf '#!/bin/sh\nexec python3 -c "import sys; sys.path[:] = [p for p in sys.path if p]; from qsa_lab.app.cli import main; main()" "$@"\n' > "$W/bin/qsa-lab"
+  chmod +x "$W/bin/qsa-lab"
+  export PATH="$W/bin:$PATH"
+fi
 mkdir -p "$W/hidden/flashinfer"
 echo 'raise ImportError("flashinfer hidden by report_gpu_check.sh")' > "$W/hidden/flashinfer/__init__.py"
 for leak in "${LEAKS[@]}"; do
@@ -56,7 +64,7 @@ for leak in "${LEAKS[@]}"; do
   cp "$W/$name.zip" "$OUT/"
   dir="$W/elsewhere/$name/$name"
   pushd "$dir" > /dev/null
-  while read -r line; do check 1 "$name replay" $line; done < <(grep -E '^python -m qsa_lab\.canary\.replay ' report.md)
+  while read -r line; do check 1 "$name replay" $line; done < <(grep -E '^qsa-lab replay ' report.md)
   for s in repro/*.py; do
     check 1 "$name script" python3 "$s"
     case $name in   # the fixed configuration of the same call
@@ -66,7 +74,7 @@ for leak in "${LEAKS[@]}"; do
     check 3 "$name no-lib" env PYTHONPATH="$W/hidden" python3 "$s"
   done
   call=$(ls calls/*.safetensors | head -1)
-  check 3 "$name bad-kernel" python3 -m qsa_lab.canary.replay "$call" --kernel "$W/absent.py:fn"
+  check 3 "$name bad-kernel" qsa-lab replay "$call" --kernel "$W/absent.py:fn"
   popd > /dev/null
 done
 echo "report_gpu_check: $PASS ok, $FAIL failed (logs in $OUT: runs.log, *.canary.log, the zipped reports)"

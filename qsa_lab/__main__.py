@@ -1,6 +1,12 @@
 import sys
 
-from qsa_lab.support.signals import install
+from qsa_lab.support.safepath import drop_current_folder
+
+# first: `python -m` put the current folder first on the import path; from here on nothing lying
+# in it (a received folder's shlex.py or torch.py) is imported, as for the `qsa-lab` program
+drop_current_folder()
+
+from qsa_lab.support.signals import install  # noqa: E402
 
 install()  # first: Ctrl-C during the imports below is one line and exit 130 too (qsa_lab.support.signals)
 

@@ -5,7 +5,9 @@
 
 Surfaces: the CLI (`qsa_lab.app.cli.main`, in-process), the Python API (case building, poison,
 routes, analysis, canary, export, the playground widget and the notebooks' backend switch),
-and loading saved files (corrupt, torn, contradicting their metadata).
+loading saved files (corrupt, torn, contradicting their metadata), and issue 40's ("iv"): replay in
+a received folder, other-requests at any request count, the canary at real models' geometries and
+its memory budget, the scribble's bad input and nothing-checked runs, signals, killed reports.
 Each probe runs in a forked child with a time limit and a cap on its address space, so a
 hang or a memory bomb costs seconds, not the machine. Outcomes:
 
@@ -54,9 +56,9 @@ CLASSES = ["clear error", "vague error", "traceback", "hang", "silent wrong", "o
 
 
 class Probe:
-    def __init__(self, surface, name, fn, needle=None, expect_ok=False, user_file=None):
+    def __init__(self, surface, name, fn, needle=None, expect_ok=False, user_file=None, is_cli=None):
         self.surface, self.name, self.fn, self.needle = surface, name, fn, needle
-        self.is_cli = surface in ("cli", "load")
+        self.is_cli = surface in ("cli", "load") if is_cli is None else is_cli
         self.expect_ok, self.user_file = expect_ok, user_file
 
 
@@ -625,6 +627,240 @@ def repro_probes(d: Path) -> list[Probe]:
             for k in ("json", "safetensors", "csv", "png", "svg", "pdf")]
 
 
+# ---------------------------------------------------------------- issue 40's surfaces (Reliability IV)
+
+def iv_probes(d: Path) -> list[Probe]:
+    """Replay in a received folder, other-requests at any request count, the canary at real models'
+    geometries and its memory budget, the scribble's bad input, nothing-checked runs and stray writes,
+    the API errors, escapes, old names, signals, float8 from a worker, case-file shapes, killed reports."""
+    import signal
+    import subprocess
+    import textwrap
+
+    from safetensors.torch import save_file
+
+    from qsa_lab.canary import register_kernel, run_canary
+    from qsa_lab.canary.calls import save_call
+    from qsa_lab.canary.case import canary_case, load_case
+    from qsa_lab.model.plan import pad_fix, plan_groups
+    from qsa_lab.model.regions import region_slots
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    qsa = str(Path(sys.executable).parent / "qsa-lab")
+    P = []
+
+    def iv_cli(argv, needle, **kw):
+        p = cli(argv, needle, **kw)
+        p.surface = "iv"
+        return p
+
+    def iv_api(name, fn, needle, **kw):
+        return Probe("iv", name, fn, needle, is_cli=False, **kw)
+
+    # the API errors the issue lists
+    for name, fn, needle in [
+            ("plan_groups(None)", lambda: plan_groups(None), "case"), ("pad_fix(None)", lambda: pad_fix(None), "plan"),
+            ("run_canary(timeout=inf)", lambda: run_canary(["torch:sdpa-math"], timeout=float("inf")), "timeout"),
+            ("canary_case(free_pages=10**9)", lambda: canary_case(free_pages=10 ** 9), "free_pages"),
+            ("register_kernel('lib:k', 42)", lambda: register_kernel("lib:k", 42), "fn"),
+            ("build_case(max_memory='1M')", lambda: build_case(max_memory="1M"), "max_memory"),
+            ("build_case(max_memory=nan)", lambda: build_case(max_memory=float("nan")), "max_memory"),
+            ("build_case(max_memory=-1)", lambda: build_case(max_memory=-1), "max_memory"),
+            ("load_case(None)", lambda: load_case(None), "path"),
+            ("canary_case(q_heads=512)", lambda: canary_case(q_heads=512), "q_heads"),
+            ("canary_case(q_heads=32, kv_heads=5)", lambda: canary_case(q_heads=32, kv_heads=5), "kv_heads")]:
+        P.append(iv_api(name, lambda fn=fn: fn() and None, needle))
+
+    # real models' geometries: built, judged, the qsa: kernels skipped saying why
+    def geometry(**kw):
+        def fn():
+            r = run_canary(["torch:sdpa-math", "qsa:grouped"], regions=["stale-tail"], payloads=["nan"], planes=["v"],
+                           attend="dense", backend="emulate", **kw)
+            why = [s["reason"] for s in r.skipped if s.get("kernel") == "qsa:grouped"]
+            return {"differs": r.find("torch:sdpa-math", "stale-tail", "v", "nan").verdict != "nan-leak"
+                    or not why or "query heads" not in why[0] and "KV head" not in why[0] and "MLA" not in why[0]}
+        return fn
+    for kw in (dict(q_heads=32, kv_heads=8, head_dim=128), dict(q_heads=128, kv_heads=8, head_dim=128),
+               dict(q_heads=64, kv_heads=64, head_dim=64), dict(q_heads=16, kv_heads=2, head_dim=256),
+               dict(q_heads=128, mla=True, head_dim=576, v_head_dim=512)):
+        P.append(iv_api(f"canary at {kw}", geometry(**kw), None, expect_ok=True))
+    for argv, needle in [(["--q-heads", "512"], "--q-heads"), (["--q-heads", "32", "--kv-heads", "5"], "--kv-heads"),
+                         (["--head-dim", "100"], "--head-dim"), (["--free-pages", str(10 ** 9)], "--free-pages"),
+                         (["--max-memory", "nan"], "--max-memory"), (["--max-memory", "-1"], "--max-memory"),
+                         (["--timeout", "1e300"], "--timeout"), (["--context", "1048576", "--requests", "4096",
+                                                                 "--rows", "4096"], "--context|--requests|--rows")]:
+        P.append(iv_cli(["canary", "--kernels", "torch:sdpa-math", "--backend", "emulate", *argv], needle))
+
+    # other-requests: request 0 reads request 1's page, any request count
+    sys.path.insert(0, str(root / "tests"))
+    import canary_kernels as ck
+    for n in (3, 5, 8, 16):
+        P.append(iv_api(f"other-requests, request 0 reads request 1, {n} requests", lambda n=n: {"differs": run_canary(
+            {"k": ck.request0_reads_request1}, regions=["other-requests"], payloads=["nan"], planes=["v"],
+            backend="emulate", requests=n, rows=2 * n, context=40, free_pages=0).exit_code() != 1}, None,
+            expect_ok=True))
+
+    # replay inside a received folder holding modules that leave a marker when imported
+    rep = d / "received"
+    case = canary_case()
+    call = rep / "calls" / "c.safetensors"
+    save_call(call, case, "torch:sdpa-math", "stale-tail", "v", "nan", region_slots(case, "stale-tail"), None,
+              "nan-leak", {}, {})
+    marks = d / "marks"
+    marks.mkdir()
+    for name in ("shlex", "torch", "argparse", "json", "__future__", "numpy"):
+        (rep / f"{name}.py").write_text(f"open({str(marks / name)!r}, 'w').write('x')\n")
+    for name in ("safetensors", "qsa_lab"):
+        (rep / name).mkdir()
+        (rep / name / "__init__.py").write_text(f"open({str(marks / name)!r}, 'w').write('x')\n")
+
+    def replay_in_folder(argv):
+        def fn():
+            p = subprocess.run(argv, cwd=rep, capture_output=True, text=True, timeout=300,
+                               env={k: v for k, v in env.items() if k != "PYTHONPATH"})
+            return {"differs": bool(list(marks.iterdir())) or p.returncode != 1}
+        return fn
+    P.append(iv_api("qsa-lab replay in a folder holding shlex.py, torch.py, qsa_lab/ ...",
+                    replay_in_folder([qsa, "replay", "calls/c.safetensors", "--backend", "emulate"]), None,
+                    expect_ok=True))
+    forged = d / "forged.safetensors"
+    for name, meta in [("a forged kernel name's escape codes", {"kernel": "torch:sdpa-math\x1b[2J\nverdict clean"}),
+                       ("forged region / verdict text", {"region": "\x1b[31mx\ny", "verdict": "clean\r"})]:
+        def escaped(meta=meta):
+            from safetensors import safe_open
+            with safe_open(str(call), framework="pt") as f:
+                old, t = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+            save_file(t, str(forged), metadata={**old, **meta})
+            out, err = _io.StringIO(), _io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                main(["replay", str(forged), "--backend", "emulate"])
+            text = out.getvalue() + err.getvalue()
+            return {"differs": "\x1b" in text or "\r" in text}
+        P.append(iv_api(f"replay prints {name} escaped", escaped, None, expect_ok=True))
+
+    def old_name():
+        from safetensors import safe_open
+        with safe_open(str(call), framework="pt") as f:
+            old, t = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+        save_file(t, str(d / "old.safetensors"), metadata={**old, "kernel": "qsa:fixA"})
+        return {"code": main(["replay", str(d / "old.safetensors")])}
+    P.append(Probe("iv", "replay of a call file naming qsa:fixA", old_name, "CALL_FILE", is_cli=True))
+
+    # case files of the wrong shape
+    good = {"kv_cache": case.kv_cache, "block_table": case.block_table, "seq_lens": case.seq_lens, "q": case.q,
+            "selected": case.selected}
+    for name, t in [("seq_lens", torch.tensor(33, dtype=torch.int32)), ("seq_lens", torch.zeros(0, dtype=torch.int32)),
+                    ("q", torch.zeros((), dtype=torch.float16)), ("query_lens", torch.tensor([5, 5], dtype=torch.int32)),
+                    ("token_to_req", torch.full((10,), 7, dtype=torch.int32)),
+                    ("block_table", torch.zeros(3, dtype=torch.int32))]:
+        f = d / f"case_{name}_{len(P)}.safetensors"
+        save_file({k: v.contiguous() for k, v in {**good, name: t}.items()}, str(f))
+        P.append(iv_cli(["canary", "--case", str(f), "--kernels", "torch:sdpa-math"], "--case"))
+
+    # a worker kernel's float8 output
+    (d / "f8.py").write_text("import torch\nimport canary_kernels as ck\n\n"
+                             "def attn(call):\n    return ck.zero_times_v(call).float().to(torch.float8_e4m3fn)\n")
+    P.append(iv_api("float8 output from a worker kernel", lambda: {"differs": run_canary(
+        [f"{d / 'f8.py'}:attn"], regions=["stale-tail"], payloads=["nan"], planes=["v"],
+        backend="emulate").results[0].verdict != "nan-leak"}, None, expect_ok=True))
+
+    # SIGINT while diff publishes --json and --save: both or neither
+    signal_at = textwrap.dedent('''
+        import os, signal, sys
+        from qsa_lab.support import outputs
+        publish, seen = outputs._publish, []
+        def publishing(*a):
+            seen.append(1)
+            publish(*a)
+            if len(seen) == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+        outputs._publish = publishing
+        sys.argv = ["qsa-lab", *sys.argv[1:]]
+        from qsa_lab.app.cli import main
+        main()
+    ''')
+
+    def both_or_neither():
+        out = d / "sig"
+        out.mkdir()
+        p = subprocess.run([sys.executable, "-c", signal_at, "diff", *TINY, "--json", str(out / "a.json"), "--save",
+                            str(out / "a.safetensors")], capture_output=True, timeout=300, env=env)
+        left = sorted(x.name for x in out.iterdir())
+        return {"differs": (p.returncode, left) not in ((130, []), (0, ["a.json", "a.safetensors"]))}
+    P.append(iv_api("SIGINT between diff's two publishes", both_or_neither, None, expect_ok=True))
+
+    # a killed --report, then the next run
+    def killed_report():
+        target = d / "rep"
+        subprocess.run([sys.executable, "-c", "import os, signal, sys\nfrom qsa_lab.support.outputs import "
+                        "writing_folder\nwith writing_folder(sys.argv[1]) as t:\n    os.kill(os.getpid(), "
+                        "signal.SIGKILL)\n", str(target)], timeout=120, env=env)
+        main(["canary", "--kernels", "torch:sdpa-math", "--regions", "null-block", "--payloads", "nan", "--planes",
+              "v", "--backend", "emulate", "--report", str(target)])
+        return {"differs": any(x.name.startswith(".rep.partial") for x in d.iterdir())}
+    P.append(iv_api("a killed --report's partial folder, then a run", killed_report, None, expect_ok=True))
+
+    # the scribble: bad input, inputs never written, nothing checked, stray writes in read runs
+    try:
+        from qsa_lab.scribble.models import tiny_model
+    except ImportError:
+        return P
+    ck_dir = d / "ckpt"
+    tiny_model("llama-gqa").save_pretrained(ck_dir)
+    for name in ("empty", "notjson", "zeroheads", "truncated", "nokv", "manylayers"):
+        shutil.copytree(ck_dir, d / name) if name != "empty" else (d / name).mkdir()
+    (d / "notjson" / "config.json").write_text("{x")
+    cfg = json.loads((ck_dir / "config.json").read_text())
+    (d / "zeroheads" / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+    (d / "nokv" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
+    (d / "manylayers" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 10 ** 9}))
+    w = d / "truncated" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+    small = ["--regions", "read-trash", "--payloads", "nan", "--device", "cpu"]
+    for m in ("empty", "notjson", "zeroheads", "truncated", "nokv", "manylayers", "nowhere"):
+        P.append(iv_cli(["scribble", "--model", str(d / m), *small], "--model"))
+    (d / "attention.py").write_text("def attention(*a, **k):\n    return None\n")
+    for attn in ("", str(d / "attention.py"), "os:", ":f", "no-such-attention"):
+        P.append(iv_cli(["scribble", "--attn", attn, *small], "--attn"))
+    P.append(iv_cli(["scribble", "--model", "", *small], "--model"))
+    P.append(iv_cli(["scribble", "--seed", str(2 ** 64), *small], "--seed"))
+    P.append(iv_cli(["scribble", "--model", str(ck_dir), "--json", str(ck_dir / "config.json"), "--force", *small],
+                    "--json", user_file=(ck_dir / "config.json", (ck_dir / "config.json").read_bytes())))
+    P.append(iv_api("scribble --model mistral-swa --regions out-of-window (every cell n/a)", lambda: {
+        "differs": main(["scribble", "--model", "mistral-swa", "--regions", "out-of-window", "--payloads", "nan",
+                         "--device", "cpu"]) != 3}, None, expect_ok=True))
+
+    def scribble_api(**kw):
+        from qsa_lab.scribble.check import scribble
+        from qsa_lab.scribble.hf_engine import TransformersEngine
+        from qsa_lab.scribble.models import workload
+        return scribble(TransformersEngine(tiny_model("llama-gqa"), workload("chunked-prefill")), **kw)
+    P.append(iv_api("scribble(engine, regions=[])", lambda: scribble_api(regions=[]) and None, "regions"))
+    P.append(iv_api("scribble(regions twice, payloads twice) runs each once", lambda: {"differs": len(scribble_api(
+        regions=("read-trash", "read-trash"), payloads=("nan", "nan")).cells) != 2}, None, expect_ok=True))
+
+    def scrubbing_attention():
+        from transformers import AttentionInterface
+        from transformers.integrations.eager_paged import eager_paged_attention_forward
+
+        from qsa_lab.scribble.check import scribble
+        from qsa_lab.scribble.hf_engine import TransformersEngine
+        from qsa_lab.scribble.models import workload
+        eng = TransformersEngine(tiny_model("llama-gqa"), workload("chunked-prefill"))
+
+        def scrub(module, query, key, value, attention_mask, scaling, **kw):
+            rows = eng.cache.cache_tensor.view(eng.cache.dtype)
+            rows.masked_fill_(rows.isnan(), 0.0)
+            return eager_paged_attention_forward(module, query, key, value, attention_mask, scaling, **kw)
+        AttentionInterface.register("paged|eager", scrub)
+        r = scribble(eng, regions=("free-blocks",), payloads=("nan",))
+        return {"differs": r.exit_code() != 1}
+    P.append(iv_api("an attention scrubbing NaN in the pool in place (stray writes in a read run)",
+                    scrubbing_attention, None, expect_ok=True))
+    return P
+
+
 def main_(argv=None):
     global TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -634,7 +870,7 @@ def main_(argv=None):
     a = ap.parse_args(argv)
     TIMEOUT_S = a.timeout
     d = Path(tempfile.mkdtemp(prefix="hostile_"))
-    probes = cli_probes(d) + load_probes(d) + api_probes(d) + repro_probes(d)
+    probes = cli_probes(d) + load_probes(d) + api_probes(d) + repro_probes(d) + iv_probes(d)
     print(f"qsa_lab from {Path(qsa_lab.__file__).parent}; {len(probes)} probes", file=sys.stderr)
     table = collections.defaultdict(collections.Counter)
     records = []
@@ -650,7 +886,7 @@ def main_(argv=None):
     print("| surface | " + " | ".join(CLASSES) + " | total |")
     print("|---|" + "---|" * (len(CLASSES) + 1))
     total = collections.Counter()
-    for s in ("cli", "load", "api", "repro"):
+    for s in ("cli", "load", "api", "repro", "iv"):
         total.update(table[s])
         print(f"| {s} | " + " | ".join(str(table[s][c]) for c in CLASSES) + f" | {sum(table[s].values())} |")
     print("| all | " + " | ".join(str(total[c]) for c in CLASSES) + f" | {sum(total.values())} |")

@@ -165,3 +165,14 @@ def reads_other_request_page(call):
     """A wrong block-table row: each request also reads the first page of the previous request
     (request 0 the last one's)."""
     return _plus_zero_weight_page(call, lambda indptr, indices: indices[indptr[:-1].roll(1)])
+
+
+def request0_reads_request1(call):
+    """A wrong block-table row for request 0 only: its rows also read request 1's first page
+    (every other request reads only its own pages)."""
+    def page(indptr, indices):
+        out = torch.full((indptr.numel() - 1,), -1, dtype=indices.dtype, device=indices.device)
+        if out.numel() > 1:
+            out[0] = indices[indptr[1]]
+        return out
+    return _plus_zero_weight_page(call, page)

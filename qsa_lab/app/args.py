@@ -46,7 +46,7 @@ def blame(flags: dict, default: str):
         yield
     except (ValueError, TypeError, FileExistsError, FileNotFoundError) as e:
         msg = one_line(e)
-        m = re.match(r"([A-Za-z_]\w*)(?::\s*| (?=must |only ))", msg)
+        m = re.match(r"([A-Za-z_][\w ]*?)(?::\s*| (?=must |only ))", msg)     # names such as 'call file' too
         if m and m.group(1) in flags:
             msg = f"{flags[m.group(1)]}: {msg[m.end():]}"
         elif not msg.startswith("--"):

@@ -21,7 +21,7 @@ FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads
          "rows": "--rows", "requests": "--requests", "context": "--context", "topk": "--topk",
          "page_size": "--page-size", "q_heads": "--q-heads", "kv_heads": "--kv-heads", "head_dim": "--head-dim",
          "query_len": "--query-len", "seed": "--seed", "layout": "--layout", "selection": "--selection",
-         "overlap": "--overlap", "free_pages": "--free-pages"}
+         "overlap": "--overlap", "free_pages": "--free-pages", "max_memory": "--max-memory"}
 GEOMETRY = ("rows", "requests", "context", "topk", "page_size", "q_heads", "kv_heads", "head_dim", "query_len",
             "seed", "layout", "selection", "overlap", "free_pages")
 #: what a script that still passes the removed --fail-on-leak is told (stderr, after the run)
@@ -51,8 +51,11 @@ def _kernel_names(option: str):
 
 
 def add_parser(sub, parents=()):
-    from qsa_lab.app.args import fraction as _overlap, int_list as _int_list, integer as _int
-    from qsa_lab.model.geometry import BACKENDS, KV_DTYPES, LAYOUTS, SELECTIONS
+    from qsa_lab.app.args import fraction as _overlap, int_list as _int_list, integer as _int, size as _size
+    from qsa_lab.model.geometry import BACKENDS, CANARY_RANGES, KV_DTYPES, LAYOUTS, RANGES, SELECTIONS
+
+    def rng(name, ranges=RANGES):
+        return "{}..{}".format(*ranges[name])
 
     c = sub.add_parser("canary", parents=list(parents),
                        help="poison every byte a paged-attention call does not attend; which kernels leak",
@@ -89,23 +92,33 @@ def add_parser(sub, parents=()):
                    help="what each row attends: dense (causal, the whole prefix), window:W or window:W,sink:S, "
                         "sparse (the rows' 4-token block selections; the qsa routes' semantics) (default sparse; "
                         "a --case without selections: dense)")
-    g.add_argument("--rows", type=_int, help="query rows (default 10)")
-    g.add_argument("--requests", type=_int, help="requests; request r holds context - r tokens (default 3)")
-    g.add_argument("--context", type=_int, help="tokens of request 0 (default 33)")
+    g.add_argument("--rows", type=_int, help=f"query rows (default 10; {rng('rows')})")
+    g.add_argument("--requests", type=_int, help=f"requests; request r holds context - r tokens (default 3; "
+                                                 f"{rng('requests')})")
+    g.add_argument("--context", type=_int, help=f"tokens of request 0 (default 33; {rng('context')})")
     g.add_argument("--query-len", type=_int, metavar="N",
                    help="query rows per request: 1 = decode, more = a prefill chunk (sets --rows; default: "
                         "rows spread over the requests)")
-    g.add_argument("--page-size", type=_int, help="tokens per page, a multiple of 4 (default 16)")
-    g.add_argument("--q-heads", type=_int, help="query heads (default 2)")
-    g.add_argument("--kv-heads", type=_int, help="KV heads, a divisor of --q-heads: GQA (default 1)")
-    g.add_argument("--head-dim", type=_int, help="head dimension, a multiple of 16 (default 16)")
-    g.add_argument("--topk", type=_int, help="selected 4-token blocks per row, for the sparse spec (default 16)")
+    g.add_argument("--page-size", type=_int, help=f"tokens per page, a multiple of 4 (default 16; {rng('page_size')})")
+    g.add_argument("--q-heads", type=_int, help=f"query heads (default 2; {rng('q_heads', CANARY_RANGES)}, e.g. 32 "
+                                                f"for Llama-3 8B, 128 for 405B; the qsa: kernels take "
+                                                f"{rng('q_heads')} and one KV head, and are skipped otherwise)")
+    g.add_argument("--kv-heads", type=_int, help="KV heads, a divisor of --q-heads: GQA, any ratio (default 1; "
+                                                 f"{rng('kv_heads', CANARY_RANGES)})")
+    g.add_argument("--head-dim", type=_int, help="head dimension, a multiple of 16 (default 16; "
+                                                 f"{rng('head_dim', CANARY_RANGES)}, e.g. 64, 128, 256)")
+    g.add_argument("--topk", type=_int, help=f"selected 4-token blocks per row, for the sparse spec (default 16; "
+                                             f"{rng('topk')})")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, help="the pool's storage dtype (default fp16)")
     g.add_argument("--seed", type=_int, help="seed of q, K/V and the selections (default 0)")
     g.add_argument("--layout", choices=LAYOUTS, help="physical page order (default contiguous)")
     g.add_argument("--selection", choices=SELECTIONS, help="how rows select blocks (default indexer)")
     g.add_argument("--overlap", type=_overlap, metavar="F", help="neighbour overlap of indexer selections (sparse spec; default 0.8)")
     g.add_argument("--free-pages", type=_int, metavar="N", help="spare pages no block table references (default 2)")
+    g.add_argument("--max-memory", type=_size, metavar="SIZE",
+                   help="refuse a case whose estimated memory is above SIZE, e.g. 4G or 512M, and skip a built-in "
+                        "kernel whose working set would take the run above it, saying so (default: half the "
+                        "memory available when the command starts)")
     g.add_argument("--case", metavar="FILE",
                    help="the call from a file instead: a `qsa-lab diff --save` file or your engine's own dump "
                         "(safetensors or .pt; README 'Canary any attention kernel' gives the format); takes no "
@@ -163,7 +176,7 @@ def kernel_source(name) -> str | None:
     if name.kind != MODULE:
         return None
     parts = name.source.split(".")
-    for entry in ["", *sys.path]:   # the worker finds modules in the current folder too
+    for entry in [*sys.path, ""]:   # the worker finds modules in the current folder too, last
         base = Path(entry or ".", *parts)
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
@@ -238,6 +251,7 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
                             planes=args.planes or ("k", "v"), backend=args.backend,
                             kv_dtype=args.kv_dtype, dims=args.dims, attend=None if case else args.attend,
                             case=case, progress=sys.stderr.isatty() and args.json != "-", second=second,
+                            max_memory=args.max_memory,
                             **({"timeout": args.timeout} if args.timeout else {}), **geometry)
     doc = report.to_json()
     if args.json == "-":

@@ -43,11 +43,19 @@ def save(result, path, overwrite: bool = False, arg: str = "path", origin: str |
     geometry) plus apply_poison(its poison record) give (load checks this), 'custom' for
     tensors of your own; None finds out by rebuilding the case.
     """
+    path = check_output(path, arg, force=overwrite)
+    blob = encode(result, origin)
+    with writing(path, arg, force=overwrite) as tmp:
+        tmp.write_bytes(blob)
+    return path
+
+
+def encode(result, origin: str | None = None) -> bytes:
+    """The bytes save() writes (see there)."""
     from safetensors.torch import save as save_bytes
 
     if origin is not None and origin not in ORIGINS:
         raise ValueError(f"origin: must be one of {ORIGINS} or None, got {origin!r}")
-    path = check_output(path, arg, force=overwrite)
     case, plan = result.case.to("cpu"), result.plan.to("cpu")
     tensors = {name: t.contiguous() for name, t in case.tensors().items()}
     tensors.update({name: torch.tensor(getattr(case, name), dtype=torch.float32) for name in SCALES})
@@ -62,10 +70,7 @@ def save(result, path, overwrite: bool = False, arg: str = "path", origin: str |
             # float32 0-d tensors cannot hold the exact double scale: keep it here too
             "k_scale": repr(case.k_scale), "v_scale": repr(case.v_scale),
             "origin": origin or ("geometry" if not rebuild_mismatch(case) else "custom")}
-    blob = _sorted_header(save_bytes(tensors, metadata=meta), sign=True)
-    with writing(path, arg, force=overwrite) as tmp:
-        tmp.write_bytes(blob)
-    return path
+    return _sorted_header(save_bytes(tensors, metadata=meta), sign=True)
 
 
 def checksum(header: dict, body: bytes) -> str:

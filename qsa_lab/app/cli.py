@@ -1,4 +1,4 @@
-"""`qsa-lab` command line: diff, repro, bench, doctor.
+"""`qsa-lab` command line: diff, repro, bench, doctor, notebooks, lab, canary, replay, scribble.
 
 Exit codes (README "Exit codes and errors"): 0 success; 1 a `--load` replay that differs;
 2 bad input, one line `qsa-lab: error: <argument>: <what is wrong>`; 3 any other failure,
@@ -78,7 +78,7 @@ def _replay_differs(case, result, saved_plan, saved) -> list[str]:
 
 def cmd_diff(args) -> int:
     from qsa_lab.model import memory as resources
-    from qsa_lab.support.outputs import write_text
+    from qsa_lab.support.outputs import write_together
 
     if args.save == "-":
         raise UsageError("--save: writes a file; '-' (stdout) is only for --json")
@@ -147,16 +147,17 @@ def cmd_diff(args) -> int:
         _print_table(rows, result)
         if replay:
             print(f"# replay of {args.load}: {replay}")
-    with blame({}, "--json"):
-        if "--json" in outs:
-            write_text(outs["--json"], text, "--json", force=args.force)
-            if args.json != "-":
-                print(f"# wrote {outs['--json']}")
-    with blame({}, "--save"):
-        if "--save" in outs:
-            io.save(result, outs["--save"], overwrite=args.force, arg="--save", origin=origin)
-            if args.json != "-":
-                print(f"# saved {outs['--save']}")
+    files = []       # published together: a signal or a failure leaves both or neither
+    if "--json" in outs:
+        files.append((outs["--json"], text.encode("utf-8"), "--json"))
+    if "--save" in outs:
+        with blame({}, "--save"):
+            files.append((outs["--save"], io.encode(result, origin=origin), "--save"))
+    with blame({}, files[-1][2] if files else "output"):
+        write_together(files, force=args.force)
+    if args.json != "-":
+        for path, _, flag in files:
+            print(f"# {'wrote' if flag == '--json' else 'saved'} {path}")
     return EXIT_OK if replay in (None, "bit-identical") else EXIT_DIFFERS
 
 
@@ -351,6 +352,12 @@ def _add_canary_parser(sub, parents=()):
     cli.add_parser(sub, parents).set_defaults(func=cmd_canary)
 
 
+def _add_replay_parser(sub, parents=()):
+    from qsa_lab.app import replay
+
+    replay.add_parser(sub, parents)
+
+
 def _add_scribble_parser(sub, parents=()):
     from qsa_lab.app import scribble
 
@@ -414,6 +421,7 @@ def build_parser():
     lab.add_argument("--no-browser", action="store_true", help="do not open a browser (default: open one)")
     lab.set_defaults(func=cmd_lab)
     _add_canary_parser(sub, parents=[common])
+    _add_replay_parser(sub, parents=[common])
     _add_scribble_parser(sub, parents=[common])
     return p
 

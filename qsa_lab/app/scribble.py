@@ -19,7 +19,7 @@ from pathlib import Path
 
 from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer, seconds
 from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
-from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS
+from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS, CheckpointError
 from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
 from qsa_lab.scribble.vllm_env import NOT_ON_VLLM
 
@@ -84,7 +84,8 @@ def add_parser(sub, parents=()):
 
 
 def _csv(value: str, allowed: tuple, argument: str) -> tuple:
-    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    """A comma list, each name once (a name given twice is run once), in the order given."""
+    items = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
     if not items:
         raise UsageError(f"{argument}: empty list")
     for v in items:
@@ -94,11 +95,43 @@ def _csv(value: str, allowed: tuple, argument: str) -> tuple:
     return items
 
 
+def _inputs(args) -> dict:
+    """{what: path} of the files the run reads (a checkpoint folder's files, the --attn file), which no
+    output may be."""
+    out = {}
+    if args.model not in MODEL_NAMES:
+        for f in sorted(Path(args.model).iterdir()):
+            if f.is_file():
+                out[f"--model {f.name}"] = str(f)
+    source = args.attn.rpartition(":")[0] if is_user_attention(args.attn) else ""
+    if source.endswith(".py"):
+        out["--attn"] = source
+    return out
+
+
 def check_args(args) -> dict:
-    """Torch-free validation -> the settings; UsageError naming the argument."""
-    if args.model not in MODEL_NAMES and not Path(args.model).is_dir():
-        raise UsageError(f"--model: {args.model!r} is neither a built-in tiny model ({', '.join(MODEL_NAMES)}) "
-                         "nor a local folder")
+    """Torch-free validation -> the settings; UsageError naming the argument. A local checkpoint folder is
+    checked here as every engine's loader checks it (scribble.models.check_checkpoint), so a bad one is
+    one line and exit 2 before anything loads."""
+    from qsa_lab.model.geometry import RANGES
+    from qsa_lab.scribble.models import check_checkpoint
+
+    if not args.model.strip():
+        raise UsageError(f"--model: empty; a built-in tiny model ({', '.join(MODEL_NAMES)}) or a checkpoint folder")
+    if args.model not in MODEL_NAMES:
+        if not Path(args.model).is_dir():
+            raise UsageError(f"--model: {args.model!r} is neither a built-in tiny model ({', '.join(MODEL_NAMES)}) "
+                             "nor a local folder")
+        with blame({"model": "--model"}, "--model"):
+            check_checkpoint(args.model)
+    attn = args.attn.strip()
+    if not attn:
+        raise UsageError("--attn: empty; an implementation name (paged|eager, sdpa, ...) or file.py:function")
+    if attn.endswith(".py") or (attn.endswith(":") and not is_user_attention(attn)):
+        raise UsageError(f"--attn: {args.attn!r} names no function; give file.py:function or module:function")
+    lo, hi = RANGES["seed"]
+    if not lo <= args.seed <= hi:
+        raise UsageError(f"--seed: must be in {lo}..{hi}, got {args.seed}")
     if args.cuda_graph and args.device == "cpu":
         raise UsageError("--cuda-graph: needs a CUDA device, not --device cpu")
     if args.engine == "vllm":
@@ -111,7 +144,7 @@ def check_args(args) -> dict:
                                  "device and graphs)")
     elif args.no_prefix_caching:
         raise UsageError("--no-prefix-caching: applies to --engine vllm only")
-    outs = check_outputs(args, {"--json": None if args.json == "-" else args.json})
+    outs = check_outputs(args, {"--json": None if args.json == "-" else args.json}, _inputs(args))
     return {"regions": _csv(args.regions, REGIONS, "--regions"), "payloads": _csv(args.payloads, PAYLOADS, "--payloads"),
             "json": outs.get("--json")}
 
@@ -129,6 +162,7 @@ def run(args) -> int:
     import torch
 
     from qsa_lab.scribble.check import scribble
+    from qsa_lab.scribble.hf_engine import AttentionNameError
     from qsa_lab.scribble.isolated import build_engine, scribble_attention
     from qsa_lab.scribble.versions import machine_facts
     from qsa_lab.support.outputs import write_text
@@ -148,6 +182,10 @@ def run(args) -> int:
             report = scribble(build_engine(attn=args.attn, **engine), **matrix)
     except AttentionLoadError as e:
         raise UsageError(str(e)) from None
+    except AttentionNameError as e:   # a name transformers cannot use here
+        raise UsageError(f"--attn: {str(e).removeprefix('attn: ')}") from None
+    except CheckpointError as e:      # what the loader itself refused in the folder: still bad input
+        raise UsageError(f"--model: {str(e).removeprefix('model: ')}") from None
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
         raise Failure(f"scribble: {type(e).__name__}: {e}") from e
     report.facts = machine_facts()
@@ -160,7 +198,7 @@ def run(args) -> int:
             with blame({}, "--json"):
                 write_text(settings["json"], text, "--json", force=args.force)
             print(f"# wrote {settings['json']}")
-    return report.exit_code()
+    return _exit_code(report)
 
 
 def _vllm_argv(args, settings) -> list:
@@ -221,4 +259,12 @@ def run_vllm(args, settings) -> int:
             with blame({}, "--json"):
                 write_text(settings["json"], text, "--json", force=args.force)
             print(f"# wrote {settings['json']}")
-    return report.exit_code()
+    return _exit_code(report)
+
+
+def _exit_code(report) -> int:
+    """The report's exit code; a run that checked nothing says so in one line (exit 3, never a pass)."""
+    code = report.exit_code()
+    if code == 3 and report.no_check() and not report.failures():
+        print(f"qsa-lab: scribble: {report.no_check()}", file=sys.stderr)
+    return code

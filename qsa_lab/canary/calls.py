@@ -126,8 +126,12 @@ def save_call(path, case, kernel: str, region: str, plane: str, payload: str, sl
 
 def load_call(path) -> tuple:
     """A call file -> (control CanaryCase, poisoned CanaryCase, metadata dict)."""
+    import os
+
     from safetensors import safe_open
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected the path of a call file (str or Path), got {type(path).__name__}")
     if not Path(path).is_file():   # a FIFO or a device would block the read
         raise ValueError(f"path: {path} is not a regular file")
     try:

@@ -26,6 +26,8 @@ import torch
 
 from qsa_lab.model import fp8
 from qsa_lab.model.case import KV_DTYPES, Case, Geometry, build_case, no_poison, validate_case
+from qsa_lab.model.geometry import CANARY_RANGES, RANGES
+from qsa_lab.model.memory import require_canary
 from qsa_lab.model.paged import (SCALES, PagedTensors, check_pages, check_selection, check_tensors, check_token_to_req,
                                  need)
 from qsa_lab.model.regions import SPARSE, AttentionSpec, attended_tokens, with_free_pages
@@ -36,6 +38,7 @@ from qsa_lab.model.regions import SPARSE, AttentionSpec, attended_tokens, with_f
 CANARY_GEOMETRY = Geometry(rows=10, requests=3, context=33, topk=16, page_size=16, q_heads=2, head_dim=16,
                            kv_dtype="fp16")
 FREE_PAGES = 2
+NO_LIMIT = 1 << 62     # build_case's budget here: the canary estimates the build itself (canary_case)
 
 
 @dataclass
@@ -81,6 +84,9 @@ class CanaryCase(PagedTensors):
         they read one KV head, no MLA latent, and attend the sparse selection."""
         if self.mla:
             return "the qsa routes do not read an MLA latent pool"
+        lo, hi = RANGES["q_heads"]
+        if not lo <= self.q_heads <= hi:
+            return f"the qsa routes take {lo}..{hi} query heads; this case has {self.q_heads} (--q-heads)"
         if self.kv_heads != 1:
             return f"the qsa routes read one KV head; this case has {self.kv_heads} (--kv-heads 1)"
         if self.geometry is None:
@@ -197,18 +203,34 @@ def _pool(shape, kv_heads: int, kv_dtype: str, written: torch.Tensor, gen: torch
     return torch.stack([fp8.encode(kv[:, p] / scales[p], kv_dtype) for p in (0, 1)], dim=1), *scales
 
 
+def _count(name: str, value, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: must be an int, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: must be in {lo}..{hi}, got {value}")
+    return value
+
+
 def canary_case(kv_dtype: str = "fp16", free_pages: int = FREE_PAGES, *, kv_heads: int = 1, attend="sparse",
                 query_len: int | None = None, mla: bool = False, v_head_dim: int | None = None,
-                **geometry) -> CanaryCase:
+                max_memory=None, **geometry) -> CanaryCase:
     """The canary's case: CANARY_GEOMETRY with `geometry` overrides (rows, requests, context,
     topk, page_size, q_heads, head_dim, seed, layout, selection, overlap), `free_pages` spare
     pages, `kv_heads` KV heads (GQA; q_heads a multiple of it), the attention spec `attend`
     ('dense', 'sparse', 'window:W[,sink:S]' or an AttentionSpec), `query_len` rows per request
     (1 = decode; sets rows = requests * query_len). MLA: `mla=True`, head_dim = latent + rope
-    (e.g. 576), `v_head_dim` (e.g. 512): one latent pool read as K and as V.
+    (e.g. 576), `v_head_dim` (e.g. 512): one latent pool read as K and as V. Ranges:
+    qsa_lab.model.geometry.CANARY_RANGES (q_heads 1..256, kv_heads a divisor of it, head_dim a
+    multiple of 16 up to 1024), the others Geometry's.
 
-    With one KV head and no MLA the pool is qsa_lab.model.case.build_case's, byte for byte (so the
-    qsa routes give the verdicts of their own case); otherwise a fresh N(0, 1) pool."""
+    Before anything is allocated the memory the case takes in a canary run is estimated
+    (qsa_lab.model.memory.canary_estimate) and a case above `max_memory` (bytes or text such as
+    '8G'; default half the memory available now) is refused, naming the argument that drives it;
+    run_canary checks each kernel's working set on top of it.
+
+    With one KV head, at most 16 query heads and no MLA the pool is qsa_lab.model.case.build_case's,
+    byte for byte (so the qsa routes give the verdicts of their own case); otherwise a fresh N(0, 1)
+    pool (and, past 16 query heads, fresh queries)."""
     if query_len is not None:
         if not isinstance(query_len, int) or isinstance(query_len, bool) or query_len < 1:
             raise ValueError(f"query_len: must be an int >= 1, got {query_len!r}")
@@ -218,15 +240,23 @@ def canary_case(kv_dtype: str = "fp16", free_pages: int = FREE_PAGES, *, kv_head
                              f"({requests} x {query_len}); give one of --rows / --query-len")
         geometry["rows"] = requests * query_len
         geometry.setdefault("context", max(CANARY_GEOMETRY.context, query_len + requests + 3))
-    if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1:
-        raise ValueError(f"kv_heads: must be an int >= 1, got {kv_heads!r}")
+    kv_heads = _count("kv_heads", kv_heads, *CANARY_RANGES["kv_heads"])
+    q_heads = _count("q_heads", geometry.get("q_heads", CANARY_GEOMETRY.q_heads), *CANARY_RANGES["q_heads"])
+    _count("free_pages", free_pages, 0, 1 << 40)
     if mla and kv_heads != 1:
         raise ValueError(f"kv_heads: MLA reads one latent head, got {kv_heads}")
-    g = CANARY_GEOMETRY.replace(kv_dtype=kv_dtype, **geometry)
-    if g.q_heads % kv_heads:
-        raise ValueError(f"kv_heads: must divide q_heads ({g.q_heads}), got {kv_heads}")
-    base = with_free_pages(build_case(g), free_pages)
+    fresh_q = q_heads > RANGES["q_heads"][1]          # past the qsa routes' range: built with one head
+    g = CANARY_GEOMETRY.replace(kv_dtype=kv_dtype, **{**geometry, "q_heads": 1 if fresh_q else q_heads})
+    if q_heads % kv_heads:
+        raise ValueError(f"kv_heads: must divide q_heads ({q_heads}), got {kv_heads}")
+    require_canary(max_memory, rows=g.rows, requests=g.requests, context=g.context, page_size=g.page_size,
+                   kv_heads=kv_heads, head_dim=g.head_dim, kv_dtype=g.kv_dtype, free_pages=free_pages)
+    # build_case's own estimate is the qsa routes' run, not this build: the run checks it per kernel
+    base = with_free_pages(build_case(g, max_memory=NO_LIMIT), free_pages)
     case = CanaryCase.from_case(base, attend)
+    if fresh_q:
+        q = torch.randn((g.rows, q_heads, g.head_dim), generator=torch.Generator().manual_seed(g.seed + 2))
+        case = dataclasses.replace(case, q=q.to(torch.float16))
     if kv_heads != 1 or mla:
         from qsa_lab.model.regions import _written
 
@@ -262,8 +292,13 @@ A `qsa-lab diff --save` file is one of these.
 
 
 def _read_tensors(path) -> tuple[dict, dict]:
+    import os
     from pathlib import Path
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected the path of a case file (str or Path), got {type(path).__name__}")
+    if not str(path).strip():
+        raise ValueError("path: empty")
     p = Path(path)
     if not p.is_file():
         if p.exists():   # a FIFO or a device would block the read
@@ -289,6 +324,31 @@ def _read_tensors(path) -> tuple[dict, dict]:
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+def _check_shapes(path, t: dict) -> None:
+    """The ranks and lengths load_case relies on, before it indexes anything (ValueError naming
+    the tensor, never an IndexError)."""
+    def integral(x):
+        return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+
+    kv, q, seq, bt = t["kv_cache"], t["q"], t["seq_lens"], t["block_table"]
+    need(kv.dim() in (4, 5) and kv.numel() > 0, "kv_cache",
+         f"[pages, 2, page_size, kv_heads, head_dim] (or without kv_heads) in {path}, got {list(kv.shape)}")
+    need(q.dim() == 3 and q.shape[0] >= 1, "q", f"[rows, q_heads, head_dim] in {path}, got {list(q.shape)}")
+    need(seq.dim() == 1 and seq.numel() >= 1 and integral(seq), "seq_lens",
+         f"[requests] integers, at least one, in {path}, got {list(seq.shape)} {seq.dtype}")
+    need(bt.dim() == 2 and bt.shape[0] == seq.numel() and integral(bt), "block_table",
+         f"[requests={seq.numel()}, max_pages] integers in {path}, got {list(bt.shape)} {bt.dtype}")
+    R, rows = seq.numel(), q.shape[0]
+    if "query_lens" in t:
+        ql = t["query_lens"]
+        need(ql.dim() == 1 and ql.numel() == R and integral(ql) and bool((ql >= 0).all()), "query_lens",
+             f"[requests={R}] integers >= 0 in {path}, got {list(ql.shape)} {ql.dtype}")
+    elif "token_to_req" in t:
+        t2r = t["token_to_req"]
+        need(t2r.dim() == 1 and t2r.numel() == rows and integral(t2r) and bool(((t2r >= 0) & (t2r < R)).all()),
+             "token_to_req", f"[rows={rows}] request ids in 0..{R - 1} in {path}, got {list(t2r.shape)} {t2r.dtype}")
+
+
 def load_case(path, attend=None) -> CanaryCase:
     """A case file (CASE_FORMAT: a `diff --save` file or your engine's own dump) as a CanaryCase.
     attend: its spec (default sparse when it has selections, else dense)."""
@@ -302,6 +362,7 @@ def load_case(path, attend=None) -> CanaryCase:
     kv_dtype = str(meta.get("kv_dtype", "fp16" if kv.dtype == torch.float16 else ""))
     if kv.dtype == torch.uint8 and kv_dtype not in ("e4m3", "e5m2"):
         raise ValueError(f"case: {path}: a uint8 kv_cache needs metadata kv_dtype e4m3 or e5m2")
+    _check_shapes(path, t)
     q, seq, bt = t["q"], t["seq_lens"].to(torch.int32), t["block_table"].to(torch.int32).clone()
     R, rows = seq.numel(), q.shape[0]
     if "query_lens" in t:

@@ -56,6 +56,23 @@ class Outcome:
         return self.kind in ("timeout", "exited")
 
 
+def portable(o: Outcome) -> Outcome:
+    """The outcome as the worker sends it: its output as raw bytes and a dtype name (torch cannot
+    unpickle a float8 tensor it pickled: the worker's float8 output would end the run)."""
+    out = o.output
+    if isinstance(out, torch.Tensor) and out.dim() >= 1:
+        o.output = (str(out.dtype).removeprefix("torch."), out.contiguous().view(torch.uint8))
+    return o
+
+
+def restored(o: Outcome) -> Outcome:
+    """A worker's portable() outcome back as the outcome it made."""
+    if isinstance(o.output, tuple):
+        dtype, raw = o.output
+        o.output = raw.view(getattr(torch, dtype))
+    return o
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a.cpu()), bits(b.cpu()))
 
@@ -183,7 +200,7 @@ class Worker:
             return Outcome("exited", error="the kernel's worker process is gone")
         kind, reply = self._request(("call", inputs, meta, str(device)), self.timeout)
         if kind == "msg":
-            return reply
+            return restored(reply)
         if kind == "timeout":
             self.dead = f"timed out after {self.timeout:g} s"
             self.close()

@@ -196,7 +196,29 @@ TORCH_KERNELS = {"torch:sdpa-math": sdpa_kernel("math"), "torch:sdpa-efficient":
 def register_kernel(name: str, fn: Callable) -> None:
     """Make `name` (e.g. 'flashinfer:decode') a built-in kernel, run in this process."""
     check_registrable(name)
+    if not callable(fn):
+        raise TypeError(f"fn: must be callable fn(PagedCall) -> [rows, q_heads, head_dim], got {type(fn).__name__}")
     REGISTERED[name] = fn
+
+
+def working_set(kernel, case) -> tuple[int, str] | None:
+    """(bytes, what they hold) a built-in kernel allocates on top of the case, estimated before it
+    runs; None where qsa_lab cannot say (a user's kernel, a callable, an adapter)."""
+    from qsa_lab.model.memory import estimate, gather_bytes
+
+    if not isinstance(kernel, KernelName):
+        return None
+    if kernel.text == "torch:flex-paged":
+        tokens = int(case.kv_cache.shape[0]) * case.page_size
+        return (gather_bytes(case.rows, case.q_heads, tokens, case.head_dim),
+                "K and V of the whole pool for every row and query head")
+    if kernel.text in TORCH_KERNELS:
+        tokens = int(case.block_table.shape[1]) * case.page_size
+        return (gather_bytes(case.rows, case.q_heads, tokens, case.head_dim),
+                "K and V of each row's pages for every query head")
+    if kernel.source == "qsa" and case.qsa_unsupported() is None:
+        return estimate(case.to_case().geometry).bytes, "the qsa routes' run of this case"
+    return None
 
 
 def registered() -> dict:

@@ -177,7 +177,7 @@ def run(cfg: Config, report_dir=None, force: bool = False):
                 builtin = not callable(cfg.kernel) and cfg.kernel.in_process
                 named = "" if builtin else f" --kernel {cfg.name}"
                 for f in sorted((folder / "calls").glob("*.safetensors")):   # one per region x plane
-                    replays[tuple(f.stem.split("__")[1:3])] = (f"cd {folder} && python -m qsa_lab.canary.replay "
+                    replays[tuple(f.stem.split("__")[1:3])] = (f"cd {folder} && qsa-lab replay "
                                                                f"calls/{f.name}{named}")
         _runs[cfg] = (report, replays, kept)
     return _runs[cfg]

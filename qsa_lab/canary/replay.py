@@ -1,6 +1,6 @@
 """Re-run one saved poisoned call (a `--report` call file) and show what reaches the output.
 
-    python -m qsa_lab.canary.replay DIR/calls/<cell>.safetensors [--kernel NAME] [--backend B]
+    qsa-lab replay DIR/calls/<cell>.safetensors [--kernel NAME] [--backend B]
 
 Runs the kernel on the control call (the poisoned slots zero-filled) and on the poisoned
 call, compares them bit for bit, and prints the NaN / Inf / changed counts with the rows,
@@ -9,19 +9,30 @@ run or cannot tell here (the kernel does not load or raised, or the control outp
 Inf), 2: bad input (not a call file, or a kernel that must be named, below), 130: interrupted.
 The same rule as the report's standalone scripts.
 
-A call file is data, often a stranger's: the kernel it records is text to show. Replay runs a
-built-in kernel it names (qsa:, torch:, flashinfer:, vllm:; qsa_lab.canary.names), looked up in
-qsa_lab's registry; anything else (module:function, file.py:function) runs only when you name
-it yourself with --kernel (or `kernel=` in Python). Without that it runs nothing, prints the
-recorded name and the command that would run it, and exits 2.
+A call file is data, often a stranger's: the kernel it records is text to show (every text read
+from it reaches the terminal with its control characters escaped). Replay runs a built-in kernel
+it names (qsa:, torch:, flashinfer:, vllm:; qsa_lab.canary.names), looked up in qsa_lab's
+registry; anything else (module:function, file.py:function) runs only when you name it yourself
+with --kernel (or `kernel=` in Python). Without that it runs nothing, prints the recorded name
+and the command that would run it, and exits 2.
+
+Run it as `qsa-lab replay` inside a received folder, never as `python -m qsa_lab.canary.replay`:
+`python -m` puts the current folder first on the import path, so a `qsa_lab/` folder lying there
+would be imported in place of this one (on Python 3.11+ `python -P -m ...` is safe too). Run as a
+module anyway, this file takes the current folder off the path before it imports anything else
+(qsa_lab.support.safepath), which stops a `shlex.py` or `torch.py` there, not a `qsa_lab/`.
 """
-from __future__ import annotations
+import sys   # no `from __future__ import` either: it would import a __future__.py lying in the folder
 
-import argparse
-import shlex
-import sys
+if __name__ == "__main__":      # first, before any other import: see the module docstring
+    from qsa_lab.support.safepath import drop_current_folder
 
-from qsa_lab.canary.names import KernelName, as_kernel_name, parse_kernel
+    drop_current_folder()
+
+import argparse  # noqa: E402
+import shlex  # noqa: E402
+
+from qsa_lab.canary.names import KernelName, as_kernel_name, parse_kernel  # noqa: E402
 
 #: the option a name read from a call file came from, in its errors
 CALL_FILE = "call file"
@@ -32,14 +43,20 @@ class KernelNotNamed(ValueError):
 
     def __init__(self, path, recorded: str):
         self.recorded = recorded
-        self.command = f"python -m qsa_lab.canary.replay {shlex.quote(str(path))} --kernel {shlex.quote(recorded)}"
+        self.command = f"qsa-lab replay {shlex.quote(str(path))} --kernel {shlex.quote(recorded)}"
         super().__init__(f"kernel: the call file records the kernel {show(recorded)}, not a built-in; replay runs "
                          f"code only when you name it: check that kernel, then run: {self.command}")
 
 
 def show(text: str) -> str:
-    """Text from a file as it may appear on a terminal (control bytes escaped)."""
+    """Text from a file as it may appear on a terminal, quoted (control bytes escaped)."""
     return repr(text) if not text.isprintable() else f"'{text}'"
+
+
+def printable(text) -> str:
+    """Text (from a file) with every control character escaped: no escape code, carriage return or
+    newline it holds reaches the terminal raw."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def saved_kernel(path, meta: dict) -> KernelName:
@@ -97,8 +114,28 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
             "first_nan": torch.nonzero(nan)[0].tolist() if bool(nan.any()) else None}
 
 
+def report_lines(r: dict) -> tuple[list, str, int]:
+    """What replay prints for the result `r` of replay(): (stdout lines, a stderr line or '', exit
+    code). Every text read from the call file is escaped (printable)."""
+    from qsa_lab.analysis.leaks import CLEAN
+
+    t = {k: printable(r[k]) for k in ("kernel", "region", "plane", "payload", "recorded", "verdict")}
+    where = f"rows {r['rows']}, heads {r['heads']}, dims {r['dims'][:16]}{' ...' if len(r['dims']) > 16 else ''}"
+    out = [f"replay {t['kernel']} {t['region']}/{t['plane']}/{t['payload']} on {r['device']}: "
+           f"control {r['control_nan']} NaN; poisoned {r['nan']} NaN, {r['inf']} Inf, "
+           f"{r['finite_changed']} finite changed of {r['outputs']} outputs ({where})",
+           f"verdict {t['verdict']} (recorded when saved: {t['recorded']})"]
+    if r["nan"] and r.get("first_nan") is not None:
+        out.append(f"first NaN at [row, head, dim] {r['first_nan']}")
+    if r["control_nan"]:
+        return out, "cannot tell: the control output holds NaN", 3
+    return out, "", 0 if r["verdict"] == CLEAN else 1
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qsa_lab.canary.replay", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m qsa_lab.canary.replay", description=__doc__.splitlines()[0],
+                                epilog="Inside a folder you received, run `qsa-lab replay` instead (see the module "
+                                       "docstring: `python -m` imports from the current folder).")
     p.add_argument("path", help="a call file written by qsa-lab canary --report (DIR/calls/*.safetensors)")
     p.add_argument("--kernel", help="the kernel to run (module:function, file.py:function, or a built-in name); "
                                     "default: the saved one when it is a built-in")
@@ -112,24 +149,16 @@ def main(argv=None) -> int:
         print("replay: interrupted", file=sys.stderr)
         return 130
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"replay: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"replay: error: {printable(str(e).splitlines()[0] if str(e) else type(e).__name__)}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a kernel failure is its own exit code
-        print(f"replay: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"replay: {type(e).__name__}: {printable(str(e).splitlines()[0] if str(e) else '')}", file=sys.stderr)
         return 3
-    where = f"rows {r['rows']}, heads {r['heads']}, dims {r['dims'][:16]}{' ...' if len(r['dims']) > 16 else ''}"
-    print(f"replay {r['kernel']} {r['region']}/{r['plane']}/{r['payload']} on {r['device']}: "
-          f"control {r['control_nan']} NaN; poisoned {r['nan']} NaN, {r['inf']} Inf, "
-          f"{r['finite_changed']} finite changed of {r['outputs']} outputs ({where})")
-    print(f"verdict {r['verdict']} (recorded when saved: {r['recorded']})")
-    if r["nan"] and r.get("first_nan") is not None:
-        print(f"first NaN at [row, head, dim] {r['first_nan']}")
-    if r["control_nan"]:
-        print("replay: cannot tell: the control output holds NaN", file=sys.stderr)
-        return 3
-    from qsa_lab.analysis.leaks import CLEAN
-
-    return 0 if r["verdict"] == CLEAN else 1
+    out, err, code = report_lines(r)
+    print("\n".join(out))
+    if err:
+        print(f"replay: {err}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -25,7 +25,11 @@ runs the calls that find the smallest leak, qsa_lab.canary.render writes the Mar
 
 Replay lines are relative to the report folder (`cd DIR` first):
 
-    python -m qsa_lab.canary.replay calls/<cell>.safetensors [--kernel kernels/<file>.py:fn]
+    qsa-lab replay calls/<cell>.safetensors [--kernel kernels/<file>.py:fn]
+
+`qsa-lab replay`, never `python -m ...`: the folder is data someone sent, and `python -m` puts the
+current folder first on the import path (a `torch.py` or `qsa_lab/` there would run). A standalone
+script takes its own folder off the path before importing anything (qsa_lab.canary.standalone).
 
 Exit codes of replay and of every standalone script: 1 the leak reproduces, 0 it does not,
 3 it cannot run or cannot tell here (2: bad input, for replay).
@@ -163,7 +167,7 @@ def _replay_command(call_file: str, kernel: str, name, kernel_files: dict) -> st
     KernelName) are looked up by replay; a copied kernel file is named on the command line; a
     module, or a Python callable whose module:qualname is one, too; any other callable has no
     loadable name."""
-    cmd = f"python -m qsa_lab.canary.replay {call_file}"
+    cmd = f"qsa-lab replay {call_file}"   # never python -m: it would import from the folder (module docstring)
     if name is not None and name.in_process:
         return cmd
     if kernel in kernel_files:
@@ -293,7 +297,11 @@ def _blocks(report, doc: dict, env: dict, figure, calls, command, kernel_files) 
           ("p", "Every path below is relative to this folder: cd into it (wherever it was copied or unpacked), "
                 "then run a replay line (needs qsa_lab) or a standalone script (needs only the kernel's library, "
                 "torch and safetensors). Exit codes, for both: 1 the leak reproduces, 0 it does not, 3 it "
-                "cannot run or cannot tell here (replay: 2 bad input).")]
+                "cannot run or cannot tell here (replay: 2 bad input). Replay as written, `qsa-lab replay`, "
+                "never `python -m qsa_lab.canary.replay`: `python -m` puts the current folder first on "
+                "Python's import path, so a file lying in this folder (a torch.py, a qsa_lab/ folder) would "
+                "be imported and run; `qsa-lab replay` and the standalone scripts import nothing from "
+                "this folder but the call file and the kernel file you name.")]
     by_kernel = {}
     for call in calls:
         by_kernel.setdefault(call["kernel"], []).append(call)

@@ -29,12 +29,15 @@ from qsa_lab.model.regions import REGIONS, check_region, region_parts, region_re
 from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_case
 from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
 from qsa_lab.canary.overlap import take as take_overlap
-from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
+from qsa_lab.canary.call import KernelSkipped
+from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel, working_set
+from qsa_lab.model.memory import BASE_BYTES, CANARY_POOL_COPIES, budget_bytes, over_budget
 from qsa_lab.canary.names import KernelName, as_kernel_name
 from qsa_lab.analysis.leaks import (CHECKED, CLEAN, ERROR, FAILURES, FINITE_LEAK, INPUT_MODIFIED, LEAKS, NA,
-                                    UNSTABLE, LeakReport, compare, control_problem)
+                                    UNSTABLE, LeakReport, bits, compare, control_problem)
 
 SCHEMA = "qsa_lab.canary/1"
+MAX_TIMEOUT = 7 * 24 * 3600.0    # a week: a longer wait is no timeout (and overflows the thread and select waits)
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
 PLANES = {"k": 0, "v": 1}
 #: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its
@@ -137,6 +140,9 @@ class CanaryReport(LeakReport):
                 why = f"skipped: {reason}" if reason else "every cell n/a: the call's inputs reference no region"
                 out.append({"kernel": k, "verdict": "no-checks", "cells": 0,
                             "message": f"no leak check ran ({why})"})
+        if not out and not allow_skipped and not any(self.checks(k) for k in self.kernels):   # it never passes
+            out.append({"kernel": "every kernel", "verdict": "no-checks", "cells": 0,
+                        "message": "no leak check ran: each kernel was skipped or every cell n/a (see 'skipped')"})
         return out
 
     def exit_code(self) -> int:
@@ -265,10 +271,10 @@ def _dims(dims, D: int):
     return dims
 
 
-def _case(case, kv_dtype, attend, geometry) -> CanaryCase:
+def _case(case, kv_dtype, attend, geometry, budget: int) -> CanaryCase:
     if case is None:
         return canary_case("fp16" if kv_dtype is None else kv_dtype, attend="sparse" if attend is None else attend,
-                           **geometry)
+                           max_memory=budget, **geometry)
     if geometry:
         raise ValueError(f"case: give a case or geometry options ({', '.join(geometry)}), not both")
     case = load_case(case, attend) if isinstance(case, (str, Path)) else as_canary_case(case, attend)
@@ -279,7 +285,7 @@ def _case(case, kv_dtype, attend, geometry) -> CanaryCase:
 
 def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), backend: str = "auto",
                case=None, kv_dtype: str | None = None, dims=None, progress: bool = False, attend=None,
-               timeout: float = DEFAULT_TIMEOUT, second=None, **geometry) -> CanaryReport:
+               timeout: float = DEFAULT_TIMEOUT, second=None, max_memory=None, **geometry) -> CanaryReport:
     """Run the canary matrix.
 
     kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`; parsed by
@@ -302,6 +308,9 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     second: a support.executor.SecondProcess started by the caller (`qsa-lab canary`, before it
         imports torch: overlap.start); a CPU run of FlexAttention's kernels beside others runs
         them there (overlap.take); a run that takes it ends it (close() again is harmless).
+    max_memory: the memory budget (bytes or text such as '8G'; default half the memory available
+        now): a built case above it is refused (canary_case), and a built-in kernel whose working
+        set would take the run above it is skipped, saying so (qsa_lab.canary.kernels.working_set).
     """
     requested = kernels is not None
     kernels = list(builtin_kernels()) if kernels is None else (
@@ -310,9 +319,10 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     if not kernels:
         raise ValueError("kernels: empty list")
     named = _named(kernels)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"timeout: must be a number of seconds > 0, got {timeout!r}")
-    case = _case(case, kv_dtype, attend, geometry)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < MAX_TIMEOUT:
+        raise ValueError(f"timeout: must be a number of seconds in (0, {MAX_TIMEOUT:g}), got {timeout!r}")
+    budget = budget_bytes(max_memory)
+    case = _case(case, kv_dtype, attend, geometry, budget)
     regions = _choices("regions", regions, REGIONS, regions_of(case.spec))
     for r in regions:
         try:
@@ -342,13 +352,20 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     qsa_reason = why or qsa_reason
     runners, overlap = {}, None
     try:
+        own = BASE_BYTES + case.kv_cache.numel() * case.kv_cache.element_size() * CANARY_POOL_COPIES
+        too_big = {}
         for name, k in named:
-            runners[name] = runner_of(k, qsa_backend, qsa_reason, timeout)
+            need = working_set(k, case)
+            if need is not None and own + need[0] > budget:   # said per kernel: the others still run
+                too_big[name] = over_budget(own + need[0], budget, f"{name} ({need[1]})")
+                runners[name] = InProcess(_skipped(too_big[name]), timeout, thread=False)
+            else:
+                runners[name] = runner_of(k, qsa_backend, qsa_reason, timeout)
         for r in runners.values():
             r.begin()       # every worker process imports its kernel at once
         for r in runners.values():
             r.load()
-        overlap = take_overlap(second, named, device)
+        overlap = take_overlap(second, [(n, k) for n, k in named if n not in too_big], device)
         # the canary's tensors are small: on the CPU more threads only contend
         with torch_threads(1) if device.type == "cpu" else contextlib.nullcontext():
             results = _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, skipped, progress,
@@ -358,6 +375,12 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
             r.close()
     return CanaryReport(qsa_backend, str(device), case, list(runners), results, skipped, requested, float(timeout),
                         {n: k for n, k in named if isinstance(k, KernelName)})
+
+
+def _skipped(reason: str):
+    def skipped(call):
+        raise KernelSkipped(reason)
+    return skipped
 
 
 def runner_of(kernel, qsa_backend, qsa_reason, timeout):
@@ -395,10 +418,12 @@ class _Pools:
     def __init__(self, case, parts, dims):
         self.case, self.parts, self.dims = case, parts, dims
         self.base = {k: t.detach().cpu() for k, t in case.tensors().items()}
-        self.pools = {}
+        self.pools, self.cell = {}, None
 
     def __call__(self, region, part, plane, payload) -> dict:
         key = (region, part, plane, payload)
+        if key[:3] != self.cell:     # only one cell's pools are kept: the memory estimate counts that many
+            self.pools, self.cell = {}, key[:3]
         if key not in self.pools:
             c, kv = self.case, self.base["kv_cache"].clone()
             write_region(kv, self.parts[region][part][0], PLANES[plane], c.kv_dtype, payload, self.dims,
@@ -521,6 +546,25 @@ def _failed(o: Outcome | None, what: str) -> dict | None:
     return None
 
 
+def _combine(judged: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(control, poisoned, rows [rows] bool or None)] of a cell's parts -> one (control, poisoned)
+    pair: each output from a part that judges its row, and from one where it changed when any
+    did. A row is judged by several parts (other-requests at 5+ requests: one per bit of the
+    request id); a later part where it stayed the same never hides an earlier part's leak."""
+    first = judged[0][0]
+    if len(judged) == 1 and judged[0][2] is None:
+        return first, judged[0][1]
+    control, poisoned = bits(first).clone(), bits(first).clone()    # raw bits: float8 has no index_put
+    leaked = torch.zeros(first.shape, dtype=torch.bool)
+    for ctrl, out, rows in judged:
+        pick = torch.ones(first.shape, dtype=torch.bool) if rows is None else \
+            rows.cpu().view(-1, *[1] * (first.dim() - 1)).expand(first.shape)
+        pick = pick & ~leaked
+        control[pick], poisoned[pick] = bits(ctrl)[pick], bits(out)[pick]
+        leaked |= pick & compare(ctrl, out).changed
+    return control.view(first.dtype), poisoned.view(first.dtype)
+
+
 def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResult:
     """One payload's verdict over every part of the cell: each part's outputs count on its judged
     rows only (all rows for a one-part region)."""
@@ -538,11 +582,8 @@ def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResul
             judged = [(control.output, o.output, None)]   # compare() names the mismatch
             break
         judged.append((control.output, o.output, rows))
-    control, poisoned = judged[0][0].clone(), judged[0][0].clone()
-    for ctrl, out, rows in judged:   # each row's outputs from the part that judges it
-        pick = slice(None) if rows is None else rows
-        control[pick], poisoned[pick] = ctrl[pick], out[pick]
     try:
+        control, poisoned = _combine(judged)
         verdict, counts, changed = compare(control, poisoned)
     except (TypeError, ValueError) as e:
         return LeakResult(**row, payload=payload, verdict=ERROR, error=f"{payload} run: {e}")

@@ -43,12 +43,19 @@ $api
 with the arguments below, once per pool, and compares the outputs bit for bit.
 Exit 1: the leak reproduces; 0: the outputs are identical; 3: cannot run or cannot tell here.
 """
-import argparse
+import os
 import sys
-from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
+# Python puts this script's folder first on the import path: in a folder you received, a torch.py
+# lying beside this script must not be imported in place of torch
+_here = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _here]
+
+import argparse  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 ARGS = $args    # what the canary's adapter passed, for this call
 

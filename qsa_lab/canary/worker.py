@@ -1,4 +1,5 @@
-"""One user kernel in its own process: `python -m qsa_lab.canary.worker` (started by the canary).
+"""One user kernel in its own process (started by the canary: support.processes.spawn, as `python -m
+qsa_lab.canary.worker` would run it, but without the current folder on the import path).
 
 Requests and replies are length-prefixed pickles on the worker's original stdin / stdout;
 the kernel itself sees stdout redirected to stderr and stdin to /dev/null, ignores Ctrl-C
@@ -11,6 +12,7 @@ import signal
 import sys
 
 from qsa_lab.support.processes import die_with_parent
+from qsa_lab.support.safepath import take_path
 
 
 def main() -> int:
@@ -22,7 +24,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
 
-    from qsa_lab.canary.execution import Outcome, call_kernel, load_kernel, recv, send
+    from qsa_lab.canary.execution import Outcome, call_kernel, load_kernel, portable, recv, send
 
     fn, memo = None, {}
     while True:
@@ -32,7 +34,7 @@ def main() -> int:
         if msg[0] == "load":
             _, name, cwd, path = msg   # a canary.names.KernelName
             os.chdir(cwd)
-            sys.path[:0] = [p for p in path if p not in sys.path]
+            take_path(cwd, path)   # the current folder last: nothing there shadows an installed module
             try:
                 fn = load_kernel(name)
                 reply = ("ok", {"paged_inputs": getattr(fn, "paged_inputs", None)})
@@ -44,7 +46,7 @@ def main() -> int:
             out = call_kernel(fn, inputs, meta, device, memo) if fn is not None else \
                 Outcome("error", error="no kernel loaded")
             sys.stdout.flush()
-            send(proto_out, out)
+            send(proto_out, portable(out))
 
 
 if __name__ == "__main__":

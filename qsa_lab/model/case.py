@@ -149,7 +149,7 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
         raise TypeError(f"geometry: expected a Geometry, got {type(g).__name__}")
     if overrides:
         g = g.replace(**overrides)
-    resources.require(g, max_memory)
+    resources.require(g, max_memory, api=True)
     gen = torch.Generator().manual_seed(g.seed)
 
     seq_lens = torch.tensor([g.context - r for r in range(g.requests)], dtype=torch.int32)

@@ -35,6 +35,17 @@ RANGES = {
     "seed": (0, (1 << 63) - 1),   # torch.Generator.manual_seed takes 64 bits
 }
 
+#: the canary's call geometry (qsa_lab.canary.case) beyond the qsa routes' RANGES: the shapes real
+#: models use (query heads 32 for Llama-3 8B, 64 for 70B, 128 for 405B and DeepSeek-V3's MLA; GQA
+#: ratios up to 16 and more; head dims 64-256, MLA's 576 latent + rope read with V of 512). The qsa:
+#: kernels keep RANGES (1..16 query heads, one KV head): a larger case skips them, saying why.
+#: Combinations are bounded by the memory estimate (qsa_lab.model.memory.canary_estimate).
+CANARY_RANGES = {
+    "q_heads": (1, 256),
+    "kv_heads": (1, 256),
+    "head_dim": RANGES["head_dim"],     # a multiple of 16, as for the qsa routes
+}
+
 
 @dataclass(frozen=True)
 class Geometry:

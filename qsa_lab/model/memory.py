@@ -106,18 +106,93 @@ def format_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def require(g: Geometry, budget: int | None = None) -> Estimate:
-    """Raise MemoryBudgetError (a ValueError) when the estimate exceeds `budget` bytes
-    (default: DEFAULT_FRACTION of the memory available now)."""
+def budget_bytes(value, arg: str = "max_memory") -> int:
+    """A memory budget as given (None: the default budget; an int or float of bytes > 0; text
+    such as '512M' or '8G') -> bytes. ValueError / TypeError naming `arg` otherwise."""
+    if value is None:
+        return default_budget()
+    if isinstance(value, str):
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"{arg}: {e}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg}: expected bytes (an int) or a size such as '512M', got {type(value).__name__}")
+    if not value >= 1 or value == float("inf"):      # refuses nan too
+        raise ValueError(f"{arg}: expected a budget of at least 1 byte, got {value!r}")
+    return int(value)
+
+
+def require(g: Geometry, budget=None, api: bool = False) -> Estimate:
+    """Raise MemoryBudgetError (a ValueError) when the estimate exceeds `budget` (budget_bytes:
+    bytes or text such as '4G'; default DEFAULT_FRACTION of the memory available now). The error
+    names the command line's options, or with `api` the Python arguments (the first that drives
+    the estimate; max_memory when the budget is below what any case needs)."""
     est = estimate(g)
-    limit = default_budget() if budget is None else budget
+    limit = budget_bytes(budget)
     if est.bytes > limit:
+        terms, why = est.driver.split(" (")[0], est.driver.split(" (")[1].rstrip(")")
+        if api:
+            terms = terms.replace("--", "").replace("-", "_")
+            lead = "max_memory" if BASE_BYTES > limit else terms.split(" x ")[0]
+            raise MemoryBudgetError(f"{lead}: this case needs an estimated {format_bytes(est.bytes)}, above the "
+                                    f"budget of {format_bytes(limit)} ({terms}: {why}); shrink it or raise max_memory")
         raise MemoryBudgetError(
-            f"{est.driver.split(' (')[0]}: this case needs an estimated {format_bytes(est.bytes)}, above the "
-            f"budget of {format_bytes(limit)} ({est.driver.split(' (')[1].rstrip(')')} dominates); "
-            "shrink it or raise --max-memory")
+            f"{terms}: this case needs an estimated {format_bytes(est.bytes)}, above the "
+            f"budget of {format_bytes(limit)} ({why} dominates); shrink it or raise --max-memory")
     return est
 
 
 class MemoryBudgetError(ValueError):
     """A case estimated above the memory budget."""
+
+
+# -- the canary's case ----------------------------------------------------------------------------
+# Copies of the pool (in units of its own bytes) alive at the peak of a canary run: building it
+# (float32 values, fp8 encode temporaries, the free pages' concatenation), the base record, the
+# poisoned pools of one region x plane (one per payload and the zero control), each call's fresh
+# copy, and a kernel's decoded float32 view of the whole pool; with a margin.
+CANARY_POOL_COPIES = 24
+# A built-in PyTorch kernel gathers K and V with every KV head repeated for its query heads:
+# [rows, q_heads, tokens, head_dim] per plane, as fp16, transposed and upcast (bytes per element of
+# one such tensor, both planes, with a margin).
+GATHER_BYTES = 24
+
+
+def canary_estimate(rows: int, requests: int, context: int, page_size: int, kv_heads: int, head_dim: int,
+                    kv_dtype: str, free_pages: int) -> Estimate:
+    """Peak memory of the canary's own tensors for a case (plain numbers: nothing allocated): the
+    pool, built and copied as a run does; each kernel adds its working set (gather_bytes). driver:
+    the API argument that drives the estimate."""
+    used = sum(-(-max(context - r, 1) // page_size) for r in range(requests))
+    pages = used + 1 + free_pages
+    pool = pages * 2 * page_size * kv_heads * head_dim * (2 if kv_dtype == "fp16" else 1)
+    total = BASE_BYTES + pool * CANARY_POOL_COPIES + rows * pages * page_size   # + the attended-token masks
+    if pool * CANARY_POOL_COPIES < BASE_BYTES:
+        driver = "max_memory"              # a budget below what any run needs
+    elif free_pages > used:
+        driver = "free_pages"
+    else:
+        driver = "context" if context >= requests * page_size else "requests"
+    return Estimate(int(total), 0.0, driver)
+
+
+def gather_bytes(rows: int, q_heads: int, tokens: int, head_dim: int) -> int:
+    """Working set of a kernel that gathers `tokens` K and V tokens per row for every query head."""
+    return rows * q_heads * tokens * head_dim * GATHER_BYTES
+
+
+def over_budget(need: int, budget: int, what: str) -> str:
+    """The sentence a refusal says: what needs how much, above which budget, and what to change."""
+    return (f"{what} needs an estimated {format_bytes(need)}, above the memory budget of {format_bytes(budget)}; "
+            "shrink the case or raise the budget (max_memory, --max-memory)")
+
+
+def require_canary(budget=None, **case) -> Estimate:
+    """canary_estimate(**case) against the budget (budget_bytes): MemoryBudgetError naming the
+    argument that drives the estimate."""
+    est = canary_estimate(**case)
+    limit = budget_bytes(budget)
+    if est.bytes > limit:
+        raise MemoryBudgetError(f"{est.driver}: " + over_budget(est.bytes, limit, "the canary's case"))
+    return est

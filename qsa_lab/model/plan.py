@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from qsa_lab.model.case import Case
+from qsa_lab.model.geometry import Geometry
 from qsa_lab.model.paged import visible_tokens
 
 GROUP = 8            # query rows per CTA
@@ -138,6 +139,8 @@ def group_rows(case: Case, grouping: str | None = None):
 
 def plan_groups(case: Case, grouping: str | None = None) -> GroupedPlan:
     """The grouped planner: union, masks, categories, sort, per-category null padding."""
+    if not isinstance(getattr(case, "geometry", None), Geometry):
+        raise TypeError(f"case: expected a qsa_lab Case (qsa_lab.build_case), got {type(case).__name__}")
     g = case.geometry
     dev = case.device
     grows, xrows = group_rows(case, grouping)
@@ -199,6 +202,8 @@ def pad_fix(plan: GroupedPlan) -> GroupedPlan:
     torch.where + copy_ only: no host synchronisation, so it can be captured in a CUDA graph.
     Real entries always carry a nonzero mask, so they are untouched.
     """
+    if not isinstance(plan, GroupedPlan):
+        raise TypeError(f"plan: expected a GroupedPlan (qsa_lab.plan_groups(case)), got {type(plan).__name__}")
     fixed = plan.microblocks.clone()
     fixed.copy_(torch.where(plan.masks == 0, plan.microblocks[:, :1], plan.microblocks))
     return replace(plan, microblocks=fixed)

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qsa_lab.analysis.leaks import (CLEAN, ERROR, FAILURES, LEAKS, NA, READ_LEAKS, STRAY_WRITE, UNSTABLE, VERDICTS,
-                                    LeakReport, compare_generation, verdict_of)
+from qsa_lab.analysis.leaks import (CHECKED, CLEAN, ERROR, FAILURES, LEAKS, NA, READ_LEAKS, STRAY_WRITE, UNSTABLE,
+                                    VERDICTS, LeakReport, compare_generation, verdict_of)
 from qsa_lab.analysis.leaks import compare as compare_outputs
 
 from .contract import Generation, StepView
@@ -326,6 +326,18 @@ class ScribbleReport(LeakReport):
     def failures(self) -> list:
         return [c for c in self.cells if c.verdict in FAILURES]
 
+    def no_check(self) -> str:
+        """Why no check ran ('' when one did): every cell n/a, read and write."""
+        if any(c.verdict in CHECKED for c in self.cells):
+            return ""
+        return "no check ran: every cell is n/a (no region asked for held a row in any step)"
+
+    def exit_code(self) -> int:
+        """3 a failure, else 1 a leak or stray write, else 3 when no check ran (never a pass on nothing),
+        else 0."""
+        code = super().exit_code()
+        return 3 if code == 0 and self.no_check() else code
+
     def to_dict(self) -> dict:
         return {**self.header(), "engine": self.engine, "reads_pool": self.reads_pool, "graphs": self.graphs,
                 "model": self.model, "workload": self.workload, "control_seconds": self.control_seconds,
@@ -402,12 +414,7 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     """Every region x payload read check (other-requests: one request at a time), every leak confirmed by
     a re-run, plus the write guard, on one engine adapter. localise_leaks: record attention outputs in the
     confirming re-runs to name the first step and layer where a leak shows (not under CUDA graphs)."""
-    for r in regions:
-        if r not in REGIONS:
-            raise ValueError(f"regions: unknown region {r!r}; choose from {REGIONS}")
-    for p in payloads:
-        if p not in PAYLOADS:
-            raise ValueError(f"payloads: unknown payload {p!r}; choose from {PAYLOADS}")
+    regions, payloads = _names("regions", regions, REGIONS), _names("payloads", payloads, PAYLOADS, empty=True)
     guards = [Scribbler(), Scribbler()]
     clean, seconds, err = _run(engine, guards[0])
     again, _, err2 = _run(engine, guards[1])
@@ -443,6 +450,28 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     return ScribbleReport(cells=cells, events=clean.events, moved_rows=guards[0].moved_rows, **meta)
 
 
+def _names(arg: str, given, allowed: tuple, empty: bool = False) -> tuple:
+    """Regions or payloads as asked for, each once, in order. No region at all checks nothing: refused (no
+    payload is the write guard alone: `empty`)."""
+    if isinstance(given, str):
+        given = (given,)
+    given = tuple(dict.fromkeys(given))
+    for g in given:
+        if g not in allowed:
+            raise ValueError(f"{arg}: unknown {arg[:-1]} {g!r}; choose from {allowed}")
+    if not given and not empty:
+        raise ValueError(f"{arg}: empty: nothing would be checked; choose from {allowed}")
+    return given
+
+
+def _with_strays(cell: Cell) -> Cell:
+    """A read run's own stray writes (rows changed that no clean run changed: an attention that scrubs the
+    payload out of the pool in place, say) make a cell that found no read leak a stray-write, never clean."""
+    if cell.strays and cell.verdict in (CLEAN, NA):
+        cell.verdict = STRAY_WRITE
+    return cell
+
+
 class _Judge:
     """Runs the poisoned generations of one report against its clean run, and confirms every leak."""
 
@@ -476,10 +505,10 @@ class _Judge:
         if err:
             return Cell("read", region, payload, ERROR, error=err, seconds=secs)
         if hooks.filled_rows == 0:
-            return Cell("read", region, payload, NA, seconds=secs)
+            return _with_strays(Cell("read", region, payload, NA, seconds=secs, strays=self._new_strays(hooks)))
         counts = compare(self.clean, gen)
-        cell = Cell("read", region, payload, verdict_of(counts), slots=hooks.filled_rows, seconds=secs,
-                    strays=self._new_strays(hooks), **counts)
+        cell = _with_strays(Cell("read", region, payload, verdict_of(counts), slots=hooks.filled_rows, seconds=secs,
+                                 strays=self._new_strays(hooks), **counts))
         if cell.verdict in READ_LEAKS:
             control, problem = self._control()
             if not problem:
@@ -533,7 +562,7 @@ class _Judge:
             cell.verdict, cell.error = (UNSTABLE if problems else ERROR), "; ".join(problems + errors)
         elif checked:
             cell.verdict = CLEAN
-        return cell
+        return _with_strays(cell)
 
 
 def _model_name(model) -> str:

@@ -51,6 +51,10 @@ USER_SLOT = "paged|eager"        # the attention slot a user's function takes fo
 _INHERITED = object()            # a patched attribute the class did not define itself
 
 
+class AttentionNameError(ValueError):
+    """An attention implementation name transformers cannot use here: 'attn: <problem>' (bad input)."""
+
+
 def _decoder_layers(model):
     inner = getattr(model, "model", None)
     return list(getattr(inner, "layers", []) or [])
@@ -96,7 +100,15 @@ class TransformersEngine:
         self.name = f"transformers:{label}" + ("+graphs" if cuda_graph else "+pad" if pad else "")
         self.prompts = workload.prompts(model.config.get_text_config().vocab_size)
         self.cache = None        # the live PagedAttentionCache while a generation runs
-        model.set_attn_implementation(self.attn)
+        try:
+            model.set_attn_implementation(self.attn)
+        except (ValueError, ImportError, KeyError) as e:      # an unknown name, or a flash kernel not installed
+            if self.user_attention is not None:
+                raise
+            raise AttentionNameError(
+                f"attn: transformers {transformers_version()} cannot use {self.attn!r} ({type(e).__name__}); give "
+                "paged|eager, eager, sdpa, a flash implementation installed here, or your own function as "
+                "file.py:function or module:function") from None
 
     # ------------------------------------------------------------------ run
     def generate(self, hooks=None, record_attention: bool = False) -> Generation:

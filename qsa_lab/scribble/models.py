@@ -103,11 +103,165 @@ def tiny_model(name: str = "llama-gqa", seed: int = 0, dtype=None, device=None):
     return model
 
 
-def local_model(path: str, dtype=None, device=None):
-    """A user's checkpoint from a local folder (never downloads)."""
+class CheckpointError(ValueError):
+    """A local checkpoint folder that cannot be a model: 'model: <problem>' (bad input, not a failure)."""
+
+
+#: config fields that are counts, under the names configs give them: each must be an int >= 1
+CONFIG_COUNTS = ("num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "vocab_size",
+                 "head_dim", "intermediate_size", "n_head", "n_embd", "n_layer", "num_heads", "d_model")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+_SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def check_checkpoint(path) -> dict:
+    """A local checkpoint folder, checked before anything loads it (plain Python: the command line runs
+    it before torch, and every engine's loader runs it again): a config.json holding a JSON object with
+    a model_type and counts that are ints >= 1 (heads dividing the hidden size and each other), and
+    weights whose safetensors files are whole. -> the config; CheckpointError ('model: ...') otherwise."""
+    import json
     from pathlib import Path
-    if not Path(path).is_dir():
-        raise ValueError(f"model: {path} is not a folder")
+
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise CheckpointError(f"model: expected a checkpoint folder, got {path!r}")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model: {_text(folder)} is not a folder")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"model: {_text(folder)} holds no config.json: not a checkpoint folder")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"model: {_text(config_file)} is not JSON ({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise CheckpointError(f"model: {_text(config_file)} cannot be read ({e.strerror})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"model: {_text(config_file)} holds a {type(config).__name__}, not a JSON object")
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise CheckpointError(f"model: {_text(config_file)} names no model_type")
+    for key in CONFIG_COUNTS:
+        v = config.get(key)
+        if key in config and v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise CheckpointError(f"model: {_text(config_file)}: {key} must be an int >= 1, got {v!r}")
+    heads, kv, hidden = (config.get(k) for k in ("num_attention_heads", "num_key_value_heads", "hidden_size"))
+    if heads and kv and heads % kv:
+        raise CheckpointError(f"model: {_text(config_file)}: num_key_value_heads ({kv}) must divide "
+                              f"num_attention_heads ({heads})")
+    if heads and hidden and not config.get("head_dim") and hidden % heads:
+        raise CheckpointError(f"model: {_text(config_file)}: num_attention_heads ({heads}) must divide hidden_size "
+                              f"({hidden}) when no head_dim is given")
+    weight_bytes = _check_weights(folder)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab, hidden, layers = (text.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
+    if all(isinstance(v, int) and v >= 1 for v in (vocab, hidden, layers)):
+        # every causal LM holds an embedding (vocab x hidden) and, per layer, at least one projection
+        # from the hidden size: at even one bit a weight, weights smaller than that cannot be this model
+        least = vocab * hidden + layers * hidden
+        if least > 8 * weight_bytes:
+            raise CheckpointError(f"model: {_text(config_file)} describes at least {least:.3g} weights (vocab_size x "
+                                  f"hidden_size + num_hidden_layers x hidden_size), but the folder's weights are "
+                                  f"{weight_bytes} bytes")
+    return config
+
+
+def _text(path) -> str:
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def _check_weights(folder) -> int:
+    """Weights are there, and each safetensors file is whole: its header parses and every tensor's
+    bytes lie inside the file (a truncated download is caught here, not by the loader). -> their bytes."""
+    import json
+    import struct
+
+    present = [folder / n for n in WEIGHT_FILES if (folder / n).is_file()]
+    if not present:
+        raise CheckpointError(f"model: {_text(folder)} holds no weights ({', '.join(WEIGHT_FILES)})")
+    files = set()
+    for f in present:
+        if f.name.endswith(".index.json"):
+            try:
+                shards = json.loads(f.read_text(encoding="utf-8"))["weight_map"].values()
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+                raise CheckpointError(f"model: {_text(f)} is not a weight index (a JSON weight_map)") from None
+            for shard in set(shards):
+                if not isinstance(shard, str) or "/" in shard or not (folder / shard).is_file():
+                    raise CheckpointError(f"model: {_text(f)} names a shard that is not in the folder: {shard!r}")
+                files.add(folder / shard)
+        else:
+            files.add(f)
+    total = 0
+    for f in sorted(files):
+        size = f.stat().st_size
+        total += size
+        if size == 0:
+            raise CheckpointError(f"model: {_text(f)} is empty")
+        if f.suffix != ".safetensors":
+            continue
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            try:
+                header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
+            except (UnicodeDecodeError, ValueError):
+                header = None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"model: {_text(f)} is not a whole safetensors file (its header does not parse)")
+        body = size - 8 - n
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                begin, end = t["data_offsets"]
+                elems = 1
+                for d in t["shape"]:
+                    elems *= d
+                ok = 0 <= begin <= end <= body and end - begin == elems * _SAFETENSORS_BYTES.get(t["dtype"], 0)
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise CheckpointError(f"model: {_text(f)} is truncated or damaged: tensor {name!r} does not lie "
+                                      f"whole inside its {size} bytes")
+    return total
+
+
+def local_model(path: str, dtype=None, device=None):
+    """A user's checkpoint from a local folder (never downloads), checked first (check_checkpoint);
+    the loader's own output (progress bars, warnings) is kept off the terminal, and weights that do not
+    match the config (missing, unexpected or differently shaped tensors) are a CheckpointError."""
+    import contextlib
+    import io
+    import warnings
+
+    check_checkpoint(path)
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                               output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - whatever the loader refuses is this folder's problem
+        text = str(e).strip().splitlines()
+        raise CheckpointError(f"model: {_text(path)} does not load ({type(e).__name__}: "
+                              f"{text[0] if text else ''})") from None
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+    wrong = {k: sorted(info.get(k) or ())[:3] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    wrong = {k: v for k, v in wrong.items() if v}
+    if wrong:
+        raise CheckpointError(f"model: {_text(path)}'s weights do not match its config ("
+                              + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in wrong.items()) + ")")
+    model = model.eval()
     return model.to(device) if device is not None else model

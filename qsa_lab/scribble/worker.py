@@ -13,6 +13,7 @@ import sys
 import traceback
 
 from qsa_lab.support.processes import die_with_parent, recv, send
+from qsa_lab.support.safepath import take_path
 
 
 def main() -> int:
@@ -29,7 +30,7 @@ def main() -> int:
         return 0
     _, spec, argument, cwd, path, settings, regions, payloads, localise = msg
     os.chdir(cwd)
-    sys.path[:0] = [p for p in path if p not in sys.path]
+    take_path(cwd, path)   # the current folder last: nothing there shadows an installed module
     from qsa_lab.support.loading import load_callable
 
     try:

@@ -91,11 +91,14 @@ class SecondProcess:
     `warm` modules. submit() as an executor's; close() kills it without waiting."""
 
     def __init__(self, *warm: str):
-        _quiet_tracker()
-        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_quiet_child, initargs=(os.getpid(),))
-        with _blank_main():
-            self._pool.submit(import_modules, warm)    # the first call starts the process, now
+        from qsa_lab.support.safepath import children_off_the_current_folder
+
+        with children_off_the_current_folder():   # a received folder's modules never run in them
+            _quiet_tracker()
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_quiet_child, initargs=(os.getpid(),))
+            with _blank_main():
+                self._pool.submit(import_modules, warm)    # the first call starts the process, now
         self.pid = next(iter(self._pool._processes))   # the executor keeps its processes by pid
 
     def submit(self, fn, *args) -> Future:

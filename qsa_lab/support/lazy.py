@@ -2,9 +2,11 @@
 nothing heavy: `qsa-lab --help` needs no torch.
 
     __getattr__, __dir__ = lazy(__name__, {"run_canary": ".runner", "AttentionSpec": "qsa_lab.model.regions"})
-"""
-from __future__ import annotations
 
+No `from __future__ import`: this module is imported by the package face, before `python -m
+qsa_lab...` can take the current folder off the import path (support.safepath), so it imports only
+what Python has loaded at start-up.
+"""
 import importlib
 import sys
 

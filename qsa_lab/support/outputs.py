@@ -270,7 +270,8 @@ def writing_folder(path, arg: str = "path", force: bool = False, names=(), input
     from qsa_lab.support import signals
 
     folder = check_new_folder(path, arg, force, names, inputs)
-    tmp = folder.with_name(f".{folder.name}.partial-{secrets.token_hex(4)}")
+    clean_leftovers(folder, arg)
+    tmp = folder.with_name(f".{folder.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
     signals.track(tmp)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -279,7 +280,7 @@ def writing_folder(path, arg: str = "path", force: bool = False, names=(), input
         old = None
         if folder.is_dir() and os.listdir(folder):
             check_new_folder(folder, arg, force, names, inputs)   # again: it may have changed during the run
-            old = folder.with_name(f".{folder.name}.old-{secrets.token_hex(4)}")
+            old = folder.with_name(f".{folder.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
             os.rename(folder, old)
         try:
             os.rename(tmp, folder)     # onto nothing or an empty folder: atomic
@@ -294,6 +295,68 @@ def writing_folder(path, arg: str = "path", force: bool = False, names=(), input
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         signals.untrack(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:            # someone else's process: alive
+        return True
+    return True
+
+
+def clean_leftovers(folder, arg: str = "path") -> list:
+    """What a killed writing_folder left beside `folder` (SIGKILL, a power cut: no handler ran):
+    `.NAME.partial-PID-*`, a folder being filled, is removed once process PID is gone;
+    `.NAME.old-PID-*`, an earlier folder being replaced, is kept and reported, as is a leftover whose
+    writer cannot be told (no PID in its name). Each is said in one warning. -> the messages."""
+    import re
+    import shutil
+    import warnings
+
+    folder = Path(folder)
+    said = []
+    pattern = re.compile(rf"\.{re.escape(folder.name)}\.(partial|old)-(?:(\d+)-)?[0-9a-f]{{8}}")
+    try:
+        entries = list(os.scandir(folder.parent))
+    except OSError:
+        return said
+    for e in entries:
+        m = pattern.fullmatch(e.name)
+        if not m or not e.is_dir(follow_symlinks=False):
+            continue
+        kind, pid = m.group(1), m.group(2)
+        if pid is not None and (int(pid) == os.getpid() or _alive(int(pid))):
+            continue           # another run's folder, being written now
+        if kind == "partial" and pid is not None:
+            shutil.rmtree(e.path, ignore_errors=True)
+            said.append(f"{arg}: removed {_show(e.path)}, a partial folder left by a run that was killed "
+                        f"(process {pid})")
+        elif pid is not None:
+            said.append(f"{arg}: {_show(e.path)} holds the earlier folder that a run killed while replacing it "
+                        f"(process {pid}) moved aside; kept (move it back or remove it)")
+        else:
+            said.append(f"{arg}: {_show(e.path)} is the {kind} folder of an older qsa_lab's run, which may still "
+                        "be writing it; kept (remove it if none is)")
+    for line in said:
+        warnings.warn(line, stacklevel=3)
+    return said
+
+
+def write_together(items, force: bool = False) -> list:
+    """[(path, bytes, arg)] -> their Paths, each written whole and all published together or none:
+    a failure, or a signal before every temporary is written, leaves none of them (nor their
+    temporaries); a signal after that waits until all are published (support.signals.Hold)."""
+    from qsa_lab.support import signals
+
+    hold = signals.Hold()
+    with hold, undone_on_failure(), contextlib.ExitStack() as stack:
+        for path, data, arg in items:
+            stack.enter_context(writing(path, arg, force)).write_bytes(data)
+        hold.start()
+    return [Path(path) for path, _, _ in items]
 
 
 def write_bytes(path, data: bytes, arg: str = "path", force: bool = False) -> Path:

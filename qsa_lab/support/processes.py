@@ -55,16 +55,19 @@ def read_reply(proc: subprocess.Popen, deadline: float) -> tuple:
 
 
 def spawn(module: str, *args: str, stderr=None, python: str | None = None, pipes: bool = True) -> subprocess.Popen:
-    """python -m module [args] with this qsa_lab first on its path; its stdin / stdout the
-    request / reply pipes (pipes=False: this process's own). `python`: another interpreter (the
-    scribble's vLLM environment), default this one."""
+    """`module` run as by python -m, with this qsa_lab first on its path and the current folder
+    not on it at all (a received folder's torch.py is never imported: support.safepath); its
+    stdin / stdout the request / reply pipes (pipes=False: this process's own). `python`: another
+    interpreter (the scribble's vLLM environment), default this one."""
+    from qsa_lab.support.safepath import RUN_MODULE
+
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])   # the folder holding this qsa_lab
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("PYTHONUNBUFFERED", "1")
     pipe = subprocess.PIPE if pipes else None
-    return subprocess.Popen([python or sys.executable, "-m", module, *args], stdin=pipe, stdout=pipe,
-                            stderr=stderr, env=env)
+    return subprocess.Popen([python or sys.executable, "-c", RUN_MODULE.format(module), *args], stdin=pipe,
+                            stdout=pipe, stderr=stderr, env=env)
 
 
 def end(p: subprocess.Popen | None, wait: float = 2) -> None:

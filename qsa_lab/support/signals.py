@@ -60,7 +60,41 @@ def _cleanup() -> None:
     _temporaries.clear()
 
 
+_held: list | None = None   # signals received inside a Hold, acted on when it ends
+
+
+class Hold:
+    """Outputs published together: from `start()` (the commit point: every temporary written
+    whole) until the block ends, a signal is noted instead of ending the process, so the files
+    are published all or none. At the end a noted signal ends the process as usual when the block
+    failed (its outputs were removed: none published, exit 130); when every file was published it
+    is said in one line and the command goes on (all published, exit 0)."""
+
+    def __enter__(self):
+        return self
+
+    def start(self) -> None:
+        global _held
+        _held = []
+
+    def __exit__(self, kind, value, tb):
+        global _held
+        noted, _held = _held or [], None
+        if not noted:
+            return False
+        code, what = EXITS.get(noted[0], (128 + noted[0], f"signal {noted[0]}"))
+        if kind is not None:
+            _handler(noted[0], None)
+        with contextlib.suppress(OSError):
+            os.write(2, f"qsa-lab: {what} while publishing the outputs: every one was written whole; "
+                        "going on\n".encode())
+        return False
+
+
 def _handler(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
+    if _held is not None:     # inside a Hold's commit: publish everything first (Hold.__exit__)
+        _held.append(signum)
+        return
     _cleanup()
     code, what = EXITS.get(signum, (128 + signum, f"signal {signum}"))
     with contextlib.suppress(BaseException):  # stdout may be mid-write (re-entrant flush fails): keep going

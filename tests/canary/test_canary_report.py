@@ -63,7 +63,7 @@ def test_report_has_figure_versions_case_spec_grouped_per_kernel_region_plane(wi
         w = r.where()
         assert f"rows {w['rows'][0]}-{w['rows'][-1]}" in md
     assert "first NaN at [row, head, dim] [" in md
-    assert "<table>" in page and "max-width:100%" in page and "python -m qsa_lab.canary.replay" in page
+    assert "<table>" in page and "max-width:100%" in page and "qsa-lab replay" in page
     assert json.loads((out / "canary.json").read_text())["schema"] == "qsa_lab.canary/1"
     assert "backend None" not in md and "backend None" not in page
 
@@ -102,7 +102,7 @@ def test_each_leaking_region_and_plane_gets_its_smallest_call_one_poisoned_slot(
         control, poisoned, _ = load_call(f)
         assert meta["kernel"] == LEAKY and meta["plane"] == "v" and "/" not in f.name and "work" not in f.name
         assert (control.kv_cache != poisoned.kv_cache).any() and control.spec.kind == "window"
-        assert (f"python -m qsa_lab.canary.replay calls/{f.name} --kernel kernels/canary_kernels.py:leaky"
+        assert (f"qsa-lab replay calls/{f.name} --kernel kernels/canary_kernels.py:leaky"
                 in (out / "report.md").read_text())
     assert (out / "kernels" / "canary_kernels.py").read_bytes() == (DATA / "canary_kernels.py").read_bytes()
 
@@ -119,13 +119,13 @@ def test_the_report_travels_zipped_and_its_replay_lines_run_from_the_unpacked_fo
     shutil.rmtree(copy)                                  # nothing of the writing machine's folder is left
     unpacked = tmp_path / "elsewhere" / "unpacked"
     zipfile.ZipFile(archive).extractall(unpacked)
-    lines = re.findall(r"^python -m qsa_lab\.canary\.replay .*$", (unpacked / "report.md").read_text(), re.M)
+    lines = re.findall(r"^qsa-lab replay .*$", (unpacked / "report.md").read_text(), re.M)
     assert lines
     for line in lines[:1]:
-        r = subprocess.run([sys.executable, *line.split()[1:]], cwd=unpacked, capture_output=True, text=True,
-                           timeout=300, env=ENV)
+        r = subprocess.run([str(Path(sys.executable).parent / "qsa-lab"), *line.split()[1:]], cwd=unpacked,
+                           capture_output=True, text=True, timeout=300, env=ENV)
         assert r.returncode == 1 and "verdict nan-leak" in r.stdout, r.stdout + r.stderr
-    call = line.split()[3]
+    call = line.split()[2]
     missing = in_process_replay(unpacked / call, "--kernel", str(tmp_path / "nope.py:leaky"))
     assert missing == 3                                  # a kernel that cannot load: cannot run, not bad input
 
@@ -222,7 +222,7 @@ def test_pytest_plugin_one_test_per_cell_and_leaks_fail_naming_the_cell(pytester
         assert f"FAILED test_kernels.py::test_leaky[{c}]" in out
     region = "out-of-window"
     assert (f"leaks nan from region {region} on the V plane: nan-leak" in out
-            and "output(s) NaN" in out and "&& python -m qsa_lab.canary.replay calls/" in out), out
+            and "output(s) NaN" in out and "&& qsa-lab replay calls/" in out), out
     # the masked kernel passes wherever the cell ran, the absent library fails with its reason
     assert "flashinfer is not installed" in out and "the gate would pass on nothing" in out
     assert outcomes.get("passed", 0) >= len(cells) - len(leaking)

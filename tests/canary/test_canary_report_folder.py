@@ -214,3 +214,25 @@ def test_the_vllm_script_is_generated_without_qsa_lab_and_none_for_other_kernels
                          head_dim=32, topk=4)
     assert script_text("flashinfer:decode", sparse, "x.safetensors", cell) is None   # the adapter skips it too
     assert "custom_mask" in script_text("flashinfer:prefill-fa2", sparse, "x.safetensors", cell)
+
+
+def test_a_generated_script_imports_nothing_lying_beside_it(flashinfer_script, tmp_path):
+    """A received folder's repro/ holding torch.py, argparse.py and safetensors/: the script takes its
+    own folder off the import path first (issue 40), so none of them runs."""
+    import shutil
+
+    folder = tmp_path / "received"
+    shutil.copytree(flashinfer_script, folder)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    for name in ("torch", "argparse", "pathlib", "safetensors"):
+        code = f"import pathlib\npathlib.Path({str(marks / name)!r}).write_text('imported')\n"
+        target = folder / "repro" / (f"{name}/__init__.py" if name == "safetensors" else f"{name}.py")
+        target.parent.mkdir(exist_ok=True)
+        target.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(FAKE_FLASHINFER="clean", PYTHONPATH=str(folder / "stub"))
+    r = subprocess.run([sys.executable, "repro/x.py", "--device", "cpu"], cwd=folder, capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert sorted(p.name for p in marks.iterdir()) == [], r.stdout + r.stderr
+    assert r.returncode == 0 and "no leak" in r.stdout, r.stdout + r.stderr

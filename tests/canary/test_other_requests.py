@@ -78,3 +78,18 @@ def test_a_report_writes_no_call_file_for_a_cross_request_leak(tmp_path):
     text = write_report(rep, tmp_path / "r", minimize=False).read_text()
     assert not list((tmp_path / "r" / "calls").glob("*other-requests*"))
     assert "other-requests / V plane" in text and "No call file: this region is judged one request at a time" in text
+
+
+@pytest.mark.parametrize("requests", [3, 4, 5, 8, 16])
+def test_one_requests_read_of_anothers_page_is_caught_at_any_request_count(requests):
+    """Request 0's rows read request 1's first page. From 5 requests each row is judged by several
+    parts (one per bit of the request id); the parts that do not poison request 1 must not hide
+    the one that does (it used to: exit 0 at 5, 8 and 16 requests)."""
+    rep = run_canary({"r0": ck.request0_reads_request1, "reference": ck.reference}, regions=["other-requests"],
+                     payloads=["nan"], planes=["v"], backend="emulate", requests=requests, rows=2 * requests,
+                     context=40, free_pages=0)
+    leak, clean = rep.find("r0", "other-requests", "v", "nan"), rep.find("reference", "other-requests", "v", "nan")
+    assert leak.verdict == "nan-leak", leak.describe()
+    assert leak.where()["rows"] == torch.nonzero(rep.case.token_to_req == 0).flatten().tolist()
+    assert clean.verdict == "clean"
+    assert rep.exit_code() == 1

@@ -1,0 +1,165 @@
+"""Replay inside a folder someone sent (issue 40, Reliability IV): nothing lying in the current folder
+is imported. `python -m` puts the current folder first on the import path, so a report folder
+holding `shlex.py`, `torch.py`, `safetensors/` or `qsa_lab/` would run them; the documented command,
+`qsa-lab replay`, never has the current folder on its path, `python -m qsa_lab ...` and `python -m
+qsa_lab.canary.replay` take it off before importing anything else, and the user-kernel worker finds
+a kernel module in the current folder only after every installed module."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qsa_lab.canary.calls import save_call
+from qsa_lab.canary.case import canary_case
+from qsa_lab.model.regions import region_slots
+
+ROOT = Path(__file__).parents[2]
+QSA_LAB = Path(sys.executable).parent / "qsa-lab"
+#: modules a replay imports (directly or through torch / safetensors), planted in the folder
+PLANTED = ("shlex", "torch", "argparse", "json", "numpy", "__future__", "signal", "threading", "safetensors")
+MARK = "import pathlib\npathlib.Path({path!r}).write_text('imported from the folder')\n"
+
+
+def plant(folder: Path, names=PLANTED, package=False) -> Path:
+    """Modules that leave a marker in folder/MARKERS when imported -> the markers' folder."""
+    marks = folder.parent / "MARKERS"
+    marks.mkdir(exist_ok=True)
+    for name in names:
+        code = MARK.format(path=str(marks / name))
+        if name == "safetensors":
+            (folder / name).mkdir()
+            (folder / name / "__init__.py").write_text(code)
+        else:
+            (folder / f"{name}.py").write_text(code)
+    if package:
+        (folder / "qsa_lab").mkdir()
+        (folder / "qsa_lab" / "__init__.py").write_text(MARK.format(path=str(marks / "qsa_lab")))
+    return marks
+
+
+@pytest.fixture
+def report(tmp_path):
+    """A received report folder: one call file of a built-in kernel, and a kernel file of its own."""
+    folder = tmp_path / "report"
+    case = canary_case()
+    save_call(folder / "calls" / "cell.safetensors", case, "torch:sdpa-math", "stale-tail", "v", "nan",
+              region_slots(case, "stale-tail"), None, "nan-leak", {"nan": 1, "inf": 0, "finite_changed": 0}, {})
+    (folder / "kernels").mkdir()
+    (folder / "kernels" / "mine.py").write_text(
+        "import canary_kernels\n\ndef attn(call):\n    return canary_kernels.reference(call)\n")
+    return folder
+
+
+def run(argv, cwd):
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(cwd),
+           "PYTHONPATH": str(ROOT / "tests")}         # canary_kernels, for the user's kernel file
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_qsa_lab_replay_imports_nothing_from_the_folder(report):
+    marks = plant(report, package=True)
+    p = run([str(QSA_LAB), "replay", "calls/cell.safetensors", "--backend", "emulate"], report)
+    assert sorted(x.name for x in marks.iterdir()) == [], p.stderr
+    assert p.returncode == 1 and "verdict nan-leak" in p.stdout, p.stdout + p.stderr    # torch:sdpa-math reads 0 * NaN
+    # and a user kernel named from the folder runs in its worker without the folder's modules
+    p = run([str(QSA_LAB), "replay", "calls/cell.safetensors", "--kernel", "kernels/mine.py:attn",
+             "--backend", "emulate"], report)
+    assert sorted(x.name for x in marks.iterdir()) == [], p.stderr
+    assert p.returncode == 0 and "replay kernels/mine.py:attn" in p.stdout, p.stdout + p.stderr   # masked: clean
+
+
+@pytest.mark.parametrize("module", [["qsa_lab", "replay"], ["qsa_lab.canary.replay"]])
+def test_python_m_takes_the_current_folder_off_the_path_first(report, module):
+    """Without -P, `python -m` cannot stop a `qsa_lab/` lying there (it is the package being run):
+    that is why the documented command is `qsa-lab replay`; every other module is stopped."""
+    marks = plant(report)
+    p = run([sys.executable, "-m", *module, "calls/cell.safetensors", "--backend", "emulate"], report)
+    assert sorted(x.name for x in marks.iterdir()) == [], p.stderr
+    assert p.returncode == 1 and "verdict nan-leak" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P is new in 3.11")
+def test_python_P_m_is_safe_from_a_planted_package_too(report):
+    marks = plant(report, names=("shlex", "torch"), package=True)
+    p = run([sys.executable, "-P", "-m", "qsa_lab.canary.replay", "calls/cell.safetensors", "--backend", "emulate"],
+            report)
+    assert sorted(x.name for x in marks.iterdir()) == [], p.stderr
+    assert p.returncode == 1, p.stdout + p.stderr
+
+
+def test_every_replay_line_a_report_prints_is_qsa_lab_replay():
+    from qsa_lab.canary.replay import KernelNotNamed
+    from qsa_lab.canary.report import _replay_command
+
+    assert _replay_command("calls/x.safetensors", "torch:sdpa-math", None, {}).startswith("qsa-lab replay ")
+    assert KernelNotNamed("calls/x.safetensors", "evil:boom").command.startswith("qsa-lab replay ")
+
+
+# -- what a call file supplies reaches the terminal escaped ----------------------------------------
+
+ESC = "\x1b[2J\x1b[31m"
+
+
+def _forge(path, **meta):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        old, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**old, **meta})
+
+
+def _raw(text):
+    return "\x1b" in text or "\r" in text
+
+
+@pytest.mark.parametrize("meta", [{"kernel": f"torch:sdpa-math{ESC}\nverdict clean"},
+                                  {"kernel": f"flashinfer:{ESC}x\rclean"},
+                                  {"region": f"{ESC}stale-tail\nverdict clean", "plane": "v\r", "payload": ESC,
+                                   "verdict": f"clean{ESC}\n"}])
+def test_a_forged_call_file_never_writes_control_codes_to_the_terminal(report, meta, capsys):
+    from qsa_lab.app.cli import main as cli
+    from qsa_lab.canary.replay import main
+
+    call = report / "calls" / "cell.safetensors"
+    _forge(call, **meta)
+    for run_replay in (lambda: main([str(call), "--backend", "emulate"]),
+                       lambda: cli(["replay", str(call), "--backend", "emulate"])):
+        code = run_replay()
+        out, err = capsys.readouterr()
+        assert not _raw(out) and not _raw(err), (out, err)
+        assert "\\x1b" in out + err                         # shown, escaped
+        assert not any(line.startswith("verdict clean") for line in out.splitlines())   # no forged line
+        assert code in (1, 2, 3) and len(err.strip().splitlines()) <= 1, (code, err)
+
+
+def test_an_old_route_name_in_a_call_file_is_bad_input(report, capsys):
+    from qsa_lab.app.cli import main as cli
+    from qsa_lab.canary.replay import main
+
+    call = report / "calls" / "cell.safetensors"
+    _forge(call, kernel="qsa:fixA")
+    assert main([str(call)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("replay: error: call file: ") and "qsa:" in err and len(err.strip().splitlines()) == 1
+    assert cli(["replay", str(call)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qsa-lab: error: CALL_FILE: ") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is new in 3.11")
+def test_the_second_process_of_a_run_in_a_received_folder_imports_nothing_from_it(tmp_path):
+    """`qsa-lab canary` (e.g. --case calls/x.safetensors inside a report) starts multiprocessing's spawn
+    children, which start as `python -c`, the current folder first on their path."""
+    folder = tmp_path / "received"
+    folder.mkdir()
+    marks = plant(folder, names=("shlex",))
+    (folder / "multiprocessing").mkdir()
+    (folder / "multiprocessing" / "__init__.py").write_text(MARK.format(path=str(marks / "multiprocessing")))
+    code = ("import sys; sys.path[:] = [p for p in sys.path if p]\n"
+            "from qsa_lab.support.executor import SecondProcess\n"
+            "s = SecondProcess('shlex'); print(s.submit(sum, [1, 2]).result()); s.close()\n")
+    p = run([sys.executable, "-c", code], folder)
+    assert sorted(x.name for x in marks.iterdir()) == [], p.stderr
+    assert p.stdout.strip() == "3", p.stderr
