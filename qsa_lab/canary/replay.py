@@ -18,8 +18,10 @@ recorded name and the command that would run it, and exits 2.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
+from pathlib import Path
 
 from qsa_lab.canary.names import KernelName, as_kernel_name, parse_kernel
 
@@ -28,11 +30,13 @@ CALL_FILE = "call file"
 
 
 class KernelNotNamed(ValueError):
-    """The call file records a kernel that is not a built-in: replay runs it only when named."""
+    """The call file records a kernel that is not a built-in: replay runs it only when named.
+    `suggested`: the name to give (the report's copy of a kernel file, when there is one)."""
 
-    def __init__(self, path, recorded: str):
+    def __init__(self, path, recorded: str, suggested: str | None = None):
         self.recorded = recorded
-        self.command = f"python -m qsa_lab.canary.replay {shlex.quote(str(path))} --kernel {shlex.quote(recorded)}"
+        self.command = (f"python -m qsa_lab.canary.replay {shlex.quote(str(path))} "
+                        f"--kernel {shlex.quote(suggested or recorded)}")
         super().__init__(f"kernel: the call file records the kernel {show(recorded)}, not a built-in; replay runs "
                          f"code only when you name it: check that kernel, then run: {self.command}")
 
@@ -49,8 +53,25 @@ def saved_kernel(path, meta: dict) -> KernelName:
     recorded = meta.get("kernel", "")
     name = parse_kernel(recorded, CALL_FILE) if isinstance(recorded, str) and recorded.strip() else None
     if name is None or not name.in_process:
-        raise KernelNotNamed(path, str(recorded))
+        raise KernelNotNamed(path, str(recorded), report_copy(path, meta))
     return name
+
+
+#: how a report names its copy of a kernel file (qsa_lab.canary.report): nothing else is suggested
+COPY = re.compile(r"kernels/[\w.-]+\.py:[A-Za-z_]\w*")
+
+
+def report_copy(path, meta: dict) -> str | None:
+    """The report's copy of the call's kernel file ('kernels/f.py:fn', beside the calls/ folder
+    that holds `path`) as a name that works from the current folder; None where there is none."""
+    import os
+
+    copy = meta.get("kernel_copy")
+    if not isinstance(copy, str) or not COPY.fullmatch(copy):
+        return None
+    file, _, function = copy.rpartition(":")
+    there = Path(path).resolve().parent.parent / file
+    return f"{os.path.relpath(there)}:{function}" if there.is_file() else None
 
 
 class CannotRun(RuntimeError):

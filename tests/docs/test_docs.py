@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import shown
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 README = REPO / "README.md"
@@ -32,8 +34,9 @@ def hook():
 
 
 def pages() -> list[Path]:
-    """README and every Markdown page of the site (the generated parts are markers in them)."""
-    return [README, *sorted(DOCS.rglob("*.md"))]
+    """README, notebooks/README.md and every Markdown page of the site (the generated parts are
+    markers in them)."""
+    return shown.pages()
 
 
 def _fences(text: str):
@@ -41,18 +44,9 @@ def _fences(text: str):
     return re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
 
 
-def commands(text: str) -> list[str]:
-    """The `qsa-lab ...` lines of the code blocks, continuations joined, comments dropped."""
-    found = []
-    for lang, body in _fences(text):
-        if lang not in ("", "bash", "sh", "console"):
-            continue
-        body = body.replace("\\\n", " ")
-        for line in body.splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith("qsa-lab "):
-                found.append(line)
-    return found
+def commands(page: Path) -> list[str]:
+    """The `qsa-lab ...` lines of the page's shell blocks, as tests/docs/shown.py reads them."""
+    return [c.line for b in shown.shell_blocks(page) for c in b.commands() if c.program == "qsa-lab"]
 
 
 def _inline_spans(text: str) -> list[str]:
@@ -61,7 +55,7 @@ def _inline_spans(text: str) -> list[str]:
 
 
 def documented_commands() -> list[tuple[str, str]]:
-    return [(p.relative_to(REPO).as_posix(), c) for p in pages() for c in commands(p.read_text())]
+    return [(p.relative_to(REPO).as_posix(), c) for p in pages() for c in commands(p)]
 
 
 # --------------------------------------------------------------------------- the README
@@ -120,7 +114,8 @@ OTHER_PROGRAMS = {
     "--extra-index-url": "pip", "--force-reinstall": "pip", "--group": "pip", "--strict": "mkdocs",
     "--allow-root": "jupyter", "--ip": "jupyter",
     "--ptx": "tools/ptx70_check.py", "--log": "tools/ptx70_check.py",
-    "--data": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
+    "--evidence": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
+    "--index-url": "pip",
     "--tensor-cores": "a leak report's generated FlashInfer decode script (repro/*.py)",
 }
 
@@ -135,7 +130,7 @@ def test_every_documented_option_is_in_the_parser():
     for page in pages():
         text = page.read_text()
         spans = [s for s in _inline_spans(text) if s.startswith(("--", "qsa-lab "))]
-        for chunk in spans + commands(text):
+        for chunk in spans + commands(page):
             for opt in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", chunk):
                 if opt not in known and opt not in OTHER_PROGRAMS:
                     missing.append(f"{page.relative_to(REPO)}: {opt} (in `{chunk}`)")
@@ -233,37 +228,7 @@ def test_doctor_verdicts_on_the_install_page_are_computed():
     assert "<!-- qsa:doctor -->" in (DOCS / "install.md").read_text()
 
 
-# --------------------------------------------------------------------------- the commands run
-
-def _runnable(line: str) -> bool:
-    """Commands a CPU machine can run from the docs as written: no GPU, no file of your own,
-    no third-party library, nothing interactive."""
-    skip = ("--backend cuda", "--kernel ", "--case ", "flashinfer:", "vllm:", "--load", "qsa-lab lab",
-            "qsa-lab bench", "qsa-lab repro", "sdpa-efficient", "sdpa-cudnn", "sdpa-flash", "DIR", "PATH")
-    return not any(s in line for s in skip)
-
-
-RUNNABLE = sorted({c for _, c in documented_commands() if _runnable(c)})
-
-
-@pytest.mark.parametrize("line", RUNNABLE)
-def test_a_documented_command_runs_as_shown(line, tmp_path):
-    """Each command the pages show that needs no GPU runs in a fresh folder; `diff` exits 0, the
-    canary 0 or 1 (1: a leak, which the default matrix has: the unfixed grouped route), the scribble
-    0 or 1 (1: the read-trash leak of padded inputs)."""
-    env = {**os.environ, "QSA_LAB_FIGURES": str(tmp_path / "figures")}
-    argv = [sys.executable, "-m", "qsa_lab", *shlex.split(line)[1:]]
-    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    allowed = (0, 1) if argv[3] in ("canary", "scribble") else (0,)
-    assert out.returncode in allowed, f"`{line}` exit {out.returncode}: {out.stderr[-2000:]}"
-    if line.startswith("qsa-lab diff decode --poison targeted"):
-        assert "20 NaN bytes" in out.stdout + out.stderr
-        row = next(r for r in out.stdout.splitlines() if r.startswith("grouped "))
-        assert " 480 " in row and "102,152,168,170,230" in row, row
-    if argv[3] == "scribble":   # what the page says it finds: padded, the read trash leaks; unpadded, nothing
-        leaks = [r.split()[1] for r in out.stdout.splitlines() if r.startswith("read ") and "-leak" in r]
-        assert leaks == (["read-trash"] * len(leaks) if "--pad" in line else []) and (leaks or "--pad" not in line), \
-            out.stdout
+# (the commands and code blocks the pages show run in tests/docs/test_docs_run.py)
 
 
 # --------------------------------------------------------------------------- the site
