@@ -89,6 +89,31 @@ def test_the_make_targets_the_docs_show_exist():
                 assert target in targets, f"{page.name} shows `make {target}`, which the Makefile lacks"
 
 
+def glued_lists(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every list that starts right under a paragraph line: Markdown reads it as
+    more of the paragraph (one run-on line on the site), so a list needs a blank line above it."""
+    bad, in_list, prev, fence = [], False, "", False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fence, prev = not fence, line
+            continue
+        if fence:
+            continue
+        item = re.match(r"\s*(?:[-*+]|\d+\.)\s", line)
+        if item and prev.strip() and not in_list and not prev.lstrip().startswith(("#", "<!--", "|")):
+            bad.append((n, line))
+        in_list = bool(item) or (in_list and bool(line.strip()))
+        prev = line
+    return bad
+
+
+def test_every_list_renders_as_a_list():
+    assert glued_lists("Some words:\n- one\n- two\n") == [(2, "- one")]          # the check can fail
+    assert glued_lists("Some words:\n\n- one\n  more\n- two\n") == []
+    found = [f"{shown.where(p)}:{n}: {line[:60]}" for p in pages() for n, line in glued_lists(p.read_text())]
+    assert not found, "a list right under a paragraph line (add a blank line above it):\n" + "\n".join(found)
+
+
 # --------------------------------------------------------------------------- the CLI
 
 def test_every_documented_command_parses():
