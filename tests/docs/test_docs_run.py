@@ -17,7 +17,7 @@ says how blocks are read):
   `test_gpu_commands_run_as_shown` runs them as written.
 - `make`, `pip`, `conda`, `source`, `module`, `export`: set-up, not run here (the README's first
   block runs in tests/docs/test_readme_commands.py; `make` targets must exist: test_docs.py).
-- `cd DIR`: the next commands run there.
+- `cd DIR`: the block's next commands run there (the next block starts in the page's folder again).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from shown import REPO, Block, Command, blocks, pages, shell_blocks, where
+from shown import REPO, SHELL, Block, Command, blocks, pages, shell_blocks, where
 
 TIMEOUT_S = 900
 SETUP = ("make", "pip", "conda", "source", "module", "export")
@@ -104,17 +104,17 @@ def shows(printed: str, shown: list[str]) -> str | None:
     return None
 
 
-def run_block(block: Block, folder: Path, n: int) -> Path:
-    """Run one block in `folder`; -> the folder the next block runs in (after `cd`)."""
+def run_block(block: Block, folder: Path) -> None:
+    """Run one block in `folder` (the page's folder)."""
     if block.lang == "python":
         name = block.file_name()
         if name:
             (folder / name).write_text(block.body)
-            return folder
+            return
         out = subprocess.run([sys.executable, "-"], input=block.body, cwd=folder, env=_env(folder),
                              capture_output=True, text=True, timeout=TIMEOUT_S)
         assert out.returncode == 0, f"{block.where}: the python block exits {out.returncode}:\n{out.stderr[-3000:]}"
-        return folder
+        return
     for cmd in block.commands():
         if cmd.program == "cd":
             folder = folder / cmd.argv[1]
@@ -137,7 +137,6 @@ def run_block(block: Block, folder: Path, n: int) -> Path:
             f"{block.where}: `{cmd.line}` exits {out.returncode}, expected {expected_exit(cmd)}:\n{printed[-3000:]}"
         missing = shows(printed, cmd.output)
         assert missing is None, f"{block.where}: `{cmd.line}` does not print\n  {missing}\nit printed:\n{printed[-3000:]}"
-    return folder
 
 
 def help_has_options(block: Block, cmd: Command) -> None:
@@ -156,16 +155,16 @@ def fresh_folder(tmp_path: Path) -> Path:
     return folder
 
 
-RUN_PAGES = [p for p in pages() if any(b.lang == "python" or b.lang in ("", "bash", "sh", "console") for b in blocks(p))]
+RUN_PAGES = [p for p in pages() if any(b.lang == "python" or b.lang in SHELL for b in blocks(p))]
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=where)
 def test_a_page_runs_as_shown(page, tmp_path):
     """Each block of the page, in order, in one fresh folder."""
     folder = fresh_folder(tmp_path)
-    for n, block in enumerate(blocks(page)):
-        if block.lang == "python" or block.lang in ("", "bash", "sh", "console"):
-            folder = run_block(block, folder, n)
+    for block in blocks(page):
+        if block.lang == "python" or block.lang in SHELL:
+            run_block(block, folder)
 
 
 def test_every_block_says_what_it_is():
