@@ -516,20 +516,20 @@ def nan_map_png() -> bytes:
 
 # ------------------------------------------------------------------ MkDocs events
 
-#: Jupyter configuration for the notebooks' kernels while the site builds (docs/hooks/jupyter/)
-JUPYTER_CONFIG = Path(__file__).resolve().parent / "jupyter"
-
-
 def on_config(config):
     # the notebooks run on the CPU emulation, and write their figures out of the checkout
     os.environ["QSA_LAB_BACKEND"] = "emulate"
     os.environ.setdefault("QSA_LAB_FIGURES", tempfile.mkdtemp(prefix="qsa_docs_figures_"))
     # their kernels keep Jupyter's inline backend (a notebook without `%matplotlib inline` draws
-    # its figures too: no MPLBACKEND here), and talk to the build over IPC, not unencrypted TCP
-    # (which every kernel warns about): jupyter/jupyter_nbconvert_config.json
+    # its figures too: no MPLBACKEND here), and talk to the build over IPC sockets in a folder of
+    # their own (an absolute path: a kernel runs in its notebook's folder), not over unencrypted
+    # TCP, which every kernel warns about
     if os.name == "posix":
+        folder = Path(tempfile.mkdtemp(prefix="qsa_docs_jupyter_"))
+        (folder / "jupyter_nbconvert_config.json").write_text(
+            json.dumps({"KernelManager": {"transport": "ipc", "ip": str(folder / "kernel")}}))
         os.environ["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
-            p for p in (str(JUPYTER_CONFIG), os.environ.get("JUPYTER_CONFIG_PATH")) if p)
+            p for p in (str(folder), os.environ.get("JUPYTER_CONFIG_PATH")) if p)
     return config
 
 
