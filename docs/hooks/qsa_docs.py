@@ -516,6 +516,16 @@ def nan_map_png() -> bytes:
 
 # ------------------------------------------------------------------ MkDocs events
 
+_JUPYTER_DIR = None   # the kernels' configuration and sockets while the site builds (on_config)
+
+
+def on_post_build(config):
+    import shutil
+
+    if _JUPYTER_DIR is not None:
+        shutil.rmtree(_JUPYTER_DIR, ignore_errors=True)
+
+
 def on_config(config):
     # the notebooks run on the CPU emulation, and write their figures out of the checkout
     os.environ["QSA_LAB_BACKEND"] = "emulate"
@@ -525,7 +535,8 @@ def on_config(config):
     # their own (an absolute path: a kernel runs in its notebook's folder), not over unencrypted
     # TCP, which every kernel warns about
     if os.name == "posix":
-        folder = Path(tempfile.mkdtemp(prefix="qsa_docs_jupyter_"))
+        global _JUPYTER_DIR
+        folder = _JUPYTER_DIR = Path(tempfile.mkdtemp(prefix="qsa_docs_jupyter_"))
         (folder / "jupyter_nbconvert_config.json").write_text(
             json.dumps({"KernelManager": {"transport": "ipc", "ip": str(folder / "kernel")}}))
         os.environ["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
