@@ -516,31 +516,45 @@ def nan_map_png() -> bytes:
 
 # ------------------------------------------------------------------ MkDocs events
 
-_JUPYTER_DIR = None   # the kernels' configuration and sockets while the site builds (on_config)
+_TEMPORARY = []   # folders on_config made for the build (the kernels' sockets, the notebooks' figures)
+_ENVIRON = {}     # the variables on_config set, as they were before
 
 
 def on_post_build(config):
     import shutil
 
-    if _JUPYTER_DIR is not None:
-        shutil.rmtree(_JUPYTER_DIR, ignore_errors=True)
+    while _TEMPORARY:
+        shutil.rmtree(_TEMPORARY.pop(), ignore_errors=True)
+    for key, value in _ENVIRON.items():     # `mkdocs serve` builds again from the same environment
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _ENVIRON.clear()
+
+
+def _setenv(key: str, value: str) -> None:
+    _ENVIRON.setdefault(key, os.environ.get(key))
+    os.environ[key] = value
 
 
 def on_config(config):
     # the notebooks run on the CPU emulation, and write their figures out of the checkout
-    os.environ["QSA_LAB_BACKEND"] = "emulate"
-    os.environ.setdefault("QSA_LAB_FIGURES", tempfile.mkdtemp(prefix="qsa_docs_figures_"))
+    _setenv("QSA_LAB_BACKEND", "emulate")
+    if not os.environ.get("QSA_LAB_FIGURES"):
+        _TEMPORARY.append(tempfile.mkdtemp(prefix="qsa_docs_figures_"))
+        _setenv("QSA_LAB_FIGURES", _TEMPORARY[-1])
     # their kernels keep Jupyter's inline backend (a notebook without `%matplotlib inline` draws
     # its figures too: no MPLBACKEND here), and talk to the build over IPC sockets in a folder of
     # their own (an absolute path: a kernel runs in its notebook's folder), not over unencrypted
     # TCP, which every kernel warns about
     if os.name == "posix":
-        global _JUPYTER_DIR
-        folder = _JUPYTER_DIR = Path(tempfile.mkdtemp(prefix="qsa_docs_jupyter_"))
+        folder = Path(tempfile.mkdtemp(prefix="qsa_docs_jupyter_"))
+        _TEMPORARY.append(folder)
         (folder / "jupyter_nbconvert_config.json").write_text(
             json.dumps({"KernelManager": {"transport": "ipc", "ip": str(folder / "kernel")}}))
-        os.environ["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
-            p for p in (str(folder), os.environ.get("JUPYTER_CONFIG_PATH")) if p)
+        _setenv("JUPYTER_CONFIG_PATH", os.pathsep.join(
+            p for p in (str(folder), os.environ.get("JUPYTER_CONFIG_PATH")) if p))
     return config
 
 

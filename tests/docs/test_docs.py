@@ -309,3 +309,18 @@ def test_the_performance_and_findings_tables_carry_no_internal_notes():
     for word in (r"round \d", r"\btargets?\b", "UUID", "GPU-[0-9a-f]{8}-", r"\bNote:"):
         assert not re.search(word, pages_text), word
     assert not re.search(r"load \[[\d., ]+\]", pages_text), "a raw load list"
+
+
+def test_the_build_leaves_no_folder_or_variable_behind(monkeypatch):
+    """What the hook sets up for a build (the kernels' socket folder, the notebooks' figure folder,
+    their variables) is gone after it, so `mkdocs serve` builds again from the same start."""
+    q = hook()
+    for key in ("QSA_LAB_BACKEND", "QSA_LAB_FIGURES", "JUPYTER_CONFIG_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    q.on_config({})
+    made = [Path(os.environ["QSA_LAB_FIGURES"]), Path(os.environ["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0])]
+    assert all(folder.is_dir() for folder in made) and os.environ["QSA_LAB_BACKEND"] == "emulate"
+    q.on_post_build({})
+    assert not any(folder.exists() for folder in made)
+    assert dict(os.environ) == before
