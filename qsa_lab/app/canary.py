@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from qsa_lab.app.args import seconds
+
 #: API argument -> CLI option, so that an error names what the user typed
 FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
          "dims": "--dims", "planes": "--planes", "attend": "--attend", "timeout": "--timeout", "case": "--case",
@@ -48,16 +50,6 @@ def _kernel_names(option: str):
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return v
-
-
 def add_parser(sub, parents=()):
     from qsa_lab.app.args import fraction as _overlap, int_list as _int_list, integer as _int
     from qsa_lab.model.geometry import BACKENDS, KV_DTYPES, LAYOUTS, SELECTIONS
@@ -88,7 +80,7 @@ def add_parser(sub, parents=()):
     k.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="qsa routes: compiled kernels or emulation (only qsa: kernels build qsa_lab's extension); "
                         "the other kernels run on the GPU unless 'emulate' (default auto)")
-    k.add_argument("--timeout", type=_seconds, metavar="S",
+    k.add_argument("--timeout", type=seconds, metavar="S",
                    help="seconds one call of your own kernel may take before it is an error (default 600); "
                         "built-in kernels run in this process, unbounded (Ctrl-C stops them)")
     g = c.add_argument_group("the call's geometry and attention (default: 10 rows of 3 requests of 33, 32, 31 "

@@ -22,22 +22,19 @@ and stops the run.
 from __future__ import annotations
 
 import os
-import pickle
-import selectors
-import struct
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from qsa_lab.analysis.leaks import bits
 from qsa_lab.canary.call import KernelSkipped, PagedCall
 from qsa_lab.canary.names import FILE, MODULE, KernelName
-from qsa_lab.support.processes import end as _end, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
+from qsa_lab.support.loading import LoadError, first_line, import_function
+from qsa_lab.support.processes import end as _end, read_reply, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
 from qsa_lab.model.paged import TENSORS as INPUTS  # the paged call's tensors, declared once
 
 DEFAULT_TIMEOUT = 600.0
@@ -61,12 +58,6 @@ class Outcome:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a.cpu()), bits(b.cpu()))
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ").rstrip() if not isinstance(e, SystemExit) \
-        else f"SystemExit: {e.code!r}"
 
 
 def call_kernel(fn, inputs: dict, meta: dict, device, memo: dict, interruptible: bool = False) -> Outcome:
@@ -150,23 +141,7 @@ class Worker:
 
     def _read(self, deadline: float) -> tuple:
         """-> ("msg", obj) | ("timeout", None) | ("eof", returncode)."""
-        fd = self.proc.stdout.fileno()
-        buf, need = b"", None
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    return "timeout", None
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    return "eof", self.proc.wait()
-                buf += chunk
-                if need is None and len(buf) >= 8:
-                    (n,) = struct.unpack("<Q", buf[:8])
-                    need = 8 + n
-                if need is not None and len(buf) >= need:
-                    return "msg", pickle.loads(buf[8:need])
+        return read_reply(self.proc, deadline)
 
     def _send(self, msg):
         """None, or ("eof", returncode) when the worker is gone."""
@@ -225,30 +200,9 @@ def load_kernel(name: KernelName):
     """A user's kernel (canary.names: FILE 'path/to/file.py:function' or MODULE
     'package.module:function') -> the callable (the file's folder goes first on sys.path, so it
     can import its neighbours). ValueError naming the option the name came from."""
-    import importlib
-    import importlib.util
-
     if name.kind not in (FILE, MODULE):
         raise name.error(f"{name.text!r} is not a module:function / file.py:function")
     try:
-        if name.kind == FILE:
-            path = Path(name.source).resolve()
-            if not path.is_file():
-                raise name.error(f"{name.text!r}: no file {name.source}")
-            folder = str(path.parent)
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            mspec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(mspec)
-            sys.modules.setdefault(path.stem, module)
-            mspec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(name.source)
-    except ValueError:
-        raise
-    except BaseException as e:  # noqa: BLE001 - a module that fails (or exits) on import is bad input
-        raise name.error(f"{name.text!r}: cannot import {name.source!r} ({first_line(e)})") from None
-    fn = getattr(module, name.function, None)
-    if not callable(fn):
-        raise name.error(f"{name.text!r}: {name.source} has no callable {name.function!r}")
-    return fn
+        return import_function(name.source, name.function)
+    except LoadError as e:
+        raise name.error(f"{name.text!r}: {e}") from None
