@@ -212,7 +212,10 @@ def test_gpu_commands_run_as_shown(where_, cmd, tmp_path):
     if "--vllm-src" in cmd.line:
         pytest.skip("needs a vLLM source checkout")
     folder = fresh_folder(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "qsa_lab", *cmd.argv[1:]], cwd=folder, env=_env(folder),
+    env = _env(folder)
+    if importlib.util.find_spec("qsa_lab").origin.startswith(str(REPO)):   # this checkout, installed or not
+        env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-m", "qsa_lab", *cmd.argv[1:]], cwd=folder, env=env,
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode in expected_exit(cmd), f"{where_}: `{cmd.line}` exits {out.returncode}:\n{out.stderr[-3000:]}"
 
