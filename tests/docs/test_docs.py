@@ -136,7 +136,7 @@ def test_every_documented_command_parses():
 
 #: options the pages show that belong to other programs, with where they come from
 OTHER_PROGRAMS = {
-    "--extra-index-url": "pip", "--force-reinstall": "pip", "--group": "pip", "--strict": "mkdocs",
+    "--extra-index-url": "pip", "--force-reinstall": "pip", "--no-deps": "pip", "--group": "pip", "--strict": "mkdocs",
     "--allow-root": "jupyter", "--ip": "jupyter",
     "--ptx": "tools/ptx70_check.py", "--log": "tools/ptx70_check.py",
     "--evidence": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
