@@ -46,12 +46,24 @@ class Command:
 
     @property
     def argv(self) -> list[str]:
-        return shlex.split(self.line)
+        """The words of the command, past any `NAME=value` settings before it (`env`)."""
+        words = shlex.split(self.line)
+        return words[len(self.env):]
+
+    @property
+    def env(self) -> dict:
+        words = shlex.split(self.line)
+        n = next((i for i, w in enumerate(words) if not ENV_SETTING.fullmatch(w)), len(words))
+        return dict(w.split("=", 1) for w in words[:n])
 
     @property
     def program(self) -> str:
-        first = self.argv[0]
-        return first.rsplit("/", 1)[-1] if first.startswith(".venv/bin/") else first
+        """`.venv/bin/pip` (any `.venv*/bin/`) counts as `pip`."""
+        first = self.argv[0] if self.argv else ""
+        return first.rsplit("/", 1)[-1] if re.match(r"\.venv[\w-]*/bin/", first) else first
+
+
+ENV_SETTING = re.compile(r"[A-Z_][A-Z0-9_]*=\S*")
 
 
 @dataclass

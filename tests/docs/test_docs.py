@@ -46,7 +46,7 @@ def _fences(text: str):
 
 def commands(page: Path) -> list[str]:
     """The `qsa-lab ...` lines of the page's shell blocks, as tests/docs/shown.py reads them."""
-    return [c.line for b in shown.shell_blocks(page) for c in b.commands() if c.program == "qsa-lab"]
+    return [shlex.join(c.argv) for b in shown.shell_blocks(page) for c in b.commands() if c.program == "qsa-lab"]
 
 
 def _inline_spans(text: str) -> list[str]:

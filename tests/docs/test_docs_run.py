@@ -51,6 +51,7 @@ NOT_RUN = [
     (r"benchmarks/bench_playground\.py", "minutes of timed redraws", None),
     (r"tools/ptx70_check\.py generate\b", "CUDA 12 NVRTC wheels (`pip install --group nvrtc`)", None),
     (r"benchmarks/tile_rig\.py (build|run)\b", "a GPU", "GPU"),
+    (r"^python3? -m venv\b", "set-up: a new environment", None),
     (r"--engine vllm\b", "vLLM's own environment (make vllm-env; tests/scribble runs it)", None),
     (r"tools/compare_commits\.py\b", "a git checkout holding both commits, and minutes per commit", None),
 ]
