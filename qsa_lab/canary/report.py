@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from qsa_lab.analysis.leaks import CLEAN, LEAKS, NA, counts, summary
+from qsa_lab.analysis.leaks import CLEAN, INF_LEAK, LEAKS, NA, NAN_LEAK, counts, summary
 from qsa_lab.support.version import __version__
 from qsa_lab.canary.calls import call_stem, kernel_runner, save_call, smallest_leak
 from qsa_lab.canary.names import FILE, MODULE, parse_kernel
@@ -205,7 +205,7 @@ def what_to_change(region: str, plane: str, verdicts) -> str:
     fix = WHAT_TO_CHANGE.get(region, "load (or zero) only the tokens each row attends")
     why = ("a NaN key makes its score NaN: mask scores with a select (a where), never by adding -inf or "
            "multiplying by 0, and keep such keys out of the loads" if plane == "k" else
-           "a probability of 0 does not stop 0 × NaN = NaN" if set(verdicts) & {"nan-leak", "inf-leak"} else
+           "a probability of 0 does not stop 0 × NaN = NaN" if set(verdicts) & {NAN_LEAK, INF_LEAK} else
            "the unattended slots got weight (check the mask itself)")
     return f"What to change: {fix}; {why}."
 
