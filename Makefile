@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml scripts/choose_torch.py
 	@if [ -z "$$CONDA_PREFIX" ] && [ ! -x .venv/bin/python ]; then echo "creating .venv"; python3 -m venv .venv; fi
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	@$(PY) scripts/choose_torch.py
-	$(PY) -m pip install -q -e ".[lab,scribble]" --group test
+	@# (setuptools' "Editable installation" banner is information only: a warning filter keeps it off the screen)
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[lab,scribble]" --group test
 	@# bytecode for the package's modules now: an editable install has none, and where
 	@# PYTHONDONTWRITEBYTECODE is set every qsa-lab process would compile them again (~0.1 s)
 	$(PY) -m compileall -q qsa_lab

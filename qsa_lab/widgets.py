@@ -24,17 +24,25 @@ from qsa_lab.analysis.playground import (CACHE, PRESETS, SEEDED_SITES, Params, R
 from qsa_lab.model.case import KV_DTYPES
 from qsa_lab.model.poison import ATTENDED_SITES, DIM_SITES, PLANES, QUERY_SITE, REPORT_DIMS, SITES
 from qsa_lab.plotting.playground import FIGSIZE, export_view, figure_ahead, figure_png, render_playground
-from qsa_lab.routes.labels import FIXES, fix_label
+from qsa_lab.routes.labels import FIXES, ROUTES, fix_label
 from qsa_lab.routes.run import BACKENDS
 
+COLUMN = "300px"          # the controls' column beside the figure
+ROW_PX = 20               # one row of the route table (its CSS sets it, whatever the notebook's own CSS says)
+#: the route table's box: its header and a row for every route (tests/e2e measures its content in JupyterLab)
+TABLE_HEIGHT = f"{(len(ROUTES) + 1) * ROW_PX + 8}px"
 CSS = """<style>
 .qsa-playground .qsa-figure { width: 100%; height: auto; aspect-ratio: %ASPECT%; transition: opacity .15s; }
 .qsa-playground.qsa-busy .qsa-figure, .qsa-playground.qsa-busy .qsa-table { opacity: .35; }
-.qsa-playground .qsa-table table { border-collapse: collapse; font-size: 13px; }
-.qsa-playground .qsa-table td, .qsa-playground .qsa-table th { padding: 1px 8px; text-align: right; }
-</style>""".replace("%ASPECT%", f"{FIGSIZE[0]} / {FIGSIZE[1]}")  # the image keeps its height while a new one loads
-COLUMN = "300px"          # the controls' column beside the figure
-TABLE_HEIGHT = "190px"    # header + all 7 routes at 13 px (tests/e2e measures it in JupyterLab)
+.qsa-playground .qsa-table table { border-collapse: collapse; font-size: 13px; margin: 0; }
+.qsa-playground .qsa-table td, .qsa-playground .qsa-table th {
+  padding: 0 8px; height: %ROW%px; line-height: %ROW%px; text-align: right; white-space: nowrap; border: 0; }
+.qsa-playground .qsa-stacked { flex-wrap: wrap; height: auto; }
+.qsa-playground .qsa-stacked > label { text-align: left; }
+.qsa-playground .qsa-stacked > select { flex: 1 1 100%; }
+</style>""".replace("%ASPECT%", f"{FIGSIZE[0]} / {FIGSIZE[1]}").replace("%ROW%", str(ROW_PX))
+# (the image keeps its height while a new one loads; the geometry dropdown sits under its label, the
+# whole column wide, so that its longest preset reads whole: preset_label)
 BUSY_HTML = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
 
 
@@ -88,6 +96,13 @@ def export_html(paths: list, kept: bool) -> str:
             f"<span style='overflow-wrap:anywhere'>{_esc(names)}</span> in {_esc(shown)}</span>")
 
 
+def preset_label(name: str) -> str:
+    """A geometry preset as the dropdown shows it, whole in the column (the preset's name, the
+    dropdown's value, is unchanged): '3-req scatter causal' as '3-req', the report preset's
+    geometry seed left to the status line."""
+    return name.replace("3-req scatter causal", "3-req").replace("report, seed 63, ", "report, ")
+
+
 def make_controls(p: Params) -> tuple[dict, dict]:
     """(controls, fix toggles) for `p`; descriptions are stable (the browser test finds them)."""
     import ipywidgets as W
@@ -109,13 +124,15 @@ def make_controls(p: Params) -> tuple[dict, dict]:
         "seed": W.Text(value=str(p.seed), description="seed", continuous_update=False, placeholder="0",
                        tooltip="poison seed (random, fp16-state)", style=style, layout=row()),
         "kv_dtype": dd("kv_dtype", KV_DTYPES),
-        "geometry": dd("geometry", list(PRESETS)),
+        "geometry": dd("geometry", [(preset_label(k), k) for k in PRESETS]),
         "backend": dd("backend", BACKENDS),
         "nan_map": W.Dropdown(options=list(p.routes), value=p.nan_map, description="nan_map", style=style,
                               layout=row()),
     }
     toggles = {name: W.Checkbox(value=name in p.fixes, description=fix_label(name), indent=False,
                                 layout=W.Layout(width="48%")) for name in FIXES}
+    controls["geometry"].style.description_width = "100%"    # its label above it: see CSS
+    controls["geometry"].add_class("qsa-stacked")
     return controls, toggles
 
 
@@ -206,25 +223,27 @@ class Playground:
         self.status = W.HTML(layout=W.Layout(min_height="24px"))
         self.message = W.HTML(layout=W.Layout(min_height="24px"))
         self.image = W.Image(format="png", layout=W.Layout(width="100%", height="auto"))
-        # as tall as the table of every route: a fix toggled off leaves a row blank, nothing moves
-        self.table = W.HTML(layout=W.Layout(height=TABLE_HEIGHT, overflow="hidden"))
+        # as tall as the table of every route: a fix toggled off leaves a row blank, nothing moves;
+        # content that does not fit after all scrolls rather than hides
+        self.table = W.HTML(layout=W.Layout(height=TABLE_HEIGHT, overflow="auto"))
         for w, cls in ((self.status, "qsa-status"), (self.message, "qsa-message"), (self.image, "qsa-figure"),
                        (self.table, "qsa-table")):
             w.add_class(cls)
         for w in self._inputs():
             w.observe(self._on_change, names="value")
         self.export_button.on_click(lambda _: self.export())
-        # Controls in a column beside the figure, the status and a fixed-height route table below
-        # them: at 1440x900 every control and the figure it changes are on screen together, and
-        # nothing above the figure changes height (it never jumps). The message (computing,
-        # errors, export) ends the column, under the button that causes it.
+        # Controls in a column beside the figure; the status, the message and a fixed-height route
+        # table below them, the whole width: at 1440x900 every control and the figure it changes
+        # are on screen together, nothing above the figure changes height (it never jumps), and
+        # a long message (an export's file name, an error) reads on one line instead of
+        # lengthening the column and pushing the table down.
         controls = W.VBox(list(self.controls.values())
                           + [W.Label("fixes:"), W.HBox(list(self.toggles.values()), layout=W.Layout(flex_flow="row wrap")),
-                             self.export_button, self.message],
+                             self.export_button],
                           layout=W.Layout(width=COLUMN, flex=f"0 0 {COLUMN}"))
         figure = W.Box([self.image], layout=W.Layout(flex="1 1 0", min_width="0"))
         self.widget = W.VBox([W.HTML(CSS), W.HBox([controls, figure], layout=W.Layout(align_items="flex-start")),
-                              self.status, self.table], layout=W.Layout(width="100%"))
+                              self.status, self.message, self.table], layout=W.Layout(width="100%"))
         self.widget.add_class("qsa-playground")
         import matplotlib.figure  # noqa: F401 - render_playground's and figure_png's, loaded beside the compute
         from matplotlib.backends import backend_agg  # noqa: F401

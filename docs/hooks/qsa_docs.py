@@ -175,31 +175,33 @@ def _med(samples, key="wall_s"):
     return statistics.median(s[key] for s in samples)
 
 
-def _load(v) -> str:
-    return f"{v[0]:.1f}" if v else "not recorded"
+#: what a row of an older measurement calls the notebooks, as this site names them
+_THEN = {"all six notebooks": "notebooks 01-06"}
 
 
 def perf_cpu(name: str = "bench_cpu.json") -> str:
+    """The whole-process timings beside the base commit. What the file says about how it was made
+    (its commits, its note, the targets it was measured against) is provenance: evidence/README.md."""
     doc = json.loads(evidence(name).read_text())
     m = doc["machine"]
-    rows = []
+    rows, loads = [], []
     for row in doc["rows"].values():
         cur, base = row["current"], row["base"]
+        what = row["what"]
+        for old, new in _THEN.items():
+            what = what.replace(old, new)
+        loads += [v[0] for v in (row["load_before"], row["load_after"]) if v]
         for k in (k for k in cur["samples"][0] if k.endswith("_s")):
             now = cur.get("median", {}).get(k, _med(cur["samples"], k))      # the file's own median
             then = base.get("median", {}).get(k, _med(base["samples"], k))
             ratio = (row.get("ratio_to_base") or {}).get(k, now / then)
-            target = (row.get("targets_s") or {}).get(k)
             part = "" if k == "wall_s" else f": {k.removesuffix('_s').replace('_', ' ')}"
-            rows.append((row["what"] + part, f"{now:.2f} s", f"{then:.2f} s", f"×{ratio:.2f}", row["reps"],
-                         f"{target:g} s" if target else "-",
-                         f"{_load(row['load_before'])} → {_load(row['load_after'])}"))
-    head = (f"Measured {doc['started'][:10]} ({doc['started'][11:16]}–{doc['finished'][11:16]} UTC) on {m['cpu']}, "
-            f"{m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads), Python {m['python']}; commit "
-            f"`{doc['commits']['current'][:7]}` beside the base `{doc['commits']['base'][:7]}` in the same session. "
-            f"Note: {doc.get('note', '')}. Method: {doc.get('method', '')}. Source: `{_where(name)}`.")
-    return head + "\n\n" + table(("what", "median", "base", "ratio", "reps", "target",
-                                  "load (1 min) before → after"), rows)
+            rows.append((what + part, f"{now:.2f} s", f"{then:.2f} s", f"×{ratio:.2f}", row["reps"]))
+    load = f"load (1 min) {min(loads):.1f} to {max(loads):.1f}" if loads else "load not recorded"
+    head = (f"Measured {doc['started'][:10]} on {m['cpu']}, {m['cpu_count']} cores, torch {m['torch']} "
+            f"({m['torch_threads']} threads), Python {m['python']}, {load}; the base is the code before the CPU "
+            f"speed-ups, run in the same session. Method: {doc.get('method', '')}. Source: `{_where(name)}`.")
+    return head + "\n\n" + table(("what", "median", "base", "ratio", "reps"), rows)
 
 
 _FIX = {"unfixed": "grouped", "kernel_fix": "grouped+kernel_fix (A)", "pad_fix": "grouped+pad_fix (B)",
@@ -252,13 +254,12 @@ def perf_upstream(name: str = "upstream_fix_cost_h200.json") -> str:
 
 def perf_playground(name: str = "bench_playground_cpu.json") -> str:
     doc = json.loads(evidence(name).read_text())
-    rows = [(p, f"{v['first_draw_s']:.2f} s", f"{v['median_redraw_s']:.2f} s", f"{v['worst_median_s']:.2f} s",
-             f"{v['limit_s']} s") for p, v in doc["presets"].items()]
+    rows = [(p, f"{v['first_draw_s']:.2f} s", f"{v['median_redraw_s']:.2f} s", f"{v['worst_median_s']:.2f} s")
+            for p, v in doc["presets"].items()]
     head = (f"Playground redraws on the emulation: {doc['machine']}, {doc['cpus']} cores, torch {doc['torch']} "
             f"({doc['torch_threads']} threads), committed {_committed(name)}, load (1 min) {doc['load_avg_1min_start']} "
             f"at start, {doc['load_avg_1min_end']} at the end; {doc['repeat']} repeats. Source: `{_where(name)}`.")
-    return head + "\n\n" + table(("preset", "first draw", "median redraw", "slowest kind of change (median)",
-                                  "limit"), rows)
+    return head + "\n\n" + table(("preset", "first draw", "median redraw", "slowest kind of change (median)"), rows)
 
 
 def perf_emulate(name: str = "bench_emulate_cpu.json") -> str:
@@ -344,8 +345,8 @@ def thirdparty(name: str = "canary_thirdparty_h200.json") -> str:
     cols = sorted(order, key=order.get)
     rows = [(f"`{k}`", f"`{a}`", *(v.get(c, "-") for c in cols)) for (k, a), v in cells.items()]
     load = m.get("loadavg")
-    head = (f"{doc['label']}; {versions}; load {load if load is not None else 'not recorded'}; committed "
-            f"{_committed(name)}. Source: `{_where(name)}`.")
+    load = f"{load[0]:.1f} (1 min)" if isinstance(load, list) and load else load if load is not None else "not recorded"
+    head = f"{versions}; load {load}; committed {_committed(name)}. Source: `{_where(name)}`."
     return head + "\n\n" + table(("kernel", "spec", *cols), rows)
 
 
@@ -361,7 +362,8 @@ def tile_rig(name: str = "tile_rig_h200.txt") -> str:
     base = parts.pop("base")
     rows = [("the whole tile (csrc/)", f"{base:.2f}", "-")]
     rows += [(k.replace("_", " "), f"{v:.2f}", f"{base - v:.2f}") for k, v in parts.items()]
-    head = (f"{text.splitlines()[0].lstrip('# ')}; committed {_committed(name)}. The unfixed grouped kernel, L2 "
+    first = re.sub(r" \(UUID: [^)]*\)", "", text.splitlines()[0].lstrip("# "))   # the lent GPU's id is no fact
+    head = (f"{first}; committed {_committed(name)}. The unfixed grouped kernel, L2 "
             f"flushed, µs per 32-token tile. Source: `{_where(name)}`.")
     return head + "\n\n" + table(("copy", "µs per tile", "saved against the whole tile"), rows)
 
@@ -548,11 +550,45 @@ def nan_map_png() -> bytes:
 
 # ------------------------------------------------------------------ MkDocs events
 
+_TEMPORARY = []   # folders on_config made for the build (the kernels' sockets, the notebooks' figures)
+_ENVIRON = {}     # the variables on_config set, as they were before
+
+
+def on_post_build(config):
+    import shutil
+
+    while _TEMPORARY:
+        shutil.rmtree(_TEMPORARY.pop(), ignore_errors=True)
+    for key, value in _ENVIRON.items():     # `mkdocs serve` builds again from the same environment
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _ENVIRON.clear()
+
+
+def _setenv(key: str, value: str) -> None:
+    _ENVIRON.setdefault(key, os.environ.get(key))
+    os.environ[key] = value
+
+
 def on_config(config):
     # the notebooks run on the CPU emulation, and write their figures out of the checkout
-    os.environ["QSA_LAB_BACKEND"] = "emulate"
-    os.environ.setdefault("QSA_LAB_FIGURES", tempfile.mkdtemp(prefix="qsa_docs_figures_"))
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    _setenv("QSA_LAB_BACKEND", "emulate")
+    if not os.environ.get("QSA_LAB_FIGURES"):
+        _TEMPORARY.append(tempfile.mkdtemp(prefix="qsa_docs_figures_"))
+        _setenv("QSA_LAB_FIGURES", _TEMPORARY[-1])
+    # their kernels keep Jupyter's inline backend (a notebook without `%matplotlib inline` draws
+    # its figures too: no MPLBACKEND here), and talk to the build over IPC sockets in a folder of
+    # their own (an absolute path: a kernel runs in its notebook's folder), not over unencrypted
+    # TCP, which every kernel warns about
+    if os.name == "posix":
+        folder = Path(tempfile.mkdtemp(prefix="qsa_docs_jupyter_"))
+        _TEMPORARY.append(folder)
+        (folder / "jupyter_nbconvert_config.json").write_text(
+            json.dumps({"KernelManager": {"transport": "ipc", "ip": str(folder / "kernel")}}))
+        _setenv("JUPYTER_CONFIG_PATH", os.pathsep.join(
+            p for p in (str(folder), os.environ.get("JUPYTER_CONFIG_PATH")) if p))
     return config
 
 
@@ -569,6 +605,31 @@ def on_files(files, config):
 
 def on_page_markdown(markdown, page, config, files):
     return expand(markdown)
+
+
+IMG = re.compile(r"(<img\b[^>]*\bsrc=\"(?!data:)([^\"]+)\"[^>]*>)")
+
+
+def link_figures(html: str) -> str:
+    """Every figure that is a file becomes a link to that file (its full size; the lightbox of
+    assets/figures.js opens it in place, and notebooks' inline figures too)."""
+    def one(m):
+        start = html.rfind("<", 0, m.start())
+        if html.startswith("<a ", start) and html.find("</a>", m.end()) != -1 and "href" in html[start:m.start()]:
+            return m.group(1)
+        return f'<a href="{m.group(2)}" class="qsa-figure-link">{m.group(1)}</a>'
+    return IMG.sub(one, html)
+
+
+def on_page_content(html, page, config, files):
+    return link_figures(html)
+
+
+def on_page_context(context, page, config, nav):
+    # a notebook page gives its figures the width of the table of contents beside it
+    if page.file.src_uri.endswith(".ipynb"):
+        page.meta["hide"] = sorted({*page.meta.get("hide", []), "toc"})
+    return context
 
 
 if __name__ == "__main__":  # python docs/hooks/qsa_docs.py: print a page's expansion, or write the README figure

@@ -94,11 +94,12 @@ def smallest_leak(runner, case, region: str, plane: str, payload: str, dims=None
 
 
 def save_call(path, case, kernel: str, region: str, plane: str, payload: str, slots: torch.Tensor, dims,
-              verdict: str, counts: dict, env: dict) -> Path:
+              verdict: str, counts: dict, env: dict, copy: str | None = None) -> Path:
     """One poisoned call as safetensors: the control case (a case file: kv_cache holds the
     slots zero-filled), kv_cache_poisoned, the slots, the attended tokens ([rows, max_tokens]
     uint8, what a standalone script builds the library's mask from), and what was seen, in the
-    metadata. Written as a plain new file (the umask's mode, like the rest of the report)."""
+    metadata. `copy`: where the report keeps the kernel's file ('kernels/f.py:fn'), which replay
+    names in its hint. Written as a plain new file (the umask's mode, like the rest of the report)."""
     from safetensors.torch import save
 
     control = poisoned_case(case, slots, plane, "zero", dims)
@@ -118,6 +119,8 @@ def save_call(path, case, kernel: str, region: str, plane: str, payload: str, sl
             "v_head_dim": json.dumps(case.v_head_dim), "environment": json.dumps(env)}
     if case.geometry is not None:
         meta["geometry"] = json.dumps(case.geometry.to_dict())
+    if copy:
+        meta["kernel_copy"] = copy
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(save(t, metadata=meta))

@@ -2,7 +2,7 @@
 qsa_lab.canary.report), and a run's matrix and notes for the terminal (`qsa-lab canary`).
 
 Blocks are (kind, ...) tuples: ("h1" | "h2" | "h3", text), ("p", text), ("code", text),
-("img", file name), ("table", header, rows). Plain Python (pandas for the matrix); the marks and
+("img", file name), ("table", header, rows). Plain Python; the marks and
 the legend are the verdict grids' own (qsa_lab.plotting.verdicts).
 """
 from __future__ import annotations
@@ -62,18 +62,41 @@ def html(blocks) -> str:
 
 # -- the terminal ----------------------------------------------------------------------------------
 
+#: the width the terminal matrix is wrapped to (a region never splits across two blocks)
+WIDTH = 120
+#: the longest kernel name shown whole in the matrix (a longer one keeps its end)
+LABEL_MAX = 48
+
+
 def terminal(report, doc: dict) -> list[str]:
     """What `qsa-lab canary` prints without `--json -`: the case, the matrix, its legend, one
     note per group of non-clean cells, what was skipped and the counts (doc: report.to_json())."""
-    lines = [f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; "
-             f"backend {report.backend}, device {report.device}",
+    ran = f"qsa routes on {report.backend}, " if report.backend else ""   # only the qsa routes have a backend
+    lines = [f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; {ran}device {report.device}",
              f"# regions (slots): {doc['regions']}; payload bits: {doc['payload_bits']}",
              matrix(report), legend_line([v for v in VERDICTS if v != STRAY_WRITE]),   # a kernel call writes no pool
              *notes(report)]
     for s in report.skipped:
         what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
         lines.append(f"# skipped {what}: {s['reason']}")
-    return lines + [f"# {report.summary()}"]
+    return [w for line in lines + [f"# {report.summary()}"] for w in wrap(line)]
+
+
+def wrap(text: str, width: int = WIDTH) -> list[str]:
+    """A `# ...` line folded to `width` at its item breaks (three spaces, as the legend parts its
+    marks) or at word breaks, continued with `#   `; other lines (the matrix) as they are."""
+    import textwrap
+
+    if not text.startswith("# ") or len(text) <= width:
+        return text.splitlines() or [text]
+    out = []
+    for part in text[2:].split("   "):
+        if out and len(out[-1]) + 3 + len(part) <= width:
+            out[-1] += "   " + part
+        else:
+            out += textwrap.wrap(part, width, initial_indent="# " if not out else "#   ",
+                                 subsequent_indent="#   ", break_on_hyphens=False)
+    return out
 
 
 def _group_cells(cells) -> str:
@@ -108,15 +131,42 @@ def notes(report) -> list[str]:
     return out
 
 
-def matrix(report) -> str:
-    """Kernels down, region/plane/payload across, one mark per verdict (qsa_lab.plotting.verdicts)."""
-    import pandas as pd
-
+def matrix(report, width: int = WIDTH) -> str:
+    """Kernels down; region, plane and payload across, one mark per verdict
+    (qsa_lab.plotting.verdicts), wrapped by region into blocks no wider than `width`."""
     df = report.frame()
     if df.empty:
         return "(no results)"
-    df["mark"] = df.verdict.map(MARKS)
-    t = df.pivot_table(index="kernel", columns=["region", "plane", "payload"], values="mark", aggfunc="first",
-                       sort=False).fillna(MARKS[NOT_RUN])
-    with pd.option_context("display.width", 250, "display.max_columns", 200):
-        return t.to_string()
+    kernels = list(dict.fromkeys(df.kernel))
+    regions = list(dict.fromkeys(df.region))
+    planes = list(dict.fromkeys(df.plane))
+    payloads = list(dict.fromkeys(df.payload))
+    mark = {(r.kernel, r.region, r.plane, r.payload): MARKS[r.verdict] for r in df.itertuples()}
+    label = lambda k: k if len(k) <= LABEL_MAX else "..." + k[-(LABEL_MAX - 3):]   # noqa: E731
+    left = max(len("payload"), *(len(label(k)) for k in kernels)) + 2
+
+    def group(region):   # one region's columns: a header per line, then one string per kernel
+        cells = [(p, x) for p in planes for x in payloads]
+        w = max(len(region), 2 * len(cells) - 1)
+        plane_row = "".join(f"{p.upper():<{2 * len(payloads)}}" for p in planes).rstrip()
+        payload_row = " ".join(x[0] for _, x in cells)
+        rows = [" ".join(mark.get((k, region, p, x), MARKS[NOT_RUN]) for p, x in cells) for k in kernels]
+        return w, [region, plane_row, payload_row, *rows]
+
+    groups = [group(r) for r in regions]
+    blocks, block, used = [], [], left
+    for g in groups:
+        if block and used + g[0] > width:
+            blocks.append(block)
+            block, used = [], left
+        block.append(g)
+        used += g[0] + 2
+    blocks.append(block)
+    heads = ["region", "plane", "payload", *(label(k) for k in kernels)]
+    out = []
+    for block in blocks:
+        for i, head in enumerate(heads):
+            out.append((f"{head:<{left}}" + "  ".join(f"{g[1][i]:<{g[0]}}" for g in block)).rstrip())
+        out.append("")
+    keys = ", ".join(f"{x[0]} {x}" for x in payloads)
+    return "\n".join(out[:-1] + [f"# payloads: {keys}; planes K and V"])

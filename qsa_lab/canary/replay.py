@@ -30,7 +30,9 @@ if __name__ == "__main__":      # first, before any other import: see the module
     drop_current_folder()
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import shlex  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from qsa_lab.canary.names import KernelName, as_kernel_name, parse_kernel  # noqa: E402
 
@@ -39,11 +41,12 @@ CALL_FILE = "call file"
 
 
 class KernelNotNamed(ValueError):
-    """The call file records a kernel that is not a built-in: replay runs it only when named."""
+    """The call file records a kernel that is not a built-in: replay runs it only when named.
+    `suggested`: the name to give (the report's copy of a kernel file, when there is one)."""
 
-    def __init__(self, path, recorded: str):
+    def __init__(self, path, recorded: str, suggested: str | None = None):
         self.recorded = recorded
-        self.command = f"qsa-lab replay {shlex.quote(str(path))} --kernel {shlex.quote(recorded)}"
+        self.command = f"qsa-lab replay {shlex.quote(str(path))} --kernel {shlex.quote(suggested or recorded)}"
         super().__init__(f"kernel: the call file records the kernel {show(recorded)}, not a built-in; replay runs "
                          f"code only when you name it: check that kernel, then run: {self.command}")
 
@@ -66,8 +69,25 @@ def saved_kernel(path, meta: dict) -> KernelName:
     recorded = meta.get("kernel", "")
     name = parse_kernel(recorded, CALL_FILE) if isinstance(recorded, str) and recorded.strip() else None
     if name is None or not name.in_process:
-        raise KernelNotNamed(path, str(recorded))
+        raise KernelNotNamed(path, str(recorded), report_copy(path, meta))
     return name
+
+
+#: how a report names its copy of a kernel file (qsa_lab.canary.report): nothing else is suggested
+COPY = re.compile(r"kernels/[\w.-]+\.py:[A-Za-z_]\w*")
+
+
+def report_copy(path, meta: dict) -> str | None:
+    """The report's copy of the call's kernel file ('kernels/f.py:fn', beside the calls/ folder
+    that holds `path`) as a name that works from the current folder; None where there is none."""
+    import os
+
+    copy = meta.get("kernel_copy")
+    if not isinstance(copy, str) or not COPY.fullmatch(copy):
+        return None
+    file, _, function = copy.rpartition(":")
+    there = Path(path).resolve().parent.parent / file
+    return f"{os.path.relpath(there)}:{function}" if there.is_file() else None
 
 
 class CannotRun(RuntimeError):

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from qsa_lab.analysis.leaks import CLEAN, LEAKS, NA, counts, summary
+from qsa_lab.analysis.leaks import CLEAN, INF_LEAK, LEAKS, NA, NAN_LEAK, counts, summary
 from qsa_lab.support.version import __version__
 from qsa_lab.canary.calls import call_stem, kernel_runner, save_call, smallest_leak
 from qsa_lab.canary.names import FILE, MODULE, parse_kernel
@@ -184,6 +184,35 @@ def _replay_command(call_file: str, kernel: str, name, kernel_files: dict) -> st
 
 PAYLOAD_ORDER = ("nan", "inf", "max", "zero")
 
+#: what to change in a kernel whose output a region reached (qsa_lab.model.regions names them):
+#: the report's one sentence per leaking region
+WHAT_TO_CHANGE = {
+    "null-block": "keep padding entries (of the block table or of the kernel's own plan) out of P @ V: skip "
+                  "them, point them at a real page, or zero every row no query attends after the load",
+    "stale-tail": "bound each request's last page by seq_len where it is loaded, or zero the rows at or past "
+                  "seq_len before P @ V",
+    "stale-microblock": "zero (or never load) the never-written slots after seq_len in the last partial "
+                        "microblock, which a microblock-granular load brings in with the attended tokens",
+    "free-pages": "walk only the pages the block table (or page list) gives each request: the kernel read "
+                  "pages that no request owns",
+    "other-requests": "keep every row's loads inside its own request's pages: check the block-table row and "
+                      "page offset each row uses, and where a tile's rows span requests, zero per row what "
+                      "that row does not attend, not per tile",
+    "unselected": "load (or zero) only the blocks a row's selection names",
+    "out-of-window": "load (or zero) only the tokens inside each row's window and sink",
+    "masked": "load (or zero) only the tokens the mask attends",
+}
+
+
+def what_to_change(region: str, plane: str, verdicts) -> str:
+    """One sentence: what to change for a leak from `region` through `plane` (K or V)."""
+    fix = WHAT_TO_CHANGE.get(region, "load (or zero) only the tokens each row attends")
+    why = ("a NaN key makes its score NaN: mask scores with a select (a where), never by adding -inf or "
+           "multiplying by 0, and keep such keys out of the loads" if plane == "k" else
+           "a probability of 0 does not stop 0 × NaN = NaN" if set(verdicts) & {NAN_LEAK, INF_LEAK} else
+           "the unattended slots got weight (check the mask itself)")
+    return f"What to change: {fix}; {why}."
+
 
 def _entries(report) -> list:
     """The leaking (kernel, region, plane) entries, payloads folded: [{"kernel", "region",
@@ -244,7 +273,7 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
                     counts = {**counts, "minimize_error": f"{type(err).__name__}: {err}"}
             name = call_stem(report.names.get(r.kernel, r.kernel), r.region, r.plane, r.payload)
             save_call(out / "calls" / f"{name}.safetensors", report.case, r.kernel, r.region, r.plane, r.payload,
-                      slots, None, verdict, counts, env)
+                      slots, None, verdict, counts, env, copy=kernel_files.get(r.kernel))
             n = int(slots.sum())
             script = write_script(out / "repro" / f"{name}.py", report.names.get(r.kernel), report.case,
                                   f"{name}.safetensors",
@@ -293,15 +322,7 @@ def _blocks(report, doc: dict, env: dict, figure, calls, command, kernel_files) 
                        + "; ".join(f"{k} -> {v}" for k, v in kernel_files.items()) + "."))
     if figure:
         b += [("h2", "Leak matrix"), ("img", figure)]
-    b += [("h2", "Replaying"),
-          ("p", "Every path below is relative to this folder: cd into it (wherever it was copied or unpacked), "
-                "then run a replay line (needs qsa_lab) or a standalone script (needs only the kernel's library, "
-                "torch and safetensors). Exit codes, for both: 1 the leak reproduces, 0 it does not, 3 it "
-                "cannot run or cannot tell here (replay: 2 bad input). Replay as written, `qsa-lab replay`, "
-                "never `python -m qsa_lab.canary.replay`: `python -m` puts the current folder first on "
-                "Python's import path, so a file lying in this folder (a torch.py, a qsa_lab/ folder) would "
-                "be imported and run; `qsa-lab replay` and the standalone scripts import nothing from "
-                "this folder but the call file and the kernel file you name.")]
+    b += [("h2", "Replaying"), ("p", _replaying(calls, kernel_files))]
     by_kernel = {}
     for call in calls:
         by_kernel.setdefault(call["kernel"], []).append(call)
@@ -315,6 +336,27 @@ def _blocks(report, doc: dict, env: dict, figure, calls, command, kernel_files) 
     return b
 
 
+def _replaying(calls: list, kernel_files: dict) -> str:
+    """The Replaying section's words: what this folder holds to run the calls again, and only that."""
+    text = ("Every path below is relative to this folder: cd into it (wherever it was copied or unpacked), then "
+            "run a replay line (it needs qsa_lab)")
+    scripts = any(c.get("script") for c in calls)
+    if scripts:
+        text += (" or a standalone script (repro/: it needs only the kernel's library, torch and safetensors). "
+                 "Exit codes, for both")
+    else:
+        text += ". Exit codes"
+    text += ": 1 the leak reproduces, 0 it does not, 3 it cannot run or cannot tell here (replay: 2 bad input)."
+    if kernel_files:
+        text += (" A kernel file of your own is copied into kernels/, and its replay line names that copy. It has "
+                 "no standalone script: qsa_lab cannot write your library's call for you, so the replay line "
+                 "(qsa_lab and the copied file) is how to run it again.")
+    return text + (" Replay as written, `qsa-lab replay`, never `python -m qsa_lab.canary.replay`: `python -m` puts "
+                   "the current folder first on Python's import path, so a file lying in this folder (a torch.py, a "
+                   "qsa_lab/ folder) would be imported and run; `qsa-lab replay` and the standalone scripts import "
+                   "nothing from this folder but the call file and the kernel file you name.")
+
+
 def _kernel_blocks(report, kernel: str, calls: list) -> list:
     """One kernel: its counts, its leaks (region -> plane, payloads folded), its other non-clean cells."""
     mine = [r for r in report.results if r.kernel == kernel]
@@ -325,6 +367,7 @@ def _kernel_blocks(report, kernel: str, calls: list) -> list:
                              for r in call["cells"])
         b += [("h3", f"{call['region']} / {call['plane'].upper()} plane"),
               ("p", f"Payloads: {payloads}."),
+              ("p", what_to_change(call["region"], call["plane"], [r.verdict for r in call["cells"]])),
               ("p", f"Where it lands: rows {_span(w['rows'])}; heads {_span(w['heads'])}; dims {_span(w['dims'])}; "
                     f"first NaN at [row, head, dim] {w['first_nan'] if w['first_nan'] is not None else 'none'}.")]
         if call["file"] is None:

@@ -386,17 +386,17 @@ def plot_repro_table(table, ax=None):
 
     from qsa_lab.routes.labels import ROUTES, SHORT, heading, short_key, short_routes
 
-    ax = _ax(ax, (14, 0.32 * len(table) + 1.4))
-    ax.axis("off")
     routes = [r for r in ROUTES if f"nan[{r}]" in table.columns]
+    ax = _ax(ax, (14 + 0.95 * max(0, len(routes) - 7), 0.32 * len(table) + 1.6))   # a column more per new route
+    ax.axis("off")
     cols = [f"nan[{r}]" for r in routes]
     diff_cols = [c for c in table.columns if c.startswith("max|grouped+")]
     header = (["case", "poisoned dims"] + [heading(r).replace(" ", "\n") for r in routes]
-              + ["expected to differ", "as expected", "max|fix-xqa|", "repeat ="])
+              + ["expected\nto differ", "as\nexpected", "max |fix - xqa|\n(fixes with NaN)", "repeat\nidentical"])
     cells, colors = [], []
     for _, r in table.iterrows():
         dims = list(r.get("poisoned_dims", []))
-        dtxt = ",".join(map(str, dims[:5])) + ("..." if len(dims) > 5 else "") if dims else "-"
+        dtxt = ",".join(map(str, dims[:5])) + ("…" if len(dims) > 5 else "") if dims else "-"
         diffs = [r[c] for c in diff_cols if r[c] is not None and not (isinstance(r[c], float) and math.isnan(r[c]))]
         worst = f"{max(diffs):.1e}" if diffs else "-"
         if len(diffs) < len(diff_cols):
@@ -417,11 +417,11 @@ def plot_repro_table(table, ax=None):
     tab = ax.table(cellText=cells, colLabels=header, cellColours=colors, bbox=[0, 0, 1, 1], cellLoc="center")
     tab.auto_set_font_size(False)
     tab.set_fontsize(8.5)
-    widths = [0.235, 0.1] + [0.06] * len(cols) + [0.095, 0.06, 0.085, 0.045]
+    widths = [0.245, 0.135] + [0.066] * len(cols) + [0.086, 0.056, 0.105, 0.058]
     for (i, j), cell in tab.get_celld().items():
         cell.set_width(widths[j] / sum(widths))
     for j in range(len(header)):
-        tab[0, j].set_text_props(fontweight="bold")
+        tab[0, j].set_text_props(fontweight="bold", fontsize=8)
     for i in range(len(cells)):
         tab[i + 1, 0].set_text_props(ha="left")
         tab[i + 1, 0].PAD = 0.02
@@ -432,6 +432,9 @@ def plot_repro_table(table, ax=None):
                        Patch(color=EXPECTED_DIFF_COLOR, label="differs, as the mechanism predicts"),
                        Patch(color=DIFF_COLOR, label="differs unexpectedly")],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8.5, frameon=False)
+    ax.text(0.5, -0.075, "max |fix - xqa|: the largest |fixed route - xqa| over the fixes whose output holds no NaN; "
+            "(n NaN): n fixes held NaN and are left out of it (-: every fix did). repeat identical: a second run "
+            "gave the same bits.", transform=ax.transAxes, ha="center", va="top", fontsize=8, wrap=True)
     return ax
 
 

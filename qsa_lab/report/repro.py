@@ -223,8 +223,10 @@ def format_table(table, width: int = 120) -> str:
     route (headed by labels.SHORT, whose key follows the table), the report's
     number, the worst max |fix - xqa|, which routes' NaN mask differs from the reference's
     (`*` marks a count whose mask differs) against what the mechanism predicts, and a verdict.
-    The expectations follow the table, one line per case."""
+    The expectations follow the table, one line per case; a case name longer than its column
+    goes on under it, whole."""
     import math
+    import textwrap
 
     routes = [r for r in SHORT if f"nan[{r}]" in table.columns]
     case_w = max(8, width - (len(routes) * 6 + 46))
@@ -240,10 +242,10 @@ def format_table(table, width: int = 120) -> str:
         diffs = [r[c] for c in table.columns if c.startswith("max|grouped+") and r[c] is not None and r[c] == r[c]]
         worst = f"{max(diffs):.1e}" if diffs else "NaN"
         got = short_routes(r.get("differs_from_reference", ""))
-        name = str(r["case"])
-        name = name if len(name) <= case_w else name[:case_w - 1] + "…"
+        name, *more = textwrap.wrap(str(r["case"]), case_w, break_on_hyphens=False) or [""]  # whole, never cut
         lines.append(f"{i + 1:>2} {name:<{case_w}}{cells}{rep:>7} {worst:>12}  {got:<14} "
                      f"{'yes' if r.get('as_expected') else 'NO'}")
+        lines += [f"{'':>2} {part}" for part in more]
     lines += _wrap(f"# NaN elements per route ({short_key(routes)}; the reference in float64);", width, "# ", ", ")
     lines += ["# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes",
               "# the mechanism predicts differ. report: the report's grouped NaN count (=dims: its words",

@@ -130,6 +130,40 @@ def test_the_report_travels_zipped_and_its_replay_lines_run_from_the_unpacked_fo
     assert missing == 3                                  # a kernel that cannot load: cannot run, not bad input
 
 
+def test_inside_the_unpacked_report_replay_without_kernel_names_the_copy_there(window_report, tmp_path):
+    """Run unnamed from inside the unpacked folder, replay refuses (exit 2) and its hint names the
+    kernel as the report's copy (kernels/...), and that hint, run as printed, reproduces the leak."""
+    import shlex
+    import shutil
+
+    _, out = window_report
+    unpacked = tmp_path / "unpacked"
+    shutil.copytree(out, unpacked)
+    call = next((unpacked / "calls").glob("*__v__nan.safetensors")).relative_to(unpacked)
+    r = subprocess.run([sys.executable, "-m", "qsa_lab", "replay", str(call)], cwd=unpacked, capture_output=True,
+                       text=True, timeout=300, env=ENV)   # as a user runs it: `qsa-lab replay`
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    hint = r.stderr.split("then run: ", 1)[1].strip()
+    assert hint.startswith("qsa-lab replay ") and hint.endswith("--kernel kernels/canary_kernels.py:leaky"), hint
+    again = subprocess.run([sys.executable, "-m", "qsa_lab", *shlex.split(hint)[1:]], cwd=unpacked, capture_output=True, text=True,
+                           timeout=300, env=ENV)
+    assert again.returncode == 1 and "verdict nan-leak" in again.stdout, again.stdout + again.stderr
+
+
+def test_each_leak_says_what_to_change_and_a_users_kernel_is_promised_no_script(window_report):
+    from qsa_lab.canary.report import WHAT_TO_CHANGE
+
+    report, out = window_report
+    md = (out / "report.md").read_text()
+    for region, plane in {(r.region, r.plane) for r in report.leaks()}:
+        entry = md.split(f"### {region} / {plane.upper()} plane", 1)[1].split("###", 1)[0]
+        assert f"What to change: {WHAT_TO_CHANGE[region]}; " in entry, entry
+    replaying = md.split("## Replaying", 1)[1].split("##", 1)[0]
+    assert not (out / "repro").exists() and "standalone script (repro/" not in replaying
+    assert "no standalone script" in replaying and "kernels/" in replaying
+    assert "None" not in md
+
+
 def in_process_replay(*argv):
     from qsa_lab.canary.replay import main
 

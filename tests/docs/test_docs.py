@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import shown
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 README = REPO / "README.md"
@@ -32,8 +34,9 @@ def hook():
 
 
 def pages() -> list[Path]:
-    """README and every Markdown page of the site (the generated parts are markers in them)."""
-    return [README, *sorted(DOCS.rglob("*.md"))]
+    """README, notebooks/README.md and every Markdown page of the site (the generated parts are
+    markers in them)."""
+    return shown.pages()
 
 
 def _fences(text: str):
@@ -41,18 +44,9 @@ def _fences(text: str):
     return re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
 
 
-def commands(text: str) -> list[str]:
-    """The `qsa-lab ...` lines of the code blocks, continuations joined, comments dropped."""
-    found = []
-    for lang, body in _fences(text):
-        if lang not in ("", "bash", "sh", "console"):
-            continue
-        body = body.replace("\\\n", " ")
-        for line in body.splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith("qsa-lab "):
-                found.append(line)
-    return found
+def commands(page: Path) -> list[str]:
+    """The `qsa-lab ...` lines of the page's shell blocks, as tests/docs/shown.py reads them."""
+    return [shlex.join(c.argv) for b in shown.shell_blocks(page) for c in b.commands() if c.program == "qsa-lab"]
 
 
 def _inline_spans(text: str) -> list[str]:
@@ -61,7 +55,7 @@ def _inline_spans(text: str) -> list[str]:
 
 
 def documented_commands() -> list[tuple[str, str]]:
-    return [(p.relative_to(REPO).as_posix(), c) for p in pages() for c in commands(p.read_text())]
+    return [(p.relative_to(REPO).as_posix(), c) for p in pages() for c in commands(p)]
 
 
 # --------------------------------------------------------------------------- the README
@@ -95,6 +89,31 @@ def test_the_make_targets_the_docs_show_exist():
                 assert target in targets, f"{page.name} shows `make {target}`, which the Makefile lacks"
 
 
+def glued_lists(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every list that starts right under a paragraph line: Markdown reads it as
+    more of the paragraph (one run-on line on the site), so a list needs a blank line above it."""
+    bad, in_list, prev, fence = [], False, "", False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fence, prev = not fence, line
+            continue
+        if fence:
+            continue
+        item = re.match(r"\s*(?:[-*+]|\d+\.)\s", line)
+        if item and prev.strip() and not in_list and not prev.lstrip().startswith(("#", "<!--", "|")):
+            bad.append((n, line))
+        in_list = bool(item) or (in_list and bool(line.strip()))
+        prev = line
+    return bad
+
+
+def test_every_list_renders_as_a_list():
+    assert glued_lists("Some words:\n- one\n- two\n") == [(2, "- one")]          # the check can fail
+    assert glued_lists("Some words:\n\n- one\n  more\n- two\n") == []
+    found = [f"{shown.where(p)}:{n}: {line[:60]}" for p in pages() for n, line in glued_lists(p.read_text())]
+    assert not found, "a list right under a paragraph line (add a blank line above it):\n" + "\n".join(found)
+
+
 # --------------------------------------------------------------------------- the CLI
 
 def test_every_documented_command_parses():
@@ -120,7 +139,8 @@ OTHER_PROGRAMS = {
     "--extra-index-url": "pip", "--force-reinstall": "pip", "--no-deps": "pip", "--group": "pip", "--strict": "mkdocs",
     "--allow-root": "jupyter", "--ip": "jupyter",
     "--ptx": "tools/ptx70_check.py", "--log": "tools/ptx70_check.py",
-    "--data": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
+    "--evidence": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
+    "--index-url": "pip",
     "--tensor-cores": "a leak report's generated FlashInfer decode script (repro/*.py)",
 }
 
@@ -135,7 +155,7 @@ def test_every_documented_option_is_in_the_parser():
     for page in pages():
         text = page.read_text()
         spans = [s for s in _inline_spans(text) if s.startswith(("--", "qsa-lab "))]
-        for chunk in spans + commands(text):
+        for chunk in spans + commands(page):
             for opt in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", chunk):
                 if opt not in known and opt not in OTHER_PROGRAMS:
                     missing.append(f"{page.relative_to(REPO)}: {opt} (in `{chunk}`)")
@@ -233,71 +253,27 @@ def test_doctor_verdicts_on_the_install_page_are_computed():
     assert "<!-- qsa:doctor -->" in (DOCS / "install.md").read_text()
 
 
-# --------------------------------------------------------------------------- the commands run
-
-def _runnable(line: str) -> bool:
-    """Commands a CPU machine can run from the docs as written: no GPU, no file of your own,
-    no third-party library, nothing interactive."""
-    skip = ("--backend cuda", "--kernel ", "--case ", "flashinfer:", "vllm:", "--load", "qsa-lab lab",
-            "qsa-lab bench", "qsa-lab repro", "sdpa-efficient", "sdpa-cudnn", "sdpa-flash", "DIR", "PATH",
-            "qsa-lab replay")       # replay needs a leak report's call file (tests/canary run it from one)
-    return not any(s in line for s in skip)
-
-
-RUNNABLE = sorted({c for _, c in documented_commands() if _runnable(c)})
-
-
-@pytest.mark.parametrize("line", RUNNABLE)
-def test_a_documented_command_runs_as_shown(line, tmp_path):
-    """Each command the pages show that needs no GPU runs in a fresh folder; `diff` exits 0, the
-    canary 0 or 1 (1: a leak, which the default matrix has: the unfixed grouped route), the scribble
-    0 or 1 (1: the read-trash leak of padded inputs, or paged|eager's other-requests leak)."""
-    env = {**os.environ, "QSA_LAB_FIGURES": str(tmp_path / "figures")}
-    if "--engine vllm" in line and not (REPO / ".venv-vllm" / ".qsa_lab-vllm").exists():
-        pytest.skip("no vLLM environment here (make vllm-env)")
-    argv = [sys.executable, "-m", "qsa_lab", *shlex.split(line)[1:]]
-    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    allowed = (0, 1) if argv[3] in ("canary", "scribble") else (0,)
-    assert out.returncode in allowed, f"`{line}` exit {out.returncode}: {out.stderr[-2000:]}"
-    if line.startswith("qsa-lab diff decode --poison targeted"):
-        assert "20 NaN bytes" in out.stdout + out.stderr
-        row = next(r for r in out.stdout.splitlines() if r.startswith("grouped "))
-        assert " 480 " in row and "102,152,168,170,230" in row, row
-    if argv[3] == "scribble":   # what the page says it finds: padded, the read trash leaks; paged|eager lets one
-        # request's NaN reach the others (other-requests), per_request_attention does not; every other region clean.
-        # vLLM's CPU attention reads unwritten tails (and out-of-window slots) with weight 0
-        regions = argv[argv.index("--regions") + 1].split(",") if "--regions" in argv else None
-        asked = (lambda r: regions is None or r in regions)
-        leaks = {r.split()[1] for r in out.stdout.splitlines() if r.startswith("read ") and "-leak" in r}
-        if "--engine vllm" in line:
-            want = {"unwritten-tail"} if asked("unwritten-tail") else set()
-            assert leaks - {"out-of-window"} == want, out.stdout
-        else:
-            want = {r for r, on in (("read-trash", "--pad" in argv),
-                                    ("other-requests", "per_request_attention" not in line)) if on and asked(r)}
-            assert leaks == want, out.stdout
+# (the commands and code blocks the pages show run in tests/docs/test_docs_run.py)
 
 
 # --------------------------------------------------------------------------- the site
 
 @pytest.mark.docs
-def test_the_site_builds_with_warnings_as_errors(tmp_path):
+def test_the_site_builds_with_warnings_as_errors(built_site):
     """`mkdocs build --strict`: a broken link or anchor, a missing page, an API name mkdocstrings
-    cannot find, a notebook cell that raises or a marker the hook cannot expand fails it."""
-    pytest.importorskip("mkdocs", reason="the docs dependency group is not installed (pip install --group docs)")
-    pytest.importorskip("mkdocstrings")
-    pytest.importorskip("mkdocs_jupyter")
-    site = tmp_path / "site"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "NO_MKDOCS_2_WARNING": "1", "QSA_LAB_FIGURES": str(tmp_path / "figures")}
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
+    cannot find, a notebook cell that raises or a marker the hook cannot expand fails it; no
+    warning of the build's own (a notebook kernel's included) reaches its output."""
+    assert built_site["returncode"] == 0, built_site["stderr"]
+    assert "WARNING" not in built_site["stderr"].replace("WARNING: Location", ""), built_site["stderr"]
+    site = Path(built_site["site"])
     cli = (site / "cli" / "index.html").read_text()
     assert "qsa-lab canary" in cli and "--poison" in cli
     for nb in sorted((REPO / "notebooks").glob("0*.ipynb")):
         html = (site / "tutorial" / nb.stem / "index.html").read_text()
-        assert "data:image/png" in html and "Conclusion" in html, f"{nb.name}: rendered without its outputs"
+        assert "Conclusion" in html, f"{nb.name}: rendered without its outputs"
+        if nb.stem.startswith("03_"):            # the playground: a widget, interactive in Jupyter only
+            continue
+        assert figures_in(html), f"{nb.name}: the page shows no figure"
     # the README's figure is the one the code draws today
     import matplotlib.image as mpimg
     import numpy as np
@@ -305,3 +281,46 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     committed, drawn = mpimg.imread(DOCS / "assets" / "nan_map.png"), mpimg.imread(site / "assets" / "nan_map.png")
     assert committed.shape == drawn.shape, "docs/assets/nan_map.png is stale: python docs/hooks/qsa_docs.py --readme-figure"
     assert float(np.abs(committed - drawn).mean()) < 0.01, "docs/assets/nan_map.png is stale"
+
+
+def figures_in(html: str) -> list[tuple[int, int]]:
+    """(width, height) of every inline PNG of a page at least 100 px wide: figures, not icons."""
+    import base64
+    import struct
+
+    sizes = []
+    for data in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", html):
+        head = base64.b64decode(data[:40] + "=" * (-len(data[:40]) % 4))
+        width, height = struct.unpack(">II", head[16:24])
+        if width >= 100:
+            sizes.append((width, height))
+    return sizes
+
+
+def test_the_performance_and_findings_tables_carry_no_internal_notes():
+    """Provenance (the commits measured, a round's note, the targets it was measured against, raw
+    load lists, a lent GPU's id) is in evidence/README.md, not on the pages a reader sees."""
+    q = hook()
+    bench = json.loads(q.evidence("bench_cpu.json").read_text())
+    pages_text = "\n".join(q.expand((DOCS / name).read_text()) for name in ("performance.md", "findings.md"))
+    for commit in bench["commits"].values():
+        assert commit[:7] not in pages_text, commit
+    assert bench.get("note", "")[:20] not in pages_text
+    for word in (r"round \d", r"\btargets?\b", "UUID", "GPU-[0-9a-f]{8}-", r"\bNote:"):
+        assert not re.search(word, pages_text), word
+    assert not re.search(r"load \[[\d., ]+\]", pages_text), "a raw load list"
+
+
+def test_the_build_leaves_no_folder_or_variable_behind(monkeypatch):
+    """What the hook sets up for a build (the kernels' socket folder, the notebooks' figure folder,
+    their variables) is gone after it, so `mkdocs serve` builds again from the same start."""
+    q = hook()
+    for key in ("QSA_LAB_BACKEND", "QSA_LAB_FIGURES", "JUPYTER_CONFIG_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    q.on_config({})
+    made = [Path(os.environ["QSA_LAB_FIGURES"]), Path(os.environ["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0])]
+    assert all(folder.is_dir() for folder in made) and os.environ["QSA_LAB_BACKEND"] == "emulate"
+    q.on_post_build({})
+    assert not any(folder.exists() for folder in made)
+    assert dict(os.environ) == before

@@ -32,9 +32,13 @@ runs all cells from the Run menu, and then works the controls by hand:
  11. clicks during a redraw coalesce: five clicks on a fix toggle while a
      slow redraw (a context-8192 preset) runs end with the toggle and the
      route table in the state of the last click, after at most two redraws.
- 12. at 1440x900 every control, the figure, the status and the route table are
-     on screen together (playground-1440x900.png), and toggling a fix changes
-     neither the table's height nor the figure's place.
+ 12. at 1440x900, every fix on, every control, the figure, the status and the
+     route table are on screen together (playground-1440x900.png): the table's
+     content, a row for every route, fits its box (nothing cut or scrolled
+     away), every dropdown option's label fits its dropdown whole, and toggling
+     a fix changes neither the table's height nor the figure's place.
+ (9 also: the export message is at most two lines at 1600 px: the file stem and
+     the folder once each.)
 
 After every step the page is searched for tracebacks and widget errors.
 Screenshots go to results/e2e/ (failure-<step>.png too when a step fails).
@@ -50,6 +54,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from qsa_lab.routes.labels import ROUTES
 
 pytestmark = pytest.mark.e2e
 
@@ -288,11 +294,25 @@ FITS = """root => {
   if (!s) return null;
   s.scrollTop += pg.getBoundingClientRect().top - s.getBoundingClientRect().top;
   const box = el => { const r = el.getBoundingClientRect(); return {top: r.top, bottom: r.bottom, height: r.height, width: r.width}; };
+  const table = pg.querySelector('.qsa-table');
   const boxes = {figure: box(pg.querySelector('img.qsa-figure')), status: box(pg.querySelector('.qsa-status')),
-                 table: box(pg.querySelector('.qsa-table'))};
+                 table: box(table)};
   pg.querySelectorAll('select, input, button').forEach((el, i) => { boxes[`control ${i} ${el.closest('.widget-inline-hbox, .widget-checkbox, button')?.innerText?.trim() || el.tagName}`] = box(el); });
+  // the table's content: every row (header too) by its first cell, and whether anything overflows the box
+  const rows = [...table.querySelectorAll('tr')].map(r => ({name: r.children[0]?.innerText.trim(), ...box(r)}));
+  const overflow = {scroll: table.scrollHeight, client: table.clientHeight};
+  // every option of every dropdown, measured in the dropdown's own font against the room its box leaves
+  const ctx = document.createElement('canvas').getContext('2d');
+  const labels = [];
+  pg.querySelectorAll('select').forEach(sel => {
+    const cs = getComputedStyle(sel);
+    ctx.font = `${cs.fontStyle} ${cs.fontWeight} ${cs.fontSize} ${cs.fontFamily}`;
+    const room = sel.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) - 16;   // 16: the arrow
+    // (ipywidgets writes an option's spaces as no-break spaces: the label is read back with plain ones)
+    [...sel.options].forEach(o => labels.push({label: o.text.replace(/\u00a0/g, ' '), width: ctx.measureText(o.text).width, room}));
+  });
   const v = s.getBoundingClientRect();
-  return {view: {top: v.top, bottom: Math.min(v.bottom, window.innerHeight)}, boxes};
+  return {view: {top: v.top, bottom: Math.min(v.bottom, window.innerHeight)}, boxes, rows, overflow, labels};
 }"""
 SCROLL_TO_FIGURE = """img => {
   let s = img.parentElement;
@@ -510,6 +530,9 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         assert meta.get("git_commit") and meta.get("csrc_sha256"), meta
         assert meta.get("site") == "stale-tail" and TAIL_PRESET.search(meta.get("preset", "")), meta
         assert str(figures.resolve()) not in shown.split(" in ")[0], f"a path before the names in {shown!r}"
+        lines = message.first.evaluate("m => { const cs = getComputedStyle(m); const lh = parseFloat(cs.lineHeight) || "
+                                       "1.3 * parseFloat(cs.fontSize); return m.getBoundingClientRect().height / lh; }")
+        assert lines <= 2.5, f"the export message takes {lines:.1f} lines: {shown!r}"
         root.locator("button", has_text=EXPORT_LABEL).first.click()      # again: nothing new to write
         wait_until("'already exported, unchanged' after a second click",
                    lambda: "already exported, unchanged" in " ".join(message.all_inner_texts()), EXPORT_TIMEOUT_S)
@@ -575,6 +598,12 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         # At 1440x900 (file browser open) the controls and the figure are on screen together, and
         # the route table keeps its height when a fix toggle drops a row: the figure never jumps.
         page.set_viewport_size({"width": 1440, "height": 900})
+        for toggle in root.locator(".widget-checkbox input[type=checkbox]").all():   # every fix on: every route
+            if not toggle.is_checked():
+                toggle.click()
+                sig, _ = wait_redraw(root, "the figure redrawn with one more fix", sig, lambda r: True)
+        wait_until("every route in the table", lambda: set(route_rows(root)) == set(ROUTES), REDRAW_TIMEOUT_S)
+        wait_until("the busy state cleared", lambda: not busy_now(root)["computing"], WIDGET_TIMEOUT_S)
         time.sleep(0.5)
         layout = wait_until("the playground's boxes measured", lambda: root.evaluate(FITS), WIDGET_TIMEOUT_S)
         page.screenshot(path=str(results_dir / "playground-1440x900.png"))
@@ -582,6 +611,17 @@ def test_playground_in_jupyterlab(lab_server, browser_context, results_dir):
         off = {k: b for k, b in boxes.items() if b["top"] < view["top"] - 1 or b["bottom"] > view["bottom"] + 1}
         assert not off, f"off screen at 1440x900 (notebook view {view}): {off}"
         assert boxes["figure"]["height"] > 300 and boxes["figure"]["width"] > 600, boxes["figure"]
+        # the content, not the box: the header and a row per route, each inside the box and on screen
+        table, rows = boxes["table"], layout["rows"]
+        assert sorted(r["name"] for r in rows[1:]) == sorted(ROUTES), rows
+        cut = [r for r in rows if r["top"] < table["top"] - 1 or r["bottom"] > table["bottom"] + 1
+               or r["bottom"] > view["bottom"] + 1]
+        assert not cut, f"route table rows cut off (box {table}, view {view}): {cut}"
+        assert layout["overflow"]["scroll"] <= layout["overflow"]["client"] + 1, layout["overflow"]
+        # every dropdown's labels whole ("(partial tail)", the marker notebook 03 points at, included)
+        clipped = [(x["label"], round(x["width"]), round(x["room"])) for x in layout["labels"] if x["width"] > x["room"]]
+        assert not clipped, f"dropdown labels wider than their dropdown (label, px, room): {clipped}"
+        assert any("partial tail" in x["label"] for x in layout["labels"]), " | ".join(x["label"] for x in layout["labels"])
         toggle = root.locator(".widget-checkbox", has_text=FIX_LABEL).locator("input[type=checkbox]")
         was_on = toggle.is_checked()
         toggle.click()

@@ -112,13 +112,13 @@ def test_repro_table_and_bench_figures():
                          geometry_overrides=dict(context=512, topk=32))
     ax = plotting.plot_repro_table(table, ax=new_ax())
     cells = ax.tables[0].get_celld()
-    header = [cells[0, j].get_text().get_text() for j in range(max(j for _, j in cells) + 1)]
+    header = [cells[0, j].get_text().get_text().replace("\n", " ") for j in range(max(j for _, j in cells) + 1)]
     assert header[2] == "reference" and "expected to differ" in header and "as expected" in header
     row = {h: cells[1, j] for j, h in enumerate(header)}
     assert row["grouped"].get_text().get_text() == "480" and row["expected to differ"].get_text().get_text() == "grp"
     # the unfixed route differs as predicted (yellow), the fixes equal the reference (green)
     assert mcolors.to_hex(row["grouped"].get_facecolor()) == plotting.EXPECTED_DIFF_COLOR
-    assert mcolors.to_hex(row["kernel_fix\n(A)"].get_facecolor()) == plotting.SAME_COLOR
+    assert mcolors.to_hex(row["kernel_fix (A)"].get_facecolor()) == plotting.SAME_COLOR
     assert row["as expected"].get_text().get_text() == "yes"
     df, meta = figdata.bench_frame([{"variant": "grouped", "context": 8192, "rows": 16, "median_ms": 0.19,
                                      "ratio_to_unfixed": 1.0},
@@ -612,3 +612,52 @@ def test_leak_matrix_tick_labels_are_readable():
     ax = cf.plot_leak_matrix(cf.leak_matrix(load_canary(locate("data") / "canary_h200.json")), ax=new_ax())
     labels = ax.get_xticklabels() + ax.get_yticklabels() + [t for c in ax.child_axes for t in c.get_xticklabels()]
     assert labels and min(t.get_fontsize() for t in labels) >= 9, sorted({t.get_fontsize() for t in labels})
+
+
+def test_the_repro_table_figure_clips_no_cell_and_says_what_a_nan_count_beside_a_difference_means():
+    """Every header and cell text inside its cell, with the longest case names, five-digit counts and
+    '(n NaN)' beside a difference; the figure explains that note."""
+    import pandas as pd
+
+    from qsa_lab.report.repro import REPRO_CASES
+    from qsa_lab.routes import labels
+
+    rows = []
+    for i, c in enumerate(REPRO_CASES):
+        row = {"case": c.name, "poisoned_dims": [102, 152, 168, 170, 230, 1], "as_expected": True,
+               "differs_from_reference": "grouped", "expected_to_differ": ",".join(labels.ROUTES[2:]),
+               "bit_identical_repeat": False}
+        row.update({f"nan[{r}]": 29184 for r in labels.ROUTES})
+        row.update({f"max|{r}-xqa|": None if i % 2 else 6.1e-5 for r in labels.FIXED_ROUTES})
+        rows.append(row)
+    ax = plotting.plot_repro_table(pd.DataFrame(rows))
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    clipped = []
+    for (i, j), cell in ax.tables[0].get_celld().items():
+        box, text = cell.get_window_extent(renderer), cell.get_text().get_window_extent(renderer)
+        if text.x0 < box.x0 - 0.5 or text.x1 > box.x1 + 0.5 or text.y0 < box.y0 - 0.5 or text.y1 > box.y1 + 0.5:
+            clipped.append((i, j, cell.get_text().get_text()))
+    assert not clipped, clipped
+    assert any(c.get_text().get_text() == "6.1e-05 (4 NaN)" or c.get_text().get_text().endswith(" NaN)")
+               for c in ax.tables[0].get_celld().values())
+    notes = " ".join(t.get_text() for t in ax.texts)
+    assert "(n NaN): n fixes held NaN and are left out" in notes
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_notebook_01s_byte_maps_draw_no_text_over_another(seed):
+    """The byte-map panels as notebook 01 draws them: no NaN-dim label, title, axis label or tick
+    label overlaps another text of the figure (dims too close for two labels share one)."""
+    import itertools
+
+    maps = figdata.page_byte_maps(seed=seed)
+    fig = plotting.small_multiples(plotting.plot_page_bytes, maps, ncols=2, panel=(7.5, 2.5))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [(t.get_text(), t.get_window_extent(renderer)) for t in fig.findobj(matplotlib.text.Text)
+             if t.get_visible() and t.get_text().strip()]
+    assert sum("NaN dims" in t for t, _ in texts) == len(maps)        # every panel has its NaN-dim axis
+    overlaps = [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(texts, 2) if box_a.overlaps(box_b)]
+    assert not overlaps, overlaps[:5]

@@ -39,6 +39,12 @@ def test_repro_stdout_fits_120_columns_with_reference_and_expectations(table):
     assert all(bool(v) for v in table["as_expected"])
     narrow = format_table(table, width=100)
     assert max(map(len, narrow.splitlines())) <= 100
+    for text in (text, narrow):   # every case name whole, its words in order on its row and the lines under it
+        lines = text.splitlines()
+        case_w = lines[0].index("   ref") - 3                  # the case column: from 3 up to the first route
+        shown = " ".join(line[3:3 + case_w].strip() for line in lines[1:] if not line.startswith("#"))
+        for case in table["case"]:
+            assert case in shown, (case, text)
 
 
 def test_diff_table_passes_or_fails_against_the_tolerance_and_explains_the_reference(capsys):

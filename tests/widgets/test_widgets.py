@@ -499,5 +499,31 @@ def test_controls_sit_beside_the_figure_above_a_fixed_height_table(pg):
         todo += list(getattr(w, "children", ()))
     assert all(id(w) in inside for w in [*pg.controls.values(), *pg.toggles.values(), pg.export_button])
     assert pg.image in figure.children and column.layout.width == W.COLUMN
-    assert pg.table.layout.height == W.TABLE_HEIGHT and pg.table.layout.overflow == "hidden"
-    assert list(pg.widget.children).index(pg.table) > list(pg.widget.children).index(top[0])
+    assert pg.table.layout.height == W.TABLE_HEIGHT and pg.table.layout.overflow == "auto"
+    order = list(pg.widget.children)
+    assert order.index(top[0]) < order.index(pg.status) < order.index(pg.message) < order.index(pg.table)
+    # the box holds a header and a row for every route, fixes that land later included
+    assert W.TABLE_HEIGHT == f"{(len(ROUTES) + 1) * W.ROW_PX + 8}px"
+
+
+def test_every_geometry_preset_is_offered_by_its_name_and_a_label_that_keeps_its_marks():
+    """The dropdown's value is the preset's name; its label is short enough to read whole in the
+    column (measured in JupyterLab by tests/e2e) and keeps what notebook 03 tells you to look for."""
+    import re
+
+    options = W.make_controls(D.Params())[0]["geometry"].options
+    assert [v for _, v in options] == list(D.PRESETS)
+    for label, name in options:
+        assert ("partial tail" in label) == ("partial tail" in name) and ("report" in label) == ("report" in name)
+        assert re.search(r"\d+ rows, ctx \d+", label) and len(label) < len(name) + 1
+
+
+def test_the_export_name_notebooks_readme_shows_is_the_one_notebook_03_writes():
+    """notebooks/README.md's example file name is what Export writes for notebook 03's first view
+    (its START: targeted V poison, e4m3, every fix) on the emulation."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "notebooks" / "README.md").read_text()
+    example = re.search(r"e\.g\. `(playground_[^`]+)\.png`", text).group(1)
+    data = D.playground_data(D.Params(site="targeted", plane="v", kv_dtype="e4m3", backend="emulate"))
+    assert R.export_name(data) == example
