@@ -474,7 +474,7 @@ def plot_bench(data, ax=None):
 #: bench variant (unfixed or a fix of routes.labels) -> its colour in the fix-cost figure
 #: (both_fixes purple: two oranges for kernel_fix and both_fixes could not be told apart)
 FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816", "both_fixes": "#9c36b5",
-              "masked_load": "#1c7ed6"}
+              "masked_load": "#1c7ed6", "request_groups": "#0ca678", "finite_pv": "#e64980"}
 
 
 def plot_fix_cost(data: dict, fig=None):
