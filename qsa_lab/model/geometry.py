@@ -130,6 +130,7 @@ MIXES = {
     "upstream-mix": Geometry(rows=49, requests=4, request_rows=(46, 1, 1, 1), context=2051, layout="scatter"),
     # prefill only: three prefill chunks whose boundaries fall inside groups
     "prefill-mix": Geometry(rows=40, requests=3, request_rows=(20, 13, 7), context=2051, layout="scatter"),
-    # decode-heavy: one catch-up chunk and 19 decode rows, each of another request
-    "decode-mix": Geometry(rows=61, requests=20, request_rows=(42,) + (1,) * 19, context=2051, layout="scatter"),
+    # decode-heavy: 20 requests of 3-4 rows each (speculative decoding verifies a few tokens per request):
+    # every group of 8 consecutive rows holds 2 or 3 requests
+    "decode-mix": Geometry(rows=61, requests=20, request_rows=(4,) + (3,) * 19, context=2051, layout="scatter"),
 }
