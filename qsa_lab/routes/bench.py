@@ -123,7 +123,9 @@ def _sm_clock_mhz():
         return None
 
 
-def _capture(fn):
+def capture_graph(fn):
+    """fn() captured in a CUDA graph (run once eagerly first, on a side stream: the binding's range checks
+    synchronise and must not run inside the capture) -> the graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -167,7 +169,7 @@ def time_point(geometry, reps=30, warmup=5, copies=COPIES, variants=VARIANTS, fl
         # Each launch is captured once in a CUDA graph and replayed: a replay is the kernel
         # alone, as in a graph-captured serving step, without the Python wrapper or the
         # binding's data-dependent range checks (those synchronise, and are skipped in capture).
-        graphs = [_capture(_runner(variant, p)) for p in prepared]
+        graphs = [capture_graph(_runner(variant, p)) for p in prepared]
         for i in range(warmup):
             graphs[i % len(graphs)].replay()
         times = []
