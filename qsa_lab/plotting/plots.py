@@ -616,3 +616,35 @@ def plot_cross_request(data: dict, ax=None):
                        Patch(color=CROSS_REQUEST_COLORS["leak"], label="non-finite: ANOTHER request's row (leak)")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
+
+
+def plot_complete_fix_cost(data: dict | None, ax=None):
+    """Each route's time per call as a ratio to kernel_fix (A) (analysis.bench_data.complete_fix_data),
+    one block of bars per shape, whiskers from the 10th to the 90th percentile; the line at 1 is
+    kernel_fix. None (no GPU run committed yet) draws that note instead."""
+    ax = _ax(ax, (9.5, 6.5))
+    if data is None:
+        ax.text(0.5, 0.5, "the complete fixes' cost is not measured yet:\nbash benchmarks/complete_fix_gpu.sh on a GPU "
+                "writes data/complete_fix_h200.json", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return ax
+    routes, shapes = data["routes"], data["shapes"]
+    colors = {"grouped": FIX_COLORS["unfixed"], "grouped+masked_load": FIX_COLORS["masked_load"],
+              "grouped+request_groups": FIX_COLORS["request_groups"], "grouped+finite_pv": FIX_COLORS["finite_pv"],
+              "grouped+finite_pv, NaN in V": "#f783ac", "xqa": "#adb5bd"}
+    height = 0.8 / len(routes)
+    for i, s in enumerate(shapes):
+        for j, r in enumerate(routes):
+            mid, lo, hi = s["ratios"][r]
+            y = i + (j - (len(routes) - 1) / 2) * height
+            ax.barh(y, mid, height=height * 0.9, color=colors.get(r, "#888888"),
+                    label=data["labels"][r] if i == 0 else None)
+            ax.plot([lo, hi], [y, y], color="#212529", lw=0.8)
+    ax.axvline(1.0, color=FIX_COLORS["kernel_fix"], lw=1.2, ls="--", label="kernel_fix (A) = 1")
+    ax.set_yticks(range(len(shapes)), [s["name"] for s in shapes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time per call / kernel_fix (A)'s (median; whiskers: 10th-90th percentile)")
+    ax.set_title(f"The complete fixes' cost, {data['gpu']}: the grouped kernel + XQA over the remainder rows",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    return ax
