@@ -425,7 +425,11 @@ def _leak_cells(doc: dict, q_heads: int, kv_dtype: str, payload: str) -> dict:
         cell = out.setdefault(r["route"], {})
         if r["verdict"] == "leak":
             cell.setdefault(r["poisoned_request"], []).extend(r["rows"])
-    return {route: " · ".join(f"r{p}→{','.join(map(str, sorted(rows)))}" for p, rows in sorted(c.items())) or "-"
+    def ranges(rows):
+        from qsa_lab.analysis.cross_request import _ranges
+
+        return _ranges(rows)
+    return {route: " · ".join(f"r{p}→{ranges(rows)}" for p, rows in sorted(c.items())) or "-"
             for route, c in out.items()}
 
 
@@ -437,13 +441,19 @@ def cross_request(names=("cross_request_h200.json", "cross_request_cpu.json")) -
     out = (f"`qsa-lab cross-request` ({doc['mix']}: rows per request {g['request_rows']}, context {g['context']}, head "
            f"dim {g['head_dim']}; backend {doc['backend']}; committed {_committed(name)}; source `{_where(name)}`). A cell "
            "lists, per poisoned request, the rows of OTHER requests that went non-finite; `-`: none.")
+    nowhere = []
     for kv, payload in sorted({(r["kv_dtype"], r["payload"]) for r in doc["records"] if r["verdict"] != "n/a"}):
         heads = sorted({r["q_heads"] for r in doc["records"] if r["kv_dtype"] == kv})
         cells = {h: _leak_cells(doc, h, kv, payload) for h in heads}
         routes = list(dict.fromkeys(r for h in heads for r in cells[h]))
+        if all(c == "-" for h in heads for c in cells[h].values()):
+            nowhere.append(f"{payload} in the {kv} cache")
+            continue
         out += f"\n\n**{payload} in one request's V, {kv} cache**\n\n" + table(
             ["route"] + [f"{h} query heads" for h in heads], [[f"`{r}`"] + [cells[h].get(r, "-") for h in heads]
                                                                 for r in routes])
+    if nowhere:
+        out += f"\n\nNo route gave another request's row a non-finite value with {' or '.join(nowhere)} (every head count)."
     return out
 
 
@@ -460,7 +470,8 @@ def other_rows(names=("canary_other_rows_cpu.json", "canary_other_rows_h200.json
                        f"{_committed(name)}, `{_where(name)}`):\n\n" + table(("kernel", "pool", "spec", "query rows", "non-clean"), rows))
             continue
         rows = [(f"`{k}`", v) for k, v in _kernel_summary(doc).items()]
-        where = f"{doc.get('gpu') or 'CPU'}, qsa routes on {doc.get('backend', '?')}"
+        where = ("the CPU, qsa routes on the emulation" if doc.get("device") == "cpu" else
+                 f"{doc.get('gpu')}, qsa routes on the {'compiled kernels' if doc.get('backend') == 'cuda' else 'emulation'}")
         out.append(f"The canary's case, regions other-rows and other-requests ({where}; committed {_committed(name)}; "
                    f"`{_where(name)}`):\n\n" + table(("kernel", "non-clean cells"), rows))
     missing = [n for n in names if n not in found]
