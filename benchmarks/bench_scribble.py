@@ -1,6 +1,6 @@
 """What the scribble costs: a clean generation vs the same generation with one region scribbled.
 
-Method: the tiny model and workload of `qsa-lab scribble` (default llama-gqa, issue32); one untimed
+Method: the tiny model and workload of `qsa-lab scribble` (default llama-gqa, chunked-prefill); one untimed
 warm-up generation per mode, then `--repeats` generations each, wall clock (time.perf_counter, the
 device synchronised by transformers' synchronous batching before a generation returns); medians.
 Modes: `plain` (no hooks), `guard` (write guard only: a digest of every pool row around every step),
@@ -49,7 +49,7 @@ LOAD_START = os.getloadavg()[0]   # CPU times swing with load: the JSON records 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-gqa")
-    p.add_argument("--workload", default="issue32")
+    p.add_argument("--workload", default="chunked-prefill")
     p.add_argument("--attn", default="paged|eager")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--cuda-graph", action="store_true", help="also time with CUDA graphs (CUDA only)")

@@ -16,8 +16,8 @@ import sys
 PHASES = {  # per-tile pieces, in kernel order, named by what runs before each barrier
     "unfixed": ["setup: Q, element map", "setup: M-tile bits", "K panel (B1)", "QK (B2)", "softmax (B3)",
                 "rescale + V panel (B4)", "P@V (B5)", "epilogue: row sums", "output"],
-    "kernel_fix": ["setup: Q, element map", "setup: M-tile bits", "K panel (B1)", "fix A: zero K rows (A1)",
-                   "QK (B2)", "softmax (B3)", "rescale + V panel (A2)", "fix A: zero V rows (B4)", "P@V (B5)",
+    "kernel_fix": ["setup: Q, element map", "setup: M-tile bits", "K panel (B1)", "kernel_fix: zero K rows (A1)",
+                   "QK (B2)", "softmax (B3)", "rescale + V panel (A2)", "kernel_fix: zero V rows (B4)", "P@V (B5)",
                    "epilogue: row sums", "output"],
 }
 PHASES["masked_load"] = PHASES["early_v"] = PHASES["unfixed"]

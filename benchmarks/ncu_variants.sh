@@ -26,7 +26,7 @@ fi
   echo "# bash benchmarks/ncu_variants.sh (csrc/ at $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- csrc 2>/dev/null || echo ' + uncommitted changes'))"
   $PY benchmarks/ncu_variants.py --summarize "$TMP/raw.csv" --case-log "$TMP/raw.csv"
   echo
-  # Per-phase breakdown from per-instruction (SASS) samples, for the unfixed kernel and fix A
+  # Per-phase breakdown from per-instruction (SASS) samples, for the unfixed kernel and kernel_fix (A)
   # (launches 0 and 1 of ncu_variants.py); best effort: an ncu without the source page skips it.
   for pair in "0 unfixed" "1 kernel_fix"; do
     set -- $pair

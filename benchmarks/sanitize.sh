@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck + racecheck on every kernel variant (small case), and the
-# demonstration that fix A without its leading barrier is a race.
+# demonstration that kernel_fix (A) without its leading barrier is a race.
 #   bash benchmarks/sanitize.sh [LOGDIR]
 # The extension must build first (a plain run of sanitize_case.py does that).
 set -uo pipefail

@@ -4,7 +4,7 @@
 
 Runs each grouped variant once (plus XQA and decode_panel), prints NaN counts. With
 --trials N it also reruns each variant N times and counts runs whose output has a NaN
-on a route that should be clean (the leak test for fix A without its leading barrier).
+on a route that should be clean (the leak test for kernel_fix (A) without its leading barrier).
 With --mixed the case is upstream's mixed batch (46 + 1 + 1 + 1 rows, a shorter context) with
 NaN in request 0's attended V, and each variant also runs on the request-aligned plan whose
 remainders are padded groups (empty query slots, group_rows -1): finite_pv's slow path (tiles

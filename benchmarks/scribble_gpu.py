@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("out", help="output folder (created)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--model", default="llama-gqa")
-    p.add_argument("--workload", default="issue32")
+    p.add_argument("--workload", default="chunked-prefill")
     p.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--payloads", default="nan,inf,max")
     args = p.parse_args(argv)

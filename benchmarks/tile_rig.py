@@ -5,7 +5,7 @@
     python benchmarks/tile_rig.py run build/rig/cases build/rig/A build/rig/B ...   (the GPU node)
     python benchmarks/tile_rig.py whatif build/rig/src       (copies of csrc/, each with one part left out)
 
-`run` times unfixed, fix A and fix C of every binary on the same cases in one process each
+`run` times unfixed, kernel_fix (A) and masked_load (C) of every binary on the same cases in one process each
 (median of CUDA-event times, L2 flushed and warm; see tile_rig.cu) and checks that every
 binary's output matches the first one's: same NaN positions, finite values within 2e-2.
 It is for trying kernel changes quickly; the numbers that count come from `qsa-lab bench`.

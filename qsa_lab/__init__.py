@@ -2,8 +2,6 @@
 
 Data flow: case -> poison -> plan -> route -> fingerprint -> figure.
 """
-__version__ = "0.1.0"
-
 # Importing qsa_lab changes nothing in the host interpreter (no atexit handler, no signal handler,
 # no thread): the processes qsa_lab owns, the `qsa-lab` program and its second processes, end with
 # os._exit once their work is flushed, which skips the interpreter's teardown and its last garbage
@@ -13,6 +11,7 @@ __version__ = "0.1.0"
 # `import qsa_lab.app.cli` and `qsa-lab --help` stay free of torch, and `python -m qsa_lab` / `qsa-lab`
 # install their signal handling (qsa_lab.support.signals) before the seconds-long torch import.
 from .support.lazy import lazy  # noqa: E402 - plain Python, imports nothing
+from .support.version import __version__  # noqa: E402, F401 - a constant
 
 _LAZY = {"Case": ".model.case", "Geometry": ".model.geometry", "build_case": ".model.case",
          "apply_poison": ".model.poison", "plan_groups": ".model.plan", "pad_fix": ".model.plan",

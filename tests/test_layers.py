@@ -30,8 +30,10 @@ LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def module_name(path: Path) -> str:
+    """'.../qsa_lab/model/case.py' -> 'qsa_lab.model.case'; a package's __init__.py -> the package
+    ('qsa_lab.model', and 'qsa_lab' for the face)."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    if parts[-1] == "__init__" and len(parts) > 2:
+    if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
@@ -42,12 +44,15 @@ def layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The qsa_lab modules `path` imports anywhere in its body (resolved to a module that exists)."""
+def imports_of(path: Path, modules: set[str], source: str | None = None) -> set[str]:
+    """The qsa_lab modules `path` imports anywhere in its body (resolved to a module that exists).
+    `from P import name` depends on the module P.name when there is one, else on P (a name P
+    defines): `from qsa_lab import __version__` is an import of the face. `source` stands in for
+    the file's text (tests of this reader)."""
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -55,13 +60,13 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            targets = [f"{base}.{a.name}" for a in node.names]
         else:
             continue
         for t in targets:
             while t and t not in modules:   # an attribute of a module -> that module
                 t = t.rpartition(".")[0]
-            if t and t != me and t != "qsa_lab":
+            if t and t != me:
                 found.add(t)
     return found
 
@@ -132,8 +137,19 @@ def test_imports_go_down_only():
 @pytest.mark.parametrize("bad, expect", [
     ({"qsa_lab.model.case": {"qsa_lab.routes.run"}}, "up"),
     ({"qsa_lab.report.figures": {"qsa_lab.widgets"}}, "beside"),
+    ({"qsa_lab.canary.runner": {"qsa_lab"}}, "up"),
 ])
 def test_the_checks_see_a_wrong_import(bad, expect):
     """The two checks are not vacuous: an upward and a sideways import are named, a circle found."""
     assert expect in wrong_way(bad)[0]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_an_import_of_the_face_is_seen():
+    """The face is a module like the others: a name taken from it is an upward import, a
+    submodule taken through it is an import of that submodule only."""
+    modules = set(import_graph())
+    assert "qsa_lab" in modules
+    text = "from qsa_lab import __version__\nfrom qsa_lab import fp8\nfrom ..model import case\n"
+    assert imports_of(PACKAGE / "canary" / "runner.py", modules, text) == {"qsa_lab", "qsa_lab.fp8", "qsa_lab.model.case"}
+    assert "up" in wrong_way({"qsa_lab.canary.runner": imports_of(PACKAGE / "canary" / "runner.py", modules, text)})[0]

@@ -204,13 +204,15 @@ def perf_cpu(name: str = "bench_cpu.json") -> str:
 
 
 _FIX = {"unfixed": "grouped", "kernel_fix": "grouped+kernel_fix (A)", "pad_fix": "grouped+pad_fix (B)",
-        "both": "grouped+both_fixes (A+B)", "masked_load": "grouped+masked_load (C)",
+        "both_fixes": "grouped+both_fixes (A+B)", "masked_load": "grouped+masked_load (C)",
         "early_v": "early_v (not upstream)", "pad_fix_op": "the pad-fix op alone", "xqa": "xqa",
         "torch_sdpa": "torch SDPA"}
 
 
 def perf_h200(name: str = "bench_h200.json") -> str:
-    doc = json.loads(evidence(name).read_text())
+    from qsa_lab.analysis.bench_data import current_names
+
+    doc = current_names(json.loads(evidence(name).read_text()))   # a run of an earlier version reads the same
     rg = doc["report_geometry"]
     g = rg["geometry"]
     rows = [(_FIX.get(k, k), f"{v:.3f}", f"{rg['us_per_tile'][k]:.2f}" if k in rg["us_per_tile"] else "-",
@@ -226,21 +228,24 @@ def perf_h200(name: str = "bench_h200.json") -> str:
               f"×{s['ratio_to_unfixed']['masked_load']:.3f}", f"{s['ms']['xqa']:.3f}") for s in doc["sweep"]]
     out += "\n\nThe sweep (same method):\n\n" + table(
         ("rows", "context", "grouped ms", "µs per tile", "kernel_fix (A)", "masked_load (C)", "xqa ms"), sweep)
-    fa = doc["fix_a_vs_report"]
-    out += (f"\n\nThe report measured kernel_fix (A) at ×{fa['report_v100_ratio']} per iteration on a V100; here it "
-            f"is ×{fa['here_ratio']:.3f} (+{fa['here_us_per_tile']['kernel_fix_minus_unfixed']:.2f} µs per tile). "
-            f"What differs: {fa['differs']}")
+    kf = doc["kernel_fix_vs_report"]
+    out += (f"\n\nThe report measured kernel_fix (A) at ×{kf['report_v100_ratio']} per iteration on a V100; here it "
+            f"is ×{kf['here_ratio']:.3f} (+{kf['here_us_per_tile']['kernel_fix_minus_unfixed']:.2f} µs per tile). "
+            f"What differs: {kf['differs']}")
     return out
 
 
 def perf_upstream(name: str = "upstream_fix_cost_h200.json") -> str:
-    doc = json.loads(evidence(name).read_text())
+    from qsa_lab.analysis.bench_data import load_upstream
+
+    doc = load_upstream(evidence(name))
     up = doc["upstream"]
-    rows = [(r["rows"], r["upstream_unfixed_us_per_tile"], f"×{r['upstream_fix_a_ratio']} (+{r['upstream_fix_a_extra_us']} µs)",
-             r["qsa_lab_unfixed_us_per_tile"], f"×{r['qsa_lab_fix_a_ratio']} (+{r['qsa_lab_fix_a_extra_us']} µs)")
+    rows = [(r["rows"], r["upstream_unfixed_us_per_tile"],
+             f"×{r['upstream_kernel_fix_ratio']} (+{r['upstream_kernel_fix_extra_us']} µs)",
+             r["qsa_lab_unfixed_us_per_tile"], f"×{r['qsa_lab_kernel_fix_ratio']} (+{r['qsa_lab_kernel_fix_extra_us']} µs)")
             for r in doc["rows"]]
     head = (f"{doc['what']}: {doc['gpu']}, committed {_committed(name)}. Upstream: {up['repo']} `{up['file']}` "
-            f"@{up['unfixed_commit']}, kernel_fix (A) @{up['fix_a_commit']} ({up['fix_a_source']}; {up['built']}). "
+            f"@{up['unfixed_commit']}, kernel_fix (A) @{up['kernel_fix_commit']} ({up['kernel_fix_source']}; {up['built']}). "
             f"Method: {doc['method']}. Checks: {doc['checks']} Source: `{_where(name)}`.")
     return head + "\n\n" + table(("rows", "upstream µs/tile", "upstream kernel_fix (A)", "qsa_lab µs/tile",
                                   "qsa_lab kernel_fix (A)"), rows)
@@ -502,7 +507,7 @@ def scribble_h200(name: str = "scribble_h200/summary.json") -> str:
         rows.append([f"`{config}`", found or "every check clean or n/a", str(got["exit_code"])])
     return (table(["configuration", "what was not clean", "exit"], rows)
             + f"\n\n*{facts['gpu']}, torch {facts['torch']}, transformers {facts['transformers']}, tiny Llama in fp16, "
-              f"workload issue32; committed {_committed(name)}. Source: `{_where(name)}`.*")
+              f"workload chunked-prefill (then named issue32); committed {_committed(name)}. Source: `{_where(name)}`.*")
 
 
 def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribble_h200_graphs.json")) -> str:

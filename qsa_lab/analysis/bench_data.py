@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qsa_lab.routes.labels import FIXES, fix_label, renamed_fix
+from qsa_lab.routes.labels import FIXES, current_keys, fix_label, renamed_fix
 from qsa_lab.support.package_data import locate
 
 BENCH_JSON = locate("data") / "bench_h200.json"
@@ -25,12 +25,13 @@ PER_VARIANT = ("ms", "us_per_tile", "barriers_per_tile", "ratio_to_unfixed", "gb
 
 
 def current_names(doc: dict) -> dict:
-    """A qsa_lab.bench/1 document with every variant by its name now (routes.labels): runs measured
-    before a rename (data/bench_h200.json) are read through labels.renamed_fix, numbers unchanged."""
+    """A qsa_lab.bench/1 document with every variant and key by its name now (routes.labels): runs
+    measured before a rename (data/bench_h200.json) are read through labels.renamed_fix and
+    labels.current_keys, numbers unchanged."""
     def point(p):
         return {k: {renamed_fix(v) or v: x for v, x in t.items()} if k in PER_VARIANT else t for k, t in p.items()}
 
-    out = dict(doc)
+    out = current_keys(doc)
     for k in ("report_geometry", "report_geometry_l2_warm"):
         if k in out:
             out[k] = point(out[k])
@@ -111,11 +112,12 @@ def bench_doc(live: bool, path: str | Path = BENCH_JSON) -> dict:
 
 
 def load_upstream(path: str | Path = UPSTREAM_JSON) -> dict:
-    """The committed measurement of upstream's own kernel beside ours (qsa_lab.upstream_fix_cost/1)."""
+    """The committed measurement of upstream's own kernel beside ours (qsa_lab.upstream_fix_cost/1),
+    keys by their names now (labels.current_keys: a file in the keys of an earlier version loads too)."""
     doc = json.loads(Path(path).read_text())
     if doc.get("schema") != "qsa_lab.upstream_fix_cost/1":
         raise ValueError(f"{path}: not a qsa_lab.upstream_fix_cost/1 document")
-    return doc
+    return current_keys(doc)
 
 
 def fix_cost_frame(cost: dict):
@@ -149,7 +151,9 @@ def fix_cost(bench: dict, upstream: dict | None = None, source: str = "") -> dic
                        "extra_us": us - rep["us_per_tile"]["unfixed"],
                        "sweep_ratio": (min(sweep), max(sweep)) if sweep else None,
                        "barriers": rep.get("barriers_per_tile", {}).get(v)}
-    report = bench.get("fix_a_vs_report", {}).get("report_v100_ratio") or (upstream or {}).get("report_v100_fix_a_ratio")
+    upstream = None if upstream is None else current_keys(upstream)
+    report = (bench.get("kernel_fix_vs_report", {}).get("report_v100_ratio")
+              or (upstream or {}).get("report_v100_kernel_fix_ratio"))
     g = rep["geometry"]
     return {"gpu": bench.get("gpu", "unknown GPU"), "source": source, "variants": variants,
             "report_v100_ratio": report, "tiles_per_group": rep.get("tiles_per_group_mean"),
@@ -157,17 +161,17 @@ def fix_cost(bench: dict, upstream: dict | None = None, source: str = "") -> dic
             "upstream": None if upstream is None else {
                 "rows": upstream["rows"], "gpu": upstream["gpu"],
                 "commits": f"{upstream['upstream']['repo']} @{upstream['upstream']['unfixed_commit']}, "
-                           f"{fix_label('kernel_fix')} @{upstream['upstream']['fix_a_commit']}"}}
+                           f"{fix_label('kernel_fix')} @{upstream['upstream']['kernel_fix_commit']}"}}
 
 
 def fix_cost_table(upstream: dict):
     """The upstream-vs-qsa_lab table as a DataFrame (one row per row count), for notebooks."""
     import pandas as pd
 
-    df = pd.DataFrame(upstream["rows"]).set_index("rows")
-    fix_a = fix_label("kernel_fix")
-    df.columns = ["upstream unfixed µs/tile", f"upstream ×{fix_a}", "upstream +µs", "qsa_lab unfixed µs/tile",
-                  f"qsa_lab ×{fix_a}", "qsa_lab +µs"]
+    df = pd.DataFrame(current_keys(upstream)["rows"]).set_index("rows")
+    fix = fix_label("kernel_fix")
+    df.columns = ["upstream unfixed µs/tile", f"upstream ×{fix}", "upstream +µs", "qsa_lab unfixed µs/tile",
+                  f"qsa_lab ×{fix}", "qsa_lab +µs"]
     return df
 
 

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from qsa_lab.model.case import Case, neighbour_overlap, token_values, validate_case
+from qsa_lab.model.case import Case, token_values, validate_case
+from qsa_lab.model.selection import neighbour_overlap
 from qsa_lab.routes.extensions import extensions_used
 from qsa_lab.model.plan import (GROUP, TILE_ENTRIES, GroupedPlan, tile_active_m_tiles, unattended_tokens, xqa_tokens)
 from qsa_lab.routes.labels import ROUTES

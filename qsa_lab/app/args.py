@@ -10,7 +10,6 @@ import contextlib
 import re
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-EXIT_BAD_ARGS = EXIT_BAD_INPUT  # older name
 
 
 class UsageError(Exception):

@@ -26,6 +26,9 @@ GEOMETRY = ("rows", "requests", "context", "topk", "page_size", "q_heads", "kv_h
 FAILURES = ("error", "unstable-control", "input-modified")
 MARKS = {"clean": ".", "nan-leak": "N", "inf-leak": "I", "finite-leak": "F", "error": "E", "unstable-control": "U",
          "input-modified": "M", "n/a": "/"}
+#: what a script that still passes the removed --fail-on-leak is told (stderr, after the run)
+FAIL_ON_LEAK_GONE = ("qsa-lab: note: --fail-on-leak: no longer an option and ignored: a leak always exits 1 "
+                     "(and a failed check 3); drop it from the command")
 LEGEND = ("# . clean   N NaN leak   I Inf leak   F finite leak (bits changed)   E error   U unstable control   "
           "M input modified   / n/a (no input references the region)   - not run")
 
@@ -126,8 +129,7 @@ def add_parser(sub, parents=()):
     o.add_argument("--report", metavar="DIR", help="write a leak report there: report.md / .html, the leak matrix, "
                    "versions, and per leaking cell its smallest poisoned call with a replay command (default: none)")
     o.add_argument("--force", action="store_true", help="let --json / --report replace files (default: never)")
-    o.add_argument("--fail-on-leak", action="store_true",
-                   help="kept for scripts: a leak always exits 1 now, a failed kernel 3 (default: off)")
+    o.add_argument("--fail-on-leak", action="store_true", help=argparse.SUPPRESS)   # removed: FAIL_ON_LEAK_GONE
     return c
 
 
@@ -255,10 +257,13 @@ def run(args) -> int:
 
         second = start()   # FlexAttention's slow start runs in a second process while this one imports torch
     try:
-        return _run(args, outs, kernels, geometry, second)
+        code = _run(args, outs, kernels, geometry, second)
     finally:
         if second is not None:
             second.close()   # not taken (bad input found later, a GPU run): ended with the command
+    if args.fail_on_leak:   # after the run: bad input stays one line on stderr
+        print(FAIL_ON_LEAK_GONE, file=sys.stderr)
+    return code
 
 
 def _inputs(args) -> dict:

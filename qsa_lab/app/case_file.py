@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from qsa_lab import __version__
+from qsa_lab.support.version import __version__
 from qsa_lab.model.case import Case, Geometry, no_poison, validate_case
 from qsa_lab.model.paged import SCALES, TENSORS
 from qsa_lab.support.outputs import _show, check_output, writing

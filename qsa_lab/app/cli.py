@@ -262,11 +262,12 @@ def cmd_bench(args) -> int:
 def cmd_doctor(args) -> int:
     import platform
 
-    import qsa_lab
     from qsa_lab.routes import compiled as kernels
     from qsa_lab.support.machine import table, verdict
+    from qsa_lab.support.version import __version__
 
-    info = {"qsa_lab": f"{qsa_lab.__version__} ({os.path.dirname(os.path.abspath(qsa_lab.__file__))})",
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the qsa_lab folder this runs from
+    info = {"qsa_lab": f"{__version__} ({package})",
             "python": platform.python_version(), **kernels.status()}
     backend = "cuda (compiled kernels)" if kernels.available() else "emulate (PyTorch emulation)"
     print("\n".join(table({**info, "backend auto": backend})))

@@ -7,17 +7,25 @@ transformers version the adapter was not written for (one line, never a verdict)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer
+from qsa_lab.scribble.models import RENAMED_WORKLOADS, WORKLOADS
 from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
 
 MODEL_NAMES = ("llama-gqa", "mistral-swa", "qwen2-hybrid")      # scribble.models.MODELS, without importing it
-WORKLOAD_NAMES = ("issue32", "reuse")                           # scribble.models.WORKLOADS
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def _workload(text: str) -> str:
+    """A workload's name; an earlier name is refused with the name it has now."""
+    if text in RENAMED_WORKLOADS:
+        raise argparse.ArgumentTypeError(f"{text!r} is now called {RENAMED_WORKLOADS[text]!r}")
+    return text
 
 
 def add_parser(sub, parents=()):
@@ -31,7 +39,8 @@ def add_parser(sub, parents=()):
     p.add_argument("--model", default="llama-gqa",
                    help=f"a tiny model built from a config ({', '.join(MODEL_NAMES)}) or a local checkpoint "
                         "folder (default llama-gqa)")
-    p.add_argument("--workload", default="issue32", choices=WORKLOAD_NAMES, help="named seeded workload (default issue32)")
+    p.add_argument("--workload", default="chunked-prefill", type=_workload, choices=tuple(WORKLOADS),
+                   help="named seeded workload (default chunked-prefill)")
     p.add_argument("--attn", default="paged|eager",
                    help="attention implementation: paged|eager, sdpa, flash_attention_2, ... (default paged|eager)")
     p.add_argument("--pad", action="store_true",

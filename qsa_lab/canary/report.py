@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from qsa_lab import __version__
+from qsa_lab.support.version import __version__
 
 SCHEMA = "qsa_lab.canary-call/1"
 LEAKS = ("nan-leak", "inf-leak", "finite-leak")

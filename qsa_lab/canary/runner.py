@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qsa_lab import __version__
+from qsa_lab.support.version import __version__
 from qsa_lab.model.poison import PAYLOADS, int_list, payload_bits
 from qsa_lab.support.processes import torch_threads
 from qsa_lab.model.regions import REGIONS, check_region, region_parts, region_referenced, region_sizes, regions_of

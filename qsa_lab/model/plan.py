@@ -217,7 +217,7 @@ def plan_groups(case: Case, grouping: str | None = None, remainder_group_min: in
 
 
 def pad_fix(plan: GroupedPlan) -> GroupedPlan:
-    """Fix B: repoint every mask == 0 entry at the group's first real microblock (column 0).
+    """pad_fix (B): repoint every mask == 0 entry at the group's first real microblock (column 0).
 
     torch.where + copy_ only: no host synchronisation, so it can be captured in a CUDA graph.
     Real entries always carry a nonzero mask, so they are untouched.
@@ -250,11 +250,6 @@ def xqa_tokens(case: Case, rows: torch.Tensor | None = None):
 def as_int32_mask(mask: torch.Tensor) -> torch.Tensor:
     """32-bit mask words held in int64 (0..2^32-1) -> their int32 view."""
     return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)
-
-
-def tile_view(x: torch.Tensor) -> torch.Tensor:
-    """[groups, cap] -> [groups, tiles, 8]."""
-    return x.view(x.shape[0], -1, TILE_ENTRIES)
 
 
 def tile_active_m_tiles(masks: torch.Tensor, seq_len: torch.Tensor, q_heads: int) -> torch.Tensor:

@@ -82,7 +82,7 @@ def gpu_name() -> str:
 
 def full_meta(meta: dict | None) -> dict:
     """meta plus defaults for the required keys (gpu, version, commit and csrc hash filled in here)."""
-    from qsa_lab import __version__
+    from qsa_lab.support.version import __version__
 
     out = {"case": "", "backend": "", "gpu": gpu_name(), "qsa_lab_version": __version__,
            "git_commit": git_commit(), "csrc_sha256": csrc_sha256()}

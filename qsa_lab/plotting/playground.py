@@ -258,7 +258,7 @@ def export_meta(data: dict) -> dict:
     import matplotlib
     import torch
 
-    from qsa_lab import __version__
+    from qsa_lab.support.version import __version__
 
     p = data["params"]
     return {"case": data["case"], "backend": data["backend"], "preset": p.preset,

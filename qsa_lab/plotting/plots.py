@@ -530,10 +530,10 @@ def plot_fix_cost(data: dict, fig=None):
         yy = np.arange(len(rows))[::-1]
         h = 0.2
         series = [("upstream unfixed", "upstream_unfixed_us_per_tile", None, "#adb5bd"),
-                  (f"upstream {fix_label('kernel_fix')}", "upstream_unfixed_us_per_tile", "upstream_fix_a_ratio",
+                  (f"upstream {fix_label('kernel_fix')}", "upstream_unfixed_us_per_tile", "upstream_kernel_fix_ratio",
                    "#868e96"),
                   ("qsa_lab unfixed", "qsa_lab_unfixed_us_per_tile", None, "#8c9fb5"),
-                  (f"qsa_lab {fix_label('kernel_fix')}", "qsa_lab_unfixed_us_per_tile", "qsa_lab_fix_a_ratio",
+                  (f"qsa_lab {fix_label('kernel_fix')}", "qsa_lab_unfixed_us_per_tile", "qsa_lab_kernel_fix_ratio",
                    FIX_COLORS["kernel_fix"])]
         for k, (label, base, ratio, color) in enumerate(series):
             vals = [r[base] * (r[ratio] if ratio else 1) for r in up["rows"]]

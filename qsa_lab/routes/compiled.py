@@ -53,8 +53,6 @@ assert set(KERNEL_VARIANTS) <= set(VARIANTS), "every route's kernel variant is c
 # is a __syncthreads_or).
 BARRIERS_PER_TILE = {"unfixed": 5, "kernel_fix": 7, "masked_load": 5, "kernel_fix_no_leading_barrier": 6, "early_v": 5,
                      "finite_pv": 5}
-# XQA partitions per KV format, as upstream: (tokens per partition, partial dtype).
-XQA_PARTITIONS = {"e4m3": (256, "float32"), "e5m2": (256, "float32"), "fp16": (1024, "float16")}
 MAX_Q_HEADS = 8
 MAX_HEAD_DIM = 256
 

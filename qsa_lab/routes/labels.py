@@ -24,7 +24,8 @@ requests' rows through P = 0 (0 * NaN = NaN). request_groups (R) and finite_pv (
 
 The letters A, B, C, R, F are an abbreviation shown beside a name (`label`), never a name of their own.
 Earlier spellings (fix A, fixA, the bench's `both`, ...) are not names: `renamed_route` and
-`renamed_fix` say what such a spelling is called now, for an error that names it.
+`renamed_fix` say what such a spelling is called now, for an error that names it. A JSON document
+an earlier version wrote (keys such as `fix_a_vs_report`) is read through `current_keys`.
 """
 from __future__ import annotations
 
@@ -64,6 +65,25 @@ OLD_FIX_NAMES = {"a": "kernel_fix", "fixa": "kernel_fix", "b": "pad_fix", "fixb"
                  "ab": "both_fixes", "a+b": "both_fixes", "fixab": "both_fixes", "fixa+b": "both_fixes",
                  "both": "both_fixes", "c": "masked_load", "fixc": "masked_load", "maskedload": "masked_load",
                  "requestgroups": "request_groups", "finitepv": "finite_pv"}
+
+
+#: keys of the JSON documents earlier versions wrote (the bench's qsa_lab.bench/1, the committed
+#: qsa_lab.upstream_fix_cost/1) -> their names now
+OLD_KEYS = {"fix_a_vs_report": "kernel_fix_vs_report",
+            "report_v100_fix_a_ratio": "report_v100_kernel_fix_ratio",
+            "fix_a_commit": "kernel_fix_commit", "fix_a_source": "kernel_fix_source",
+            "upstream_fix_a_ratio": "upstream_kernel_fix_ratio", "upstream_fix_a_extra_us": "upstream_kernel_fix_extra_us",
+            "qsa_lab_fix_a_ratio": "qsa_lab_kernel_fix_ratio", "qsa_lab_fix_a_extra_us": "qsa_lab_kernel_fix_extra_us"}
+
+
+def current_keys(doc):
+    """A JSON value with every key of OLD_KEYS renamed, at any depth (values unchanged); a
+    document already in today's keys comes back equal."""
+    if isinstance(doc, dict):
+        return {OLD_KEYS.get(k, k): current_keys(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [current_keys(v) for v in doc]
+    return doc
 
 
 def fix_of(route: str) -> str | None:

@@ -49,15 +49,22 @@ class Workload:
 
 
 WORKLOADS = {
-    # the issue's CPU reproduction: one chunked prefill (47 > 64 - 5 - 13 - 30 in the first batch)
-    "issue32": Workload("issue32", (5, 13, 30, 47), 6, 16, 32, 64),
+    # 4 requests on a pool with blocks to spare: one chunked prefill (47 > 64 - 5 - 13 - 30 in the
+    # first batch), no block reuse
+    "chunked-prefill": Workload("chunked-prefill", (5, 13, 30, 47), 6, 16, 32, 64),
     # 6 requests on 12 blocks of 8 tokens: requests wait for blocks that finished ones free, the
     # 47-token prompt is prefilled in chunks, and the last two share their first 16 tokens
     "reuse": Workload("reuse", (5, 13, 30, 47, 21, 21), 8, 8, 12, 32, shared_prefix=16),
 }
 
 
+#: earlier names of a workload -> its name now
+RENAMED_WORKLOADS = {"issue32": "chunked-prefill"}
+
+
 def workload(name: str) -> Workload:
+    if name in RENAMED_WORKLOADS:
+        raise ValueError(f"workload: {name!r} is now called {RENAMED_WORKLOADS[name]!r}")
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
     return WORKLOADS[name]

@@ -49,7 +49,7 @@ def machine_facts() -> dict:
 
     import torch
 
-    from qsa_lab import __version__
+    from qsa_lab.support.version import __version__
 
     facts = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version(),
              "machine": platform.machine(), "processor": platform.processor() or platform.machine(),

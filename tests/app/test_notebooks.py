@@ -247,7 +247,7 @@ def test_05_reads_committed_timings(tmp_path):
     assert nb.cells[0].cell_type == "markdown" and "earlier version" not in json.dumps(nb.cells, default=str)
     first_output = next(c for c in nb.cells if c.cell_type == "code" and c.outputs)
     assert "text/html" not in json.dumps(first_output.outputs)               # opens with the question, no frame
-    assert r["upstream_fix_a_ratio"] == [1.04, 1.045] and r["ours_fix_a_ratio"] == [1.063, 1.073]
+    assert r["upstream_kernel_fix_ratio"] == [1.04, 1.045] and r["ours_kernel_fix_ratio"] == [1.063, 1.073]
     table = next(c for c in nb.cells if "fix_cost_frame(" in c.source)      # the fix-cost table
     text = "".join(o.get("data", {}).get("text/plain", "") for o in table.outputs)
     assert "kernel_fix (A)" in text and "3.49" in text and not re.search(r"\d\.\d{4,}", text), text   # not 3.488375

@@ -17,9 +17,9 @@ def run(capsys, *argv):
     return rc, out, err
 
 
-def test_json_document_and_fail_on_leak(capsys):
+def test_json_document_and_a_leak_exits_1(capsys):
     rc, out, _ = run(capsys, "--kernels", "qsa:grouped,qsa:grouped+kernel_fix", "--payloads", "nan,inf", *FAST,
-                     "--json", "-", "--fail-on-leak")
+                     "--json", "-")
     doc = json.loads(out)
     assert rc == 1
     assert doc["schema"] == SCHEMA and doc["backend"] == "emulate" and doc["kv_dtype"] == "fp16"
@@ -34,15 +34,36 @@ def test_json_document_and_fail_on_leak(capsys):
     assert leak["nan"] == len(leak["rows"]) * len(leak["heads"]) * len(leak["dims"])
 
 
-def test_clean_kernels_exit_0_with_fail_on_leak(capsys):
-    rc, out, _ = run(capsys, "--kernels", "qsa:xqa,qsa:grouped+kernel_fix", *FAST, "--fail-on-leak")
+def test_clean_kernels_exit_0(capsys):
+    rc, out, _ = run(capsys, "--kernels", "qsa:xqa,qsa:grouped+kernel_fix", *FAST)
     assert rc == 0 and "# 0 leaking of 12 checks (12 cells)" in out
+
+
+@pytest.mark.parametrize("kernels, code", [("qsa:grouped", 1), ("qsa:xqa", 0)])
+def test_the_removed_fail_on_leak_runs_as_before_and_says_to_drop_it(capsys, kernels, code):
+    """Scripts of earlier versions pass --fail-on-leak: the same run, the same exit code and
+    output, and one note on stderr; the option is in no help text."""
+    from qsa_lab.app.canary import FAIL_ON_LEAK_GONE
+
+    argv = ["--kernels", kernels, *FAST, "--payloads", "nan", "--planes", "v", "--json", "-"]
+    rc, out, err = run(capsys, *argv)
+    rc_old, out_old, err_old = run(capsys, *argv, "--fail-on-leak")
+    assert rc == rc_old == code and json.loads(out)["results"] == json.loads(out_old)["results"]
+    assert err_old == err + FAIL_ON_LEAK_GONE + "\n" and "--fail-on-leak" not in err
+    assert FAIL_ON_LEAK_GONE.startswith("qsa-lab: note: --fail-on-leak: ")
+    assert main(["canary", "--help"]) == 0
+    assert "--json" in (text := capsys.readouterr().out) and "fail-on-leak" not in text
+
+
+def test_bad_input_with_the_removed_option_is_still_one_line(capsys):
+    rc, _, err = run(capsys, "--kernels", "qsa:nope", *FAST, "--fail-on-leak")
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("qsa-lab: error: --kernels: ")
 
 
 @pytest.mark.parametrize("spec", ["test_canary:finite_leak_kernel", str(HERE / "test_canary.py") + ":finite_leak_kernel"])
 def test_user_kernel_by_module_or_file(capsys, tmp_path, spec):
     path = tmp_path / "c.json"
-    rc, out, _ = run(capsys, "--kernel", spec, *FAST, "--payloads", "nan,inf", "--json", str(path), "--fail-on-leak")
+    rc, out, _ = run(capsys, "--kernel", spec, *FAST, "--payloads", "nan,inf", "--json", str(path))
     doc = load_canary(path)
     got = {(r["plane"], r["payload"]): r["verdict"] for r in doc["results"]}
     assert rc == 1 and got == {("k", "nan"): "clean", ("k", "inf"): "finite-leak", ("v", "nan"): "clean",

@@ -142,7 +142,7 @@ def test_unfixed_leaks_on_targeted_e4m3():
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_stale_tail_only_fix_a_and_c_clean(kv_dtype):
+def test_stale_tail_only_kernel_fix_and_masked_load_clean(kv_dtype):
     case = case_for(kv_dtype, "stale-tail")
     out = run_routes(case, backend="cuda").outputs
     for route in ("grouped+kernel_fix", "grouped+masked_load", "grouped+both_fixes"):

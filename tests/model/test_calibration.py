@@ -1,14 +1,14 @@
 """The indexer's calibration table: the presets' entries are what the calibration computes."""
 import pytest
 
-from qsa_lab.model import case as C
+from qsa_lab.model import selection as S
 from qsa_lab.model.case import Geometry, build_case
 
 
-@pytest.mark.parametrize("key", sorted(C.CALIBRATED))
+@pytest.mark.parametrize("key", sorted(S.CALIBRATED))
 def test_every_entry_is_what_the_calibration_computes(key):
-    C._calibrated_rho.cache_clear()
-    assert C._calibrated_rho(*key) == C.CALIBRATED[key]
+    S._calibrated_rho.cache_clear()
+    assert S._calibrated_rho(*key) == S.CALIBRATED[key]
 
 
 def test_the_table_covers_the_presets_and_is_used(monkeypatch):
@@ -18,12 +18,12 @@ def test_the_table_covers_the_presets_and_is_used(monkeypatch):
     from qsa_lab.analysis.playground import PRESETS
 
     asked = []
-    monkeypatch.setattr(C, "_calibrated_rho", lambda *key: asked.append(key) or 0.5)
+    monkeypatch.setattr(S, "_calibrated_rho", lambda *key: asked.append(key) or 0.5)
     for g in dict.fromkeys(list(PRESETS.values()) + [rc.geometry for rc in REPRO_CASES]):
         build_case(g)
     assert asked == []
     # an untabled key is computed
-    C.indexer_correlation(0.8, 1000, 100)
+    S.indexer_correlation(0.8, 1000, 100)
     assert asked == [(0.8, 1000, 100)]
 
 
@@ -31,7 +31,7 @@ def test_a_tabled_value_changes_the_case(monkeypatch):
     """The table is not decoration: a different value there gives different selections."""
     g = Geometry(context=2048, topk=128)
     before = build_case(g).selected.clone()
-    for key in list(C.CALIBRATED):
-        monkeypatch.setitem(C.CALIBRATED, key, 0.2)
+    for key in list(S.CALIBRATED):
+        monkeypatch.setitem(S.CALIBRATED, key, 0.2)
     after = build_case(g).selected
     assert not bool((before == after).all())

@@ -86,24 +86,24 @@ def test_plan_order_is_upstreams_category_then_logical_owner(kw):
 # ---- indexer-like selections -------------------------------------------------------------
 
 def test_indexer_score_is_the_sum_over_heads_of_relu_dot_over_sqrt_128():
-    from qsa_lab.model.case import _indexer_scores
+    from qsa_lab.model.selection import indexer_scores
 
     gen = torch.Generator().manual_seed(3)
     q, keys = torch.randn((2, 4, 128), generator=gen), torch.randn((5, 128), generator=gen)
     want = [[sum(max(float(q[r, h] @ keys[b]), 0.0) for h in range(4)) / 128 ** 0.5 for b in range(5)]
             for r in range(2)]
-    assert torch.allclose(_indexer_scores(q, keys), torch.tensor(want), atol=1e-5)
+    assert torch.allclose(indexer_scores(q, keys), torch.tensor(want), atol=1e-5)
 
 
 def test_top_blocks_is_lexicographic_over_fully_visible_blocks_only():
-    from qsa_lab.model.case import _top_blocks
+    from qsa_lab.model.selection import top_blocks
 
     scores = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0, 9.0, 0.0],     # ties: lower block id first
                            [5.0, 1.0, 3.0, 0.0, 0.0, 9.0, 9.0]])    # 9s are past `complete`
-    out = _top_blocks(scores, torch.tensor([7, 4]), topk=4)
+    out = top_blocks(scores, torch.tensor([7, 4]), topk=4)
     assert out.tolist() == [[0, 1, 3, 5], [0, 1, 2, 3]]
     # fewer candidates than topk: all of them, then -1
-    assert _top_blocks(scores, torch.tensor([3, 2]), topk=4).tolist() == [[0, 1, 2, -1], [0, 1, -1, -1]]
+    assert top_blocks(scores, torch.tensor([3, 2]), topk=4).tolist() == [[0, 1, 2, -1], [0, 1, -1, -1]]
 
 
 def test_short_rows_select_every_fully_visible_block():
@@ -116,7 +116,7 @@ def test_short_rows_select_every_fully_visible_block():
 
 @pytest.mark.parametrize("target", [0.6, 0.8, 0.9])
 def test_measured_neighbour_overlap_follows_the_knob(target):
-    from qsa_lab.model.case import neighbour_overlap
+    from qsa_lab.model.selection import neighbour_overlap
 
     measured = [neighbour_overlap(build_case(Geometry(rows=16, seed=s, overlap=target))) for s in range(3)]
     assert abs(sum(measured) / 3 - target) < 0.03, measured
@@ -137,7 +137,7 @@ def test_default_selection_at_16_rows_8k_walks_at_most_160_tiles_and_reports_ove
 def test_random_selection_reproduces_the_earlier_generator():
     """--selection random is the generator qsa_lab had before indexer-like selections; these are
     the numbers it gave then (rows 16, ctx 8192, seed 0): neighbour overlap 0.402, tiles 221 / 219."""
-    from qsa_lab.model.case import neighbour_overlap
+    from qsa_lab.model.selection import neighbour_overlap
     from qsa_lab.model.plan import plan_groups
 
     g = Geometry(rows=16, context=8192, selection="random")

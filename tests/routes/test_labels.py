@@ -63,18 +63,45 @@ def test_kernel_variants_and_bench_variants_come_from_labels():
         bench.time_point(None, variants=("unfixed", "both"))
 
 
-def test_the_committed_bench_json_is_read_by_the_names_of_now():
+def _as_written_before(doc):
+    """A document as an earlier version wrote it: the bench's variant `both`, the fix_a keys."""
+    old_keys = {new: old for old, new in labels.OLD_KEYS.items()}
+    if isinstance(doc, dict):
+        return {("both" if k == "both_fixes" else old_keys.get(k, k)): _as_written_before(v) for k, v in doc.items()}
+    return [_as_written_before(v) for v in doc] if isinstance(doc, list) else doc
+
+
+def test_a_bench_json_of_an_earlier_version_is_read_by_the_names_of_now(tmp_path):
     from qsa_lab.analysis import bench_data
 
-    raw = json.loads(bench_data.BENCH_JSON.read_text())
-    assert "both" in raw["report_geometry"]["ms"]            # measured before the rename, kept as measured
-    cost = bench_data.fix_cost(raw)
-    measured = [v for v in ("unfixed", *FIXES)
-                if v in bench_data.current_names(raw)["report_geometry"]["us_per_tile"]]
+    now = json.loads(bench_data.BENCH_JSON.read_text())
+    assert "both_fixes" in now["report_geometry"]["ms"] and "kernel_fix_vs_report" in now
+    old = _as_written_before(now)
+    assert "both" in old["report_geometry"]["ms"] and "fix_a_vs_report" in old and "kernel_fix_vs_report" not in old
+    assert bench_data.current_names(old) == now
+    cost = bench_data.fix_cost(old)
+    measured = [v for v in ("unfixed", *FIXES) if v in now["report_geometry"]["us_per_tile"]]
     assert list(cost["variants"]) == measured and len(measured) >= 5   # a fix measured later joins the list
-    assert cost["variants"]["both_fixes"]["us_per_tile"] == raw["report_geometry"]["us_per_tile"]["both"]
-    df, _ = bench_data.load_bench()
+    assert cost == bench_data.fix_cost(now)
+    assert cost["variants"]["both_fixes"]["us_per_tile"] == old["report_geometry"]["us_per_tile"]["both"]
+    assert cost["report_v100_ratio"] == old["fix_a_vs_report"]["report_v100_ratio"] == 1.246
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    df, _ = bench_data.load_bench(tmp_path / "old.json")
     assert "both_fixes" in set(df.route) and "both" not in set(df.route)
+
+
+def test_an_upstream_fix_cost_json_of_an_earlier_version_loads(tmp_path):
+    from qsa_lab.analysis import bench_data
+
+    now = bench_data.load_upstream()
+    assert now == json.loads(bench_data.UPSTREAM_JSON.read_text())          # committed in today's keys
+    old = _as_written_before(now)
+    assert "upstream_fix_a_ratio" in old["rows"][0] and "fix_a_commit" in old["upstream"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert bench_data.load_upstream(tmp_path / "old.json") == now
+    bench = bench_data.bench_doc(False)
+    assert bench_data.fix_cost(bench, old) == bench_data.fix_cost(bench, now)
+    assert bench_data.fix_cost_table(old).equals(bench_data.fix_cost_table(now))
 
 
 def _table():
@@ -160,10 +187,16 @@ def test_an_earlier_spelling_on_the_command_line_names_the_new_one(given, now, c
 
 def test_no_other_module_spells_a_fix_by_its_letter():
     """The letters and the old spellings live in labels.py alone (the playground's export names too:
-    labels.slug)."""
-    old = re.compile(r"fix [ABC]\b|fix[ABC]\b|\"both\"|'both'")
+    labels.slug; the JSON keys too: labels.OLD_KEYS)."""
+    old = re.compile(r"fix [ABC]\b|fix[ABC]\b|(?<![a-z])fix_[abc](?![a-z])|\"both\"|'both'", re.IGNORECASE)
     found = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "qsa_lab").rglob("*.py"))
              if p.name != "labels.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if old.search(line)]
     found += [p.name for p in sorted((REPO / "notebooks").glob("*.ipynb")) if old.search(p.read_text())]
+    # and every other surface: the committed data (its JSON keys), docs, benchmarks, the READMEs
+    others = [REPO / "README.md", *(REPO / "data").iterdir(), *(REPO / "docs").rglob("*.md"),
+              *(REPO / "docs" / "hooks").glob("*.py"), *(REPO / "benchmarks").glob("*.*"),
+              *(REPO / "notebooks").glob("*.md")]
+    found += [f"{p.relative_to(REPO)}:{i}" for p in sorted(others) if p.suffix in (".md", ".py", ".sh", ".json", ".csv")
+              for i, line in enumerate(p.read_text().splitlines(), 1) if old.search(line)]
     assert found == []

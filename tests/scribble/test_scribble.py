@@ -18,11 +18,11 @@ if versions.refusal() is not None:
 from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.models import tiny_model, workload  # noqa: E402
 
-# regions the issue32 workload fills at some step; out-of-window needs a sliding-window model
+# regions the chunked-prefill workload fills at some step; out-of-window needs a sliding-window model
 HELD = ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-trash", "prefix-cache")
 
 
-def engine(pad=False, name="llama-gqa", wl="issue32"):
+def engine(pad=False, name="llama-gqa", wl="chunked-prefill"):
     return TransformersEngine(tiny_model(name), workload(wl), pad=pad)
 
 
@@ -139,7 +139,7 @@ def test_unsupported_transformers_version_is_one_line_and_no_verdict(monkeypatch
     assert line is not None and "\n" not in line and "5.17.0" in line and "5.24.0" in line
     monkeypatch.setattr(versions, "transformers_version", lambda: "5.17.0")
     with pytest.raises(versions.UnsupportedVersion, match="5.17.0"):
-        TransformersEngine(tiny_model(), workload("issue32"))
+        TransformersEngine(tiny_model(), workload("chunked-prefill"))
     assert main(["scribble", "--regions", "read-trash", "--payloads", "nan"]) == 3
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("qsa-lab: failed: transformers: version 5.17.0")

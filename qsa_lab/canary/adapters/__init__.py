@@ -29,12 +29,7 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "vllm:unified": ("vllm", _vllm.unified),
     "vllm:unified-3d": ("vllm", _vllm.unified_3d),
 }
-PREFIXES = ("flashinfer:", "vllm:")
 LIBRARIES = {"flashinfer": _fi.version, "vllm": _vllm.version}
-
-
-def is_thirdparty(name) -> bool:
-    return isinstance(name, str) and name.startswith(PREFIXES)
 
 
 def resolve(name: str) -> Callable:
