@@ -10,6 +10,8 @@ graph replayed alone and timed with CUDA events, inputs rotated over COPIES case
 L2 flushed (2x its size written) before every timed replay, `warmup` untimed replays; the median
 with its spread (10th and 90th percentile, min, max) over `reps`.
 
+Per route: µs per call, µs per tile of the longest group, groups, tiles, remainder rows.
+
 Routes: grouped (unfixed), grouped+kernel_fix (A), grouped+masked_load (C), grouped+request_groups
 (R: kernel_fix on groups that never span requests; each request's remainder to XQA), grouped+finite_pv
 (F) on the clean case (every tile takes the fast path) and on the case with NaN in request 0's
@@ -143,6 +145,9 @@ def time_shape(name: str, g: Geometry, reps: int, warmup: int, flush, log) -> di
     for v in result["routes"].values():
         v["ratio_to_kernel_fix"] = round(v["median_us"] / fix, 4)
         v["ratio_to_grouped"] = round(v["median_us"] / base, 4)
+        # per tile of the longest group (groups run side by side; XQA's remainder rows run beside them)
+        v["us_per_tile_longest_group"] = round(v["median_us"] / v["tiles_longest_group"], 3) \
+            if v["tiles_longest_group"] else None
     r = result["routes"]
     log(f"{name:>44}: " + " | ".join(f"{k.replace('grouped+', '')} {v['median_us']:.1f} us x{v['ratio_to_kernel_fix']:.2f}"
                                      for k, v in r.items()))
