@@ -21,8 +21,7 @@ LAYERS = [
     ("routes",),
     ("analysis",),
     ("plotting",),
-    ("widgets", "report", "canary"),
-    ("scribble",),
+    ("widgets", "report", "canary", "scribble"),   # siblings over analysis/leaks: the scribble imports no canary
     ("app",),
     ("__main__", "__init__", "fp8"),   # the face: lazy names, `python -m qsa_lab`, the fp8 codecs' public name
 ]

@@ -515,7 +515,8 @@ def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribbl
     rows = []
     for name in names:
         doc = json.loads(evidence(name).read_text())
-        where = doc["facts"].get("gpu") or doc["facts"].get("processor") or doc["device"]
+        gpu = doc["facts"].get("gpu")
+        where = (gpu if gpu and gpu != "none (CPU)" else None) or doc["facts"].get("processor") or doc["device"]
         load = doc.get("load_avg_1min", {}).get("start")
         for mode, r in doc["results"].items():
             rows.append([f"{where}, {mode}" + (f" (load {load:.1f})" if load is not None else ""),

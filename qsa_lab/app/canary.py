@@ -23,14 +23,9 @@ FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads
          "overlap": "--overlap", "free_pages": "--free-pages"}
 GEOMETRY = ("rows", "requests", "context", "topk", "page_size", "q_heads", "kv_heads", "head_dim", "query_len",
             "seed", "layout", "selection", "overlap", "free_pages")
-FAILURES = ("error", "unstable-control", "input-modified")
-MARKS = {"clean": ".", "nan-leak": "N", "inf-leak": "I", "finite-leak": "F", "error": "E", "unstable-control": "U",
-         "input-modified": "M", "n/a": "/"}
 #: what a script that still passes the removed --fail-on-leak is told (stderr, after the run)
 FAIL_ON_LEAK_GONE = ("qsa-lab: note: --fail-on-leak: no longer an option and ignored: a leak always exits 1 "
                      "(and a failed check 3); drop it from the command")
-LEGEND = ("# . clean   N NaN leak   I Inf leak   F finite leak (bits changed)   E error   U unstable control   "
-          "M input modified   / n/a (no input references the region)   - not run")
 
 
 def _name_list(text: str) -> list[str]:
@@ -176,6 +171,8 @@ def _group_cells(cells) -> str:
 
 def notes(report) -> list[str]:
     """One line per group of non-clean cells: same verdict, detail and cells; kernels merged."""
+    from qsa_lab.analysis.leaks import FAILURES, LEAKS
+
     groups = {}
     for r in report.non_clean():
         detail = r.error or (f"changed {', '.join(r.modified)}" if r.modified else "") or r.note
@@ -186,7 +183,7 @@ def notes(report) -> list[str]:
     merged = {}
     for (kernel, verdict, detail), cells in groups.items():
         counts = ""
-        if verdict in ("nan-leak", "inf-leak", "finite-leak"):
+        if verdict in LEAKS:
             counts = f" ({sum(c.nan for c in cells)} NaN, {sum(c.inf for c in cells)} Inf, " \
                      f"{sum(c.finite_changed for c in cells)} finite changed)"
         merged.setdefault((verdict, _group_cells(cells), counts, detail), []).append(kernel)
@@ -198,15 +195,18 @@ def notes(report) -> list[str]:
 
 
 def matrix(report) -> str:
-    """Kernels down, region/plane/payload across, one mark per verdict."""
+    """Kernels down, region/plane/payload across, one mark per verdict (qsa_lab.plotting.verdicts)."""
     import pandas as pd
+
+    from qsa_lab.analysis.leaks import NOT_RUN
+    from qsa_lab.plotting.verdicts import MARKS
 
     df = report.frame()
     if df.empty:
         return "(no results)"
     df["mark"] = df.verdict.map(MARKS)
     t = df.pivot_table(index="kernel", columns=["region", "plane", "payload"], values="mark", aggfunc="first",
-                       sort=False).fillna("-")
+                       sort=False).fillna(MARKS[NOT_RUN])
     with pd.option_context("display.width", 250, "display.max_columns", 200):
         return t.to_string()
 
@@ -321,16 +321,17 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
         print(f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; "
               f"backend {report.backend}, device {report.device}")
         print(f"# regions (slots): {doc['regions']}; payload bits: {doc['payload_bits']}")
+        from qsa_lab.analysis.leaks import STRAY_WRITE, VERDICTS
+        from qsa_lab.plotting.verdicts import legend_line
+
         print(matrix(report))
-        print(LEGEND)
+        print(legend_line([v for v in VERDICTS if v != STRAY_WRITE]))   # a kernel call writes no pool
         for line in notes(report):
             print(line)
         for s in report.skipped:
             what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
             print(f"# skipped {what}: {s['reason']}")
-        from qsa_lab.canary.verdicts import summary
-
-        print(f"# {summary(doc['counts'])}")
+        print(f"# {report.summary()}")
         if "--json" in outs:
             from qsa_lab.support.outputs import write_text
 

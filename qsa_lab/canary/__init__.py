@@ -7,6 +7,7 @@
 
 What a row attends and where the unattended bytes are: qsa_lab.model.regions (AttentionSpec).
 The call and its geometry: qsa_lab.canary.case (CanaryCase, canary_case, load_case).
+Verdicts and what "changed" means: qsa_lab.analysis.leaks (the scribble's too).
 Payloads: qsa_lab.model.poison.PAYLOAD_BITS. Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
 Names load on first use, so `qsa-lab canary --help` needs no torch.
 """
@@ -16,8 +17,9 @@ _NAMES = {
     "AttentionSpec": "qsa_lab.model.regions", "attended_tokens": "qsa_lab.model.regions",
     "CanaryCase": ".case", "canary_case": ".case", "load_case": ".case",
     "KernelSkipped": ".call", "PagedCall": ".call", "builtin_kernels": ".kernels", "register_kernel": ".kernels",
-    "DEFAULT_PAYLOADS": ".runner", "LEAKS": ".runner", "SCHEMA": ".runner", "VERDICTS": ".runner",
-    "CanaryReport": ".runner", "LeakResult": ".runner", "assert_no_leak": ".runner", "compare": ".runner",
+    "LEAKS": "qsa_lab.analysis.leaks", "VERDICTS": "qsa_lab.analysis.leaks", "compare": "qsa_lab.analysis.leaks",
+    "DEFAULT_PAYLOADS": ".runner", "SCHEMA": ".runner",
+    "CanaryReport": ".runner", "LeakResult": ".runner", "assert_no_leak": ".runner",
     "load_canary": ".runner", "run_canary": ".runner",
 }
 __all__ = list(_NAMES)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from qsa_lab.analysis.leaks import bits
 from qsa_lab.canary.call import KernelSkipped, PagedCall
 from qsa_lab.support.processes import end as _end, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
 from qsa_lab.model.paged import TENSORS as INPUTS  # the paged call's tensors, declared once
@@ -55,12 +56,6 @@ class Outcome:
     def dead(self) -> bool:
         """The kernel cannot be called again (it hung or ended its process)."""
         return self.kind in ("timeout", "exited")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bits as an integer tensor of the same element size."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.detach().contiguous().view(ints[t.element_size()]) if t.element_size() in ints else t
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from qsa_lab.plotting.plots import CLEAN_COLOR, NAN_COLOR, _ax, _cmap, _dim_axis, _nan_legend
-
-#: verdict -> (code in the matrix, colour, mark)
-VERDICT_STYLE = {"not run": (0, "#d9d9d9", "-"), "clean": (1, CLEAN_COLOR, ""), "nan-leak": (2, NAN_COLOR, "N"),
-                 "inf-leak": (3, "#f59f00", "I"), "finite-leak": (4, "#7048e8", "F"), "n/a": (5, "#a5d8ff", "/"),
-                 "error": (6, "#343a40", "E"), "unstable-control": (7, "#868e96", "U"),
-                 "input-modified": (8, "#e64980", "M")}
+from qsa_lab.analysis.leaks import NOT_RUN
+from qsa_lab.plotting.plots import _ax, _cmap, _dim_axis, _nan_legend
+from qsa_lab.plotting.verdicts import verdict_cells, verdict_legend
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -25,7 +21,7 @@ def leak_matrix(source) -> dict:
     doc = _doc(source)
     columns = list(dict.fromkeys((r["region"], r["plane"], r["payload"]) for r in doc["results"]))
     kernels = list(doc.get("kernels") or dict.fromkeys(r["kernel"] for r in doc["results"]))
-    verdicts = [["not run"] * len(columns) for _ in kernels]
+    verdicts = [[NOT_RUN] * len(columns) for _ in kernels]
     for r in doc["results"]:
         verdicts[kernels.index(r["kernel"])][columns.index((r["region"], r["plane"], r["payload"]))] = r["verdict"]
     reasons = {s["kernel"]: s["reason"] for s in doc.get("skipped", []) if "kernel" in s and "region" not in s}
@@ -63,19 +59,11 @@ TICK_PT = 9.5
 
 
 def plot_leak_matrix(data: dict, ax=None):
-    """data: leak_matrix. Kernels down, region / plane / payload across; a cell per verdict."""
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
+    """data: leak_matrix. Kernels down, region / plane / payload across; a cell per verdict, in the
+    colours and marks of qsa_lab.plotting.verdicts (the scribble's grid uses the same)."""
     kernels, columns = data["kernels"], data["columns"]
     ax = _ax(ax, (max(6.0, 0.32 * len(columns) + 3.5), 0.34 * len(kernels) + 2.2))
-    codes = np.array([[VERDICT_STYLE[v][0] for v in row] for row in data["verdicts"]], dtype=float)
-    cmap = ListedColormap([c for _, c, _ in VERDICT_STYLE.values()])
-    ax.imshow(codes.reshape(len(kernels), len(columns)), cmap=cmap, vmin=-0.5, vmax=len(VERDICT_STYLE) - 0.5,
-              aspect="auto", interpolation="nearest")
-    for (i, j), v in np.ndenumerate(np.array(data["verdicts"], dtype=object).reshape(codes.shape)):
-        ax.text(j, i, VERDICT_STYLE[v][2], ha="center", va="center", fontsize=7, fontweight="bold",
-                color="#666666" if v == "not run" else "white")
+    verdict_cells(data["verdicts"], ax)
     # tick labels at TICK_PT: the committed H200 matrix, scaled to a notebook's width, drew 7 pt as ~7 px
     ax.set_yticks(range(len(kernels)), [k + ("  (skipped)" if k in data["skipped"] else "") for k in kernels],
                   fontsize=TICK_PT)
@@ -92,10 +80,7 @@ def plot_leak_matrix(data: dict, ax=None):
     for y in range(len(kernels) - 1):
         ax.axhline(y + 0.5, color="white", lw=0.8)
     ax.set_xlabel("plane / payload")
-    seen = {v for row in data["verdicts"] for v in row} | {"clean"}
-    handles = [Patch(color=c, label=v) for v, (_, c, _) in VERDICT_STYLE.items() if v in seen]
-    ax.legend(handles=handles, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    verdict_legend(ax, {v for row in data["verdicts"] for v in row})
     ax.set_title(data["title"], fontsize=9)
     return ax
 

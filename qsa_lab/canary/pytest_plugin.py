@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from qsa_lab.analysis.leaks import CLEAN, ERROR, FINITE_LEAK, INF_LEAK, LEAKS, NA, NAN_LEAK
+
 CASE_KEYS = ("kv_heads", "q_heads", "head_dim", "page_size", "rows", "requests", "context", "query_len", "seed",
              "topk", "free_pages", "mla", "v_head_dim")
 RUN_KEYS = ("attend", "kv_dtype", "regions", "payloads", "planes", "backend", "case", "dims", "timeout")
@@ -210,16 +212,15 @@ class Cell:
             if kind == "skip":
                 skip(f"{here}: {text}")
             pytest.fail(f"{here}: {text}", pytrace=False)
-        if r.verdict == "clean":
+        if r.verdict == CLEAN:
             return
-        leaks = {"nan-leak", "inf-leak", "finite-leak"}
-        if r.verdict not in leaks:  # n/a and the verdicts of a kernel that cannot be judged
+        if r.verdict not in LEAKS:  # n/a and the verdicts of a kernel that cannot be judged
             text = f"{here}: {r.verdict}"
-            if r.verdict == "n/a":
+            if r.verdict == NA:
                 skip(text + " (the call's inputs reference no byte of this region)")
             pytest.fail(text + _note(r), pytrace=False)
-        what = {"nan-leak": f"{r.nan} output(s) NaN", "inf-leak": f"{r.inf} output(s) +-Inf",
-                "finite-leak": f"{r.finite_changed} finite output(s) changed"}[r.verdict]
+        what = {NAN_LEAK: f"{r.nan} output(s) NaN", INF_LEAK: f"{r.inf} output(s) +-Inf",
+                FINITE_LEAK: f"{r.finite_changed} finite output(s) changed"}[r.verdict]
         w = r.where()
         msg = (f"{name} leaks {r.payload} from region {self.region} on the {self.plane.upper()} plane: {r.verdict}, "
                f"{what} ({r.nan} NaN, {r.inf} Inf, {r.finite_changed} finite changed; rows {w['rows'][:12]}, "
@@ -244,7 +245,7 @@ def _reason(report, region, plane, payload):
     for s in report.skipped:
         if all(s.get(k) in (None, v) for k, v in (("region", region), ("plane", plane), ("payload", payload))):
             reason = s.get("reason", "")
-            error = s.get("verdict") == "error" or str(reason).startswith("raised ")
+            error = s.get("verdict") == ERROR or str(reason).startswith("raised ")
             return ("fail" if error else "skip", reason)
     return None
 

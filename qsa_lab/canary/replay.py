@@ -66,7 +66,8 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
 
     from qsa_lab.canary.kernels import kernel_name
     from qsa_lab.canary.report import _outputs, kernel_runner, load_call
-    from qsa_lab.canary.runner import compare, resolve_devices
+    from qsa_lab.analysis.leaks import compare
+    from qsa_lab.canary.runner import resolve_devices
 
     control, poisoned, meta = load_call(path)
     name = saved_kernel(path, meta) if kernel is None else kernel
@@ -127,7 +128,9 @@ def main(argv=None) -> int:
     if r["control_nan"]:
         print("replay: cannot tell: the control output holds NaN", file=sys.stderr)
         return 3
-    return 0 if r["verdict"] == "clean" else 1
+    from qsa_lab.analysis.leaks import CLEAN
+
+    return 0 if r["verdict"] == CLEAN else 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 
 The folder travels: copy or zip it, and everything in it works from wherever it is unpacked.
 
-    report.md, report.html  the counts (qsa_lab.canary.verdicts.counts: the same numbers as the
+    report.md, report.html  the counts (qsa_lab.analysis.leaks.counts: the same numbers as the
                             command line and canary.json), the command line that wrote it, the
                             versions (qsa_lab, torch, CUDA, GPU, driver, libraries), the case and
                             its attention spec, the leak matrix, then kernel -> region -> plane
@@ -44,10 +44,10 @@ from pathlib import Path
 
 import torch
 
+from qsa_lab.analysis.leaks import CLEAN, LEAKS, NA, counts, summary
 from qsa_lab.support.version import __version__
 
 SCHEMA = "qsa_lab.canary-call/1"
-LEAKS = ("nan-leak", "inf-leak", "finite-leak")
 MAX_STEPS = 24  # halving steps: enough for 2**24 slots
 
 
@@ -410,8 +410,6 @@ def _span(values: list, limit: int = 12) -> str:
 
 
 def _blocks(report, doc: dict, env: dict, figure, calls, command, kernel_files) -> list:
-    from qsa_lab.canary.verdicts import summary
-
     c = report.case
     b = [("h1", "qsa_lab canary leak report"),
          ("p", f"{summary(doc['counts'])}; kernels: {', '.join(report.kernels)}. A cell is one kernel x region x "
@@ -451,8 +449,6 @@ def _blocks(report, doc: dict, env: dict, figure, calls, command, kernel_files) 
 
 def _kernel_blocks(report, kernel: str, calls: list) -> list:
     """One kernel: its counts, its leaks (region -> plane, payloads folded), its other non-clean cells."""
-    from qsa_lab.canary.verdicts import counts, summary
-
     mine = [r for r in report.results if r.kernel == kernel]
     b = [("h2", f"Kernel {kernel}"), ("p", summary(counts(r.verdict for r in mine)) + ".")]
     for call in calls:
@@ -474,17 +470,17 @@ def _kernel_blocks(report, kernel: str, calls: list) -> list:
                     f"{call['slots'][:8]}{' ...' if n > 8 else ''}); nothing else differs from the control call. "
                     f"Call file: {call['file']}."),
               ("code", call["replay"] + (f"\npython {call['script']}" if call["script"] else ""))]
-    other = [r for r in mine if r.verdict not in ("clean", "n/a") and r.verdict not in LEAKS]
+    other = [r for r in mine if r.verdict not in (CLEAN, NA) and r.verdict not in LEAKS]
     if other:
         b.append(("table", ["region", "plane", "payload", "verdict", "note"],
                   [[r.region, r.plane, r.payload, r.verdict, (r.error or r.note or ", ".join(r.modified))[:200]]
                    for r in other]))
-    na = list(dict.fromkeys(f"{r.region}/{r.plane}" for r in mine if r.verdict == "n/a"))
+    na = list(dict.fromkeys(f"{r.region}/{r.plane}" for r in mine if r.verdict == NA))
     if na:
         b.append(("p", "n/a (the call's inputs reference no byte of the region, so no leak can be drawn): "
                        + ", ".join(na) + "."))
     if not calls and not other:
-        b.append(("p", "No leak: every check ran clean." if any(r.verdict == "clean" for r in mine)
+        b.append(("p", "No leak: every check ran clean." if any(r.verdict == CLEAN for r in mine)
                   else "No check ran."))
     return b
 

@@ -1,16 +1,14 @@
 """The canary run: for each kernel x region x plane x payload, a poisoned run of one call
-compared bit for bit with the same kernel's control run (the region zero-filled on that
-plane). The control runs twice per kernel x region x plane, before and after the payloads.
+compared with the same kernel's control run (the region zero-filled on that plane) by the one
+leak check (qsa_lab.analysis.leaks: its verdicts, and what "changed" means). The control runs
+twice per kernel x region x plane, before and after the payloads.
 
-Verdicts per cell:
-    clean            the output did not change
-    nan-leak         an output went NaN
-    inf-leak         an output went +-Inf
-    finite-leak      finite outputs whose bits changed: the kernel gave unattended bytes weight
+What each verdict means for a kernel call:
+    nan-leak, inf-leak, finite-leak   outputs went NaN, +-Inf, or changed finite: the kernel gave
+                     unattended bytes weight
     error            the call raised (SystemExit and KeyboardInterrupt too), timed out, ended its
                      process, or returned a non-tensor / wrong shape, dtype or device
-    unstable-control the two control runs differ, or the control holds NaN / Inf: no leak
-                     verdict can be drawn
+    unstable-control the two control runs differ, or the control holds NaN / Inf
     input-modified   the call changed an input (pool, block table, seq_lens, q, ...)
     n/a              clean, but the call's inputs reference no byte of the region (say so
                      rather than "clean")
@@ -20,26 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from qsa_lab.support.version import __version__
 from qsa_lab.model.poison import PAYLOADS, int_list, payload_bits
 from qsa_lab.support.processes import torch_threads
 from qsa_lab.model.regions import REGIONS, check_region, region_parts, region_referenced, region_sizes, regions_of
 from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_case
 from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
 from qsa_lab.canary.overlap import take as take_overlap
-from qsa_lab.canary.execution import bits as _as_bits
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
-
-from qsa_lab.canary.verdicts import CHECKED, DEFAULT_PAYLOADS, FAILURES, LEAKS, VERDICTS  # noqa: F401 - named here too
-from qsa_lab.canary.verdicts import counts as verdict_counts
+from qsa_lab.analysis.leaks import (CHECKED, CLEAN, ERROR, FAILURES, FINITE_LEAK, INPUT_MODIFIED, LEAKS, NA,
+                                    UNSTABLE, LeakReport, compare, control_problem)
 
 SCHEMA = "qsa_lab.canary/1"
+DEFAULT_PAYLOADS = ("nan", "inf", "max")
 PLANES = {"k": 0, "v": 1}
 #: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its
 #: padding entries (default), only each request's used pages (page_table()), or tables of its
@@ -96,7 +91,7 @@ class LeakResult:
 
 
 @dataclass
-class CanaryReport:
+class CanaryReport(LeakReport):
     backend: str | None        # what the qsa routes ran on: "cuda" | "emulate" (None: not run)
     device: str                # where the other kernels ran
     case: CanaryCase
@@ -105,16 +100,16 @@ class CanaryReport:
     skipped: list              # {"kernel"?, "region"?, "payload"?, "reason"}
     requested: bool = True     # the kernels were named (a skipped one then fails the run)
     timeout: float = DEFAULT_TIMEOUT
+    SCHEMA = SCHEMA            # the JSON's (LeakReport.header)
+
+    def verdicts(self) -> list:
+        return [r.verdict for r in self.results]
 
     def leaks(self) -> list:
         return [r for r in self.results if r.verdict in LEAKS]
 
     def non_clean(self) -> list:
-        return [r for r in self.results if r.verdict != "clean"]
-
-    def counts(self) -> dict:
-        """{"cells", "checks", "leaking"} (qsa_lab.canary.verdicts.counts): what every surface prints."""
-        return verdict_counts(r.verdict for r in self.results)
+        return [r for r in self.results if r.verdict != CLEAN]
 
     def checks(self, kernel: str) -> int:
         """Cells of `kernel` whose leak check ran (clean or a leak)."""
@@ -144,15 +139,12 @@ class CanaryReport:
 
     def exit_code(self) -> int:
         """The CLI's: 3 a kernel failed (error, unstable control, modified input, no checks), 1 a leak, 0 clean."""
-        return 3 if self.failures() else 1 if self.leaks() else 0
+        return 3 if self.failures() else super().exit_code()
 
     def to_json(self) -> dict:
-        from qsa_lab.plotting.export import gpu_name
-
         c = self.case
-        return {"schema": SCHEMA, "backend": self.backend, "device": self.device, "gpu": gpu_name(),
-                "torch": torch.__version__, "python": platform.python_version(), "qsa_lab_version": __version__,
-                "kv_dtype": c.kv_dtype, "attend": str(c.spec), "geometry": c.geometry_dict(),
+        return {**self.header(), "backend": self.backend, "device": self.device, "kv_dtype": c.kv_dtype,
+                "attend": str(c.spec), "geometry": c.geometry_dict(),
                 "pool_pages": int(c.kv_cache.shape[0]), "regions": region_sizes(c),
                 "payload_bits": {p: f"0x{payload_bits(c.kv_dtype, p):X}" for p in _available_payloads(c.kv_dtype)},
                 "timeout_s": self.timeout, "kernels": list(self.kernels), "counts": self.counts(),
@@ -183,44 +175,6 @@ def _available_payloads(kv_dtype: str) -> tuple:
         except ValueError:
             pass
     return tuple(out)
-
-
-def compare(control: torch.Tensor, poisoned: torch.Tensor) -> tuple[str, dict, torch.Tensor]:
-    """-> (verdict, {"nan", "inf", "finite_changed"}, changed mask). Two NaNs count as equal
-    whatever their payload bits; anything else must be bit-identical."""
-    if control.shape != poisoned.shape or control.dtype != poisoned.dtype:
-        raise ValueError(f"poisoned output {list(poisoned.shape)} {poisoned.dtype} does not match the control "
-                         f"{list(control.shape)} {control.dtype}")
-    if not control.is_floating_point():
-        raise TypeError(f"kernel output must be a floating-point tensor, got {control.dtype}")
-    # isnan / isinf in float32: float8 dtypes have no such kernels (every float dtype converts exactly)
-    c, p = control.float(), poisoned.float()
-    both_nan = torch.isnan(c) & torch.isnan(p)
-    changed = (_as_bits(control) != _as_bits(poisoned)) & ~both_nan
-    counts = {"nan": int((changed & torch.isnan(p)).sum()),
-              "inf": int((changed & torch.isinf(p)).sum()),
-              "finite_changed": int((changed & torch.isfinite(p)).sum())}
-    verdict = ("nan-leak" if counts["nan"] else "inf-leak" if counts["inf"] else
-               "finite-leak" if counts["finite_changed"] else "clean")
-    return verdict, counts, changed
-
-
-def control_problem(first: torch.Tensor, second: torch.Tensor | None) -> str:
-    """Why no leak verdict can be drawn from these control outputs ('' when none)."""
-    f = first.float()
-    nan, inf = int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
-    if nan or inf:
-        return f"the control output holds {nan} NaN and {inf} Inf of {f.numel()}"
-    if second is not None:
-        if second.shape != first.shape or second.dtype != first.dtype:
-            return (f"two control runs returned {list(first.shape)} {first.dtype} and "
-                    f"{list(second.shape)} {second.dtype}")
-        differ = int((_as_bits(first) != _as_bits(second)).sum())
-        if differ:
-            d = float((second.double() - first.double()).abs().max())
-            return (f"two control runs differ in {differ} outputs (max |difference| {d:.3g}): "
-                    "the kernel is not deterministic")
-    return ""
 
 
 def _choices(arg: str, given, allowed, default) -> tuple:
@@ -488,8 +442,8 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
         bar.update(1)
         row = {"kernel": name, "region": region, "plane": plane}
         if stop:
-            if stop[0] == "error":
-                results += [LeakResult(**row, payload=p, verdict="error", error=stop[1]) for p in payloads]
+            if stop[0] == ERROR:
+                results += [LeakResult(**row, payload=p, verdict=ERROR, error=stop[1]) for p in payloads]
             continue
         cell = []       # one per part of the region (other-requests: per judged requests)
         for part in range(len(inputs.parts[region])):
@@ -506,7 +460,7 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
         for payload in payloads:
             results.append(_verdict(row, payload, cell, referenced))
         if cell["dead"]:
-            stop = ("error", f"not run: the kernel {cell['dead']} at {region}/{plane}")
+            stop = (ERROR, f"not run: the kernel {cell['dead']} at {region}/{plane}")
     return results, skipped
 
 
@@ -551,13 +505,13 @@ def _cell(runner, inputs, meta, device, region, part, plane, payloads) -> dict:
 def _failed(o: Outcome | None, what: str) -> dict | None:
     """The error / input-modified fields of a cell whose call `o` failed (None when it did not)."""
     if o is None:
-        return {"verdict": "error", "error": "not run: the kernel failed earlier in this cell"}
+        return {"verdict": ERROR, "error": "not run: the kernel failed earlier in this cell"}
     if o.kind == "skipped":
-        return {"verdict": "error", "error": f"{what}: skipped ({o.error}) after other calls ran"}
+        return {"verdict": ERROR, "error": f"{what}: skipped ({o.error}) after other calls ran"}
     if o.kind != "ok":
-        return {"verdict": "error", "error": f"{what}: {o.error}", "traceback": o.traceback}
+        return {"verdict": ERROR, "error": f"{what}: {o.error}", "traceback": o.traceback}
     if o.modified:
-        return {"verdict": "input-modified", "modified": list(o.modified),
+        return {"verdict": INPUT_MODIFIED, "modified": list(o.modified),
                 "error": f"{what} changed {', '.join(o.modified)}"}
     return None
 
@@ -574,7 +528,7 @@ def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResul
                 return LeakResult(**row, payload=payload, **bad)
         problem = control_problem(control.output, again.output)
         if problem:
-            return LeakResult(**row, payload=payload, verdict="unstable-control", note=problem)
+            return LeakResult(**row, payload=payload, verdict=UNSTABLE, note=problem)
         if control.output.shape != o.output.shape or control.output.dtype != o.output.dtype:
             judged = [(control.output, o.output, None)]   # compare() names the mismatch
             break
@@ -586,10 +540,10 @@ def _verdict(row: dict, payload: str, cell: dict, referenced: bool) -> LeakResul
     try:
         verdict, counts, changed = compare(control, poisoned)
     except (TypeError, ValueError) as e:
-        return LeakResult(**row, payload=payload, verdict="error", error=f"{payload} run: {e}")
-    note = MAX_HINT if verdict == "finite-leak" and payload == "max" else ""
-    if verdict == "clean" and not referenced:
-        verdict, note = "n/a", "the call's inputs reference no byte of this region"
+        return LeakResult(**row, payload=payload, verdict=ERROR, error=f"{payload} run: {e}")
+    note = MAX_HINT if verdict == FINITE_LEAK and payload == "max" else ""
+    if verdict == CLEAN and not referenced:
+        verdict, note = NA, "the call's inputs reference no byte of this region"
     return LeakResult(**row, payload=payload, verdict=verdict, leak=changed, output=poisoned.float(), note=note,
                       **counts)
 

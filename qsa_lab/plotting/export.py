@@ -20,6 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from qsa_lab.analysis.leaks import gpu_name
 from qsa_lab.support.outputs import check_folder, writing
 from qsa_lab.support.package_data import checkout, locate
 
@@ -67,17 +68,6 @@ def csrc_sha256() -> str:
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
-
-
-def gpu_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001 - a broken CUDA install still lets the figure be saved
-        pass
-    return "none (CPU)"
 
 
 def full_meta(meta: dict | None) -> dict:

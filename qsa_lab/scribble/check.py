@@ -2,8 +2,9 @@
 
 Read check, per region x payload: before every step, fill the region's rows with the payload (one
 region at a time; rows filled earlier that left the region get their own bytes back), run the whole
-generation, and compare tokens, logprobs and (where no graph hides them) logits bit for bit with a
-clean run. Two clean runs that differ make every read verdict `unstable-control`.
+generation, and compare tokens, logprobs and (where no graph hides them) logits with a clean run by
+the canary's rule (qsa_lab.analysis.leaks: bit for bit, two NaNs equal). Two clean runs that differ
+make every read verdict `unstable-control`.
 
 Write guard, every run: a digest of every row before and after each step (and around warm-up);
 a row that changed outside the step's own writes and the write trash is a `stray-write`.
@@ -20,8 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qsa_lab.analysis.leaks import (CLEAN, ERROR, FAILURES, LEAKS, NA, READ_LEAKS, STRAY_WRITE, UNSTABLE,
+                                    LeakReport, compare_generation, verdict_of)
+from qsa_lab.analysis.leaks import compare as compare_outputs
+
 from .contract import Generation, StepView
-from .verdicts import PAYLOADS, REGIONS, SCHEMA, STRAY
+from .verdicts import PAYLOADS, REGIONS, SCHEMA
 
 
 def payload_value(dtype: torch.dtype, payload: str) -> float:
@@ -111,36 +116,16 @@ def _flat(gen: Generation) -> tuple[list, torch.Tensor]:
 
 
 def same(a: Generation, b: Generation) -> bool:
-    """Bit-identical tokens, logprobs and logits."""
-    ta, va = _flat(a)
-    tb, vb = _flat(b)
-    return ta == tb and va.shape == vb.shape and torch.equal(va.view(torch.int32), vb.view(torch.int32))
+    """Nothing changed between two generations (compare)."""
+    return not any(compare(a, b).values())
 
 
 def compare(clean: Generation, other: Generation) -> dict:
-    """Counts of what changed: nan / inf (values that became NaN / Inf), finite_changed, tokens_changed."""
+    """Counts of what changed (qsa_lab.analysis.leaks.compare_generation): nan / inf (values that
+    became NaN / Inf), finite_changed, tokens_changed."""
     tc, vc = _flat(clean)
     to, vo = _flat(other)
-    tokens_changed = sum(x != y for a, b in zip(tc, to) for x, y in zip(a, b)) + abs(
-        sum(map(len, tc)) - sum(map(len, to)))
-    if vc.shape != vo.shape:    # a different number of steps or requests: count it all as changed
-        return {"nan": int(vo.isnan().sum()), "inf": int(vo.isinf().sum()), "finite_changed": int(vo.numel()),
-                "tokens_changed": max(tokens_changed, 1)}
-    diff = vc.view(torch.int32) != vo.view(torch.int32)
-    nan = diff & vo.isnan() & ~vc.isnan()
-    inf = diff & vo.isinf() & ~vc.isinf()
-    return {"nan": int(nan.sum()), "inf": int(inf.sum()), "finite_changed": int((diff & ~nan & ~inf).sum()),
-            "tokens_changed": tokens_changed}
-
-
-def verdict_of(counts: dict) -> str:
-    if counts["nan"]:
-        return "nan-leak"
-    if counts["inf"]:
-        return "inf-leak"
-    if counts["finite_changed"] or counts["tokens_changed"]:
-        return "finite-leak"
-    return "clean"
+    return compare_generation(tc, to, vc, vo).counts
 
 
 def localise(clean: Generation, other: Generation) -> dict:
@@ -152,7 +137,7 @@ def localise(clean: Generation, other: Generation) -> dict:
         for layer in sorted(a):
             if layer not in b or a[layer].shape != b[layer].shape:
                 continue
-            diff = (a[layer].view(torch.int32) != b[layer].view(torch.int32))     # [q_rows, heads, head_dim]
+            diff = compare_outputs(a[layer], b[layer]).changed         # [q_rows, heads, head_dim]
             if not diff.any():
                 continue
             rows = torch.nonzero(diff.any(dim=(1, 2))).reshape(-1).tolist()
@@ -188,7 +173,7 @@ class Cell:
 
 
 @dataclass
-class ScribbleReport:
+class ScribbleReport(LeakReport):
     engine: str
     reads_pool: str
     graphs: bool
@@ -197,21 +182,21 @@ class ScribbleReport:
     cells: list
     control_seconds: float = 0.0
     facts: dict = field(default_factory=dict)
+    SCHEMA = SCHEMA            # the JSON's (LeakReport.header)
+
+    def verdicts(self) -> list:
+        return [c.verdict for c in self.cells]
 
     def leaks(self) -> list:
-        return [c for c in self.cells if c.verdict in ("nan-leak", "inf-leak", "finite-leak", STRAY)]
+        return [c for c in self.cells if c.verdict in LEAKS]
 
     def failures(self) -> list:
-        return [c for c in self.cells if c.verdict in ("error", "unstable-control")]
-
-    def exit_code(self) -> int:
-        """The canary's: 3 when a check could not be trusted, 1 for a leak or stray write, else 0."""
-        return 3 if self.failures() else 1 if self.leaks() else 0
+        return [c for c in self.cells if c.verdict in FAILURES]
 
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "engine": self.engine, "reads_pool": self.reads_pool, "graphs": self.graphs,
+        return {**self.header(), "engine": self.engine, "reads_pool": self.reads_pool, "graphs": self.graphs,
                 "model": self.model, "workload": self.workload, "control_seconds": self.control_seconds,
-                "facts": self.facts, "results": [c.to_dict() for c in self.cells]}
+                "facts": self.facts, "counts": self.counts(), "results": [c.to_dict() for c in self.cells]}
 
     def frame(self):
         import pandas as pd
@@ -226,6 +211,7 @@ class ScribbleReport:
         for c in self.cells:
             lines.append(f"{c.check:6} {c.region:15} {c.payload:7} {c.verdict:17} {c.nan:5d} {c.inf:5d} "
                          f"{c.finite_changed:7d} {c.tokens_changed:6d}  {_where_text(c)}")
+        lines.append(self.summary())
         return "\n".join(lines)
 
 
@@ -267,7 +253,7 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     meta = dict(engine=engine.name, reads_pool=engine.reads_pool, graphs=engine.graphs,
                 model=_model_name(engine.model), workload=engine.workload.to_dict(), control_seconds=seconds)
     if err or err2:
-        cells = [Cell("read", r, p, "error", error=err or err2) for r in regions for p in payloads]
+        cells = [Cell("read", r, p, ERROR, error=err or err2) for r in regions for p in payloads]
         return ScribbleReport(cells=cells, **meta)
     stable = same(clean, again)
     # the write guard, from the clean runs: every region that some step held, checked at every step
@@ -275,24 +261,24 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     for r in regions:
         mine = [s for s in strays if s["region"] == r]
         held = guards[0].region_rows[r]
-        verdict = STRAY if mine else "clean" if held or r == "read-trash" else "n/a"
+        verdict = STRAY_WRITE if mine else CLEAN if held or r == "read-trash" else NA
         cells.append(Cell("write", r, "-", verdict, slots=held, strays=mine))
     for s in strays:
         if s["region"] not in regions:          # owned rows or a region not asked for: still reported
-            cells.append(Cell("write", s["region"], "-", STRAY, strays=[s]))
+            cells.append(Cell("write", s["region"], "-", STRAY_WRITE, strays=[s]))
     for r in regions:
         for p in payloads:
             if not stable:
-                cells.append(Cell("read", r, p, "unstable-control",
+                cells.append(Cell("read", r, p, UNSTABLE,
                                   error="two clean runs differ: no read verdict can be trusted"))
                 continue
             hooks = Scribbler(r, p)
             gen, secs, err = _run(engine, hooks)
             if err:
-                cells.append(Cell("read", r, p, "error", error=err, seconds=secs))
+                cells.append(Cell("read", r, p, ERROR, error=err, seconds=secs))
                 continue
             if hooks.filled_rows == 0:
-                cells.append(Cell("read", r, p, "n/a", seconds=secs))
+                cells.append(Cell("read", r, p, NA, seconds=secs))
                 continue
             counts = compare(clean, gen)
             cell = Cell("read", r, p, verdict_of(counts), slots=hooks.filled_rows, seconds=secs, **counts)
@@ -306,7 +292,7 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
 
 
 def _localise(engine, cells: list) -> None:
-    leaking = [c for c in cells if c.check == "read" and c.verdict in ("nan-leak", "inf-leak", "finite-leak")]
+    leaking = [c for c in cells if c.check == "read" and c.verdict in READ_LEAKS]
     if not leaking:
         return
     base, _, err = _run(engine, Scribbler(), record_attention=True)

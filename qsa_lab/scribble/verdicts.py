@@ -1,11 +1,11 @@
-"""The scribble's vocabulary: regions, payloads, verdicts. Torch-free, so `--help` stays fast.
+"""The scribble's own names: its regions, its payloads, its schema. Torch-free, so `--help` stays fast.
 
-The canary's names are borrowed here and only here: payload names from the geometry module,
-verdict names from the canary's verdicts (both plain Python).
+The verdicts, what "changed" means and the report base are the one leak check's, shared with the
+canary (qsa_lab.analysis.leaks); the payload names come from the geometry module.
 """
 from __future__ import annotations
 
-from qsa_lab.canary.verdicts import LEAKS, VERDICTS as _CANARY_VERDICTS  # noqa: F401 - LEAKS: the scribble names it too
+from qsa_lab.analysis.leaks import STRAY_WRITE as STRAY  # noqa: F401 - the write guard's verdict, by its old name here
 from qsa_lab.model.geometry import PAYLOADS as _CANARY_PAYLOADS
 
 SCHEMA = "qsa_lab.scribble/1"
@@ -23,7 +23,3 @@ REGIONS = ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-
 #: payloads the read check writes (a whole element of the pool's dtype); zero is the canary's negative
 #: control and changes nothing in a pool that starts zeroed, so it is not a read check here
 PAYLOADS = tuple(p for p in _CANARY_PAYLOADS if p != "zero")
-STRAY = "stray-write"
-CHECKS = ("read", "write")
-
-VERDICTS = _CANARY_VERDICTS + (STRAY,)

@@ -44,15 +44,11 @@ def require_supported(version: str | None = None) -> None:
 
 
 def machine_facts() -> dict:
-    """Versions and the machine, for a report or a benchmark (imports torch)."""
+    """The report's machine facts (qsa_lab.analysis.leaks.machine_facts: qsa_lab, Python, torch, CUDA,
+    GPU, date) plus the engine's: transformers, the machine and processor (imports torch)."""
     import platform
 
-    import torch
+    from qsa_lab.analysis.leaks import machine_facts as report_facts
 
-    from qsa_lab.support.version import __version__
-
-    facts = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version(),
-             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-             "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    facts["qsa_lab"] = __version__
-    return facts
+    return {**report_facts(), "transformers": transformers_version(), "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine()}

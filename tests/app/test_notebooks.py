@@ -85,7 +85,7 @@ def check_no_warnings(path: Path, nb) -> None:
 def check_verdict_order(path: Path, nb) -> None:
     """A table of canary verdicts lists them in VERDICTS' order: leaks before failures before
     n/a (notebook 06's "not clean" table put n/a rows first; issue 31)."""
-    from qsa_lab.canary.verdicts import VERDICTS
+    from qsa_lab.analysis.leaks import VERDICTS
 
     cell = re.compile(r"<td>(" + "|".join(map(re.escape, VERDICTS)) + r")</td>")
     for c in nb.cells:

@@ -16,7 +16,7 @@ from qsa_lab.canary import run_canary
 from qsa_lab.canary.case import canary_case
 from qsa_lab.canary.report import save_call, write_report
 from qsa_lab.canary.standalone import script_text
-from qsa_lab.canary.verdicts import summary
+from qsa_lab.analysis.leaks import summary
 
 DATA = Path(__file__).parents[1] / "data"
 LEAKY = f"{DATA / 'canary_kernels.py'}:leaky"

@@ -1,0 +1,39 @@
+"""tools/compare_verdicts.py: two leak-check documents, the same verdicts and counts or not."""
+import json
+
+import compare_verdicts
+
+CANARY = {"schema": "qsa_lab.canary/1", "date": "2026-01-01T00:00:00Z",
+          "counts": {"cells": 2, "checks": 2, "leaking": 1}, "results": [{"kernel": "k", "region": "null-block", "plane": "v", "payload": "nan", "verdict": "nan-leak",
+                       "nan": 4, "inf": 0, "finite_changed": 0, "note": "x"},
+                      {"kernel": "k", "region": "null-block", "plane": "k", "payload": "nan", "verdict": "clean",
+                       "nan": 0, "inf": 0, "finite_changed": 0}]}
+
+
+def _write(tmp_path, name, doc):
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_the_same_verdicts_and_counts_are_identical_whatever_the_date_and_notes(tmp_path, capsys):
+    other = json.loads(json.dumps(CANARY))
+    other["date"], other["results"][0]["note"] = "2027-01-01T00:00:00Z", "y"
+    assert compare_verdicts.main([_write(tmp_path, "a.json", CANARY), _write(tmp_path, "b.json", other)]) == 0
+    assert capsys.readouterr().out == "2 and 2 cells: identical verdicts and counts\n"
+
+
+def test_a_changed_verdict_or_count_is_named(tmp_path, capsys):
+    other = json.loads(json.dumps(CANARY))
+    other["results"][0]["nan"] = 5
+    assert compare_verdicts.main([_write(tmp_path, "a.json", CANARY), _write(tmp_path, "b.json", other)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["k/null-block/v/nan: ('nan-leak', 4, 0, 0, 0) -> ('nan-leak', 5, 0, 0, 0)",
+                   "2 and 2 cells: 1 difference(s)"]
+
+
+def test_not_a_leak_check_document_is_exit_2(tmp_path, capsys):
+    diff = _write(tmp_path, "diff.json", {"schema": "qsa_lab.diff/1"})
+    assert compare_verdicts.main([diff, _write(tmp_path, "a.json", CANARY)]) == 2
+    assert "not a qsa_lab.canary/1 or qsa_lab.scribble/1 document" in capsys.readouterr().err
+    assert compare_verdicts.main([str(tmp_path / "missing.json"), diff]) == 2
