@@ -53,6 +53,8 @@ assert set(KERNEL_VARIANTS) <= set(VARIANTS), "every route's kernel variant is c
 # is a __syncthreads_or).
 BARRIERS_PER_TILE = {"unfixed": 5, "kernel_fix": 7, "masked_load": 5, "kernel_fix_no_leading_barrier": 6, "early_v": 5,
                      "finite_pv": 5}
+# barriers more on a tile whose V panel holds a NaN or Inf (finite_pv's F1 and F2; no other variant has such a path)
+SLOW_TILE_BARRIERS = {"finite_pv": 2}
 MAX_Q_HEADS = 8
 MAX_HEAD_DIM = 256
 
