@@ -19,7 +19,7 @@ from bitid_cases import bits, digest, make_case, nan_bits
 from qsa_lab.canary import run_canary
 from qsa_lab.model.plan import pad_fix
 from qsa_lab.report.repro import REPRO_CASES, run_case
-from qsa_lab.routes.run import GROUPED, ROUTES, run_routes
+from qsa_lab.routes.run import GROUPED, ROUTES, route_plan, run_routes
 from qsa_lab.routes import emulate
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -77,11 +77,11 @@ def test_small_case_bit_identical(i):
         np.testing.assert_array_equal(bits(o), want, err_msg=r)
     assert digest(res.reference64) == SMALL_META["digests"][i]["reference64"]
     fixed = pad_fix(res.plan)
-    for route, (variant, fix) in GROUPED.items():
+    for route, (variant, _) in GROUPED.items():
         key = f"small/{i}/lse/{route}"
-        assert (key in SMALL) == bool(res.plan.groups)
-        if res.plan.groups:
-            plan = fixed if fix else res.plan
+        plan = route_plan(route, res.plan, fixed, case)   # request_groups: its own groups
+        assert (key in SMALL) == bool(plan.groups), route
+        if plan.groups:
             _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
                                              plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                              sm_scale=case.sm_scale, variant=variant, return_lse=True)

@@ -12,6 +12,12 @@ baseline by the code that introduced it, every recorded cell left as it is (the 
 recorded cells before it accepts the file):
 
     .venv/bin/python tests/data/make_bitid_baseline.py --add-region other-requests
+
+A route added later (the complete fixes of issue 37) likewise: its outputs on every recorded case
+(report, small, and its qsa: kernel's canary cells) are appended, after every recorded route's bits
+were checked unchanged:
+
+    .venv/bin/python tests/data/make_bitid_baseline.py --add-routes grouped+request_groups,grouped+finite_pv
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from bitid_cases import bits, digest, make_case, nan_bits, small_specs  # noqa: 
 from qsa_lab.canary import run_canary  # noqa: E402
 from qsa_lab.model.plan import pad_fix  # noqa: E402
 from qsa_lab.report.repro import REPRO_CASES, run_case  # noqa: E402
-from qsa_lab.routes.run import GROUPED, run_routes  # noqa: E402
+from qsa_lab.routes.run import GROUPED, route_plan, run_routes  # noqa: E402
 from qsa_lab.routes import emulate
 
 
@@ -66,9 +72,72 @@ def add_region(region: str) -> None:
     np.savez_compressed(path, canary=np.array(json.dumps(doc)))
 
 
+def add_routes(routes: list) -> None:
+    """Append new routes' records to all three files; refuse if a recorded route's bits moved."""
+    unknown = [r for r in routes if r not in GROUPED]
+    if unknown:
+        raise SystemExit(f"--add-routes: {unknown} are not grouped routes")
+    path = HERE / "bitid_report.npz"
+    arrays = dict(np.load(path))
+    meta = json.loads(str(arrays["report/meta"]))
+    by_name = {rc.name: rc for rc in REPRO_CASES}
+    for i, entry in enumerate(meta["cases"]):
+        res = run_case(by_name[entry["name"]], "emulate")
+        moved = [r for r, d in entry["routes"].items() if digest(res.outputs[r]) != d]
+        if moved:
+            raise SystemExit(f"report case {i} ({entry['name']}): recorded routes {moved} moved: not appending")
+        for r in routes:
+            entry["routes"][r] = digest(res.outputs[r])
+            arrays[f"report/{i}/{r}/nan"] = nan_bits(res.outputs[r])
+        print("report", i, entry["name"], flush=True)
+    arrays["report/meta"] = np.array(json.dumps(meta))
+    np.savez_compressed(path, **arrays)
+
+    path = HERE / "bitid_small.npz"
+    arrays = dict(np.load(path))
+    specs = json.loads(str(arrays["small/specs"]))["specs"]
+    for i, spec in enumerate(specs):
+        case = make_case(spec)
+        res = run_routes(case, backend="emulate")
+        moved = [r for r in res.outputs if f"small/{i}/{r}" in arrays
+                 and not np.array_equal(bits(res.outputs[r]), arrays[f"small/{i}/{r}"])]
+        if moved:
+            raise SystemExit(f"small case {i}: recorded routes {moved} moved: not appending")
+        fixed = pad_fix(res.plan)
+        for r in routes:
+            arrays[f"small/{i}/{r}"] = bits(res.outputs[r])
+            plan = route_plan(r, res.plan, fixed, case)
+            if plan.groups:
+                arrays[f"small/{i}/lse/{r}"] = bits(lse_of(case, plan, GROUPED[r][0]))
+        print("small", i, flush=True)
+    np.savez_compressed(path, **arrays)
+
+    path = HERE / "bitid_canary.npz"
+    doc = json.loads(str(np.load(path)["canary"]))
+    key = ("kernel", "region", "plane", "payload")
+    for kv in ("fp16", "e4m3"):
+        recorded = {tuple(r[k] for k in key): r for r in doc[kv]["results"]}
+        now = canary_cells(run_canary([f"qsa:{r}" for r in routes] + sorted({r["kernel"] for r in recorded.values()
+                                                                             if r["kernel"].startswith("qsa:")}),
+                                      backend="emulate", kv_dtype=kv))
+        moved = [c for c in now if tuple(c[k] for k in key) in recorded
+                 and any(c[f] != recorded[tuple(c[k] for k in key)][f] for f in ("output", "leak"))]
+        if moved:
+            raise SystemExit(f"canary {kv}: {len(moved)} recorded cells changed, e.g. {moved[0]}: not appending")
+        new = [c for c in now if c["kernel"] in {f"qsa:{r}" for r in routes} and tuple(c[k] for k in key) not in recorded]
+        for c in new:   # recorded as the baseline records them: it predates the verdict n/a (a clean result there)
+            c["verdict"] = "clean" if c["verdict"] == "n/a" else c["verdict"]
+        doc[kv]["results"] += new
+        print("canary", kv, f"+{len(new)} cells", flush=True)
+    doc.setdefault("added_routes", []).extend(routes)
+    np.savez_compressed(path, canary=np.array(json.dumps(doc)))
+
+
 def main():
     if sys.argv[1:2] == ["--add-region"]:
         return add_region(sys.argv[2])
+    if sys.argv[1:2] == ["--add-routes"]:
+        return add_routes(sys.argv[2].split(","))
     import qsa_lab
 
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "qsa_lab": qsa_lab.__file__}
