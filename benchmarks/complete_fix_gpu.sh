@@ -106,7 +106,8 @@ if docs:
     merged = {**docs[0], "kv_dtypes": [d["runs"][0]["geometry"]["kv_dtype"] for d in docs],
               "runs": [r for d in docs for r in d["runs"]], "records": [r for d in docs for r in d["records"]],
               "must_be_clean_leaks": sum(d["must_be_clean_leaks"] for d in docs)}
-    (out / "cross_request_h200.json").write_text(json.dumps(merged, indent=1) + "\n")
+    from qsa_lab.app.cross_request import dump
+    (out / "cross_request_h200.json").write_text(dump(merged))
     for kv in ("e4m3", "fp16"):
         (out / f"cross_request_{kv}_h200.json").unlink(missing_ok=True)
     print(f"wrote {out / 'cross_request_h200.json'}: {len(merged['records'])} records")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from qsa_lab.analysis.leaks import CLEAN, NA
 from qsa_lab.model.case import Geometry, build_case
 from qsa_lab.model.geometry import PAYLOADS
 from qsa_lab.model.plan import plan_groups
@@ -28,6 +29,7 @@ from qsa_lab.routes.labels import COMPLETE_FIXES, ROUTES
 from qsa_lab.routes.run import check_routes, run_routes
 
 SCHEMA = "qsa_lab.cross_request/1"
+OWN, LEAK = "own", "leak"     # a record's verdict beside CLEAN (NA: a payload the cache dtype has no code for)
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
 #: routes that must never give another request's rows a non-finite value
 MUST_BE_CLEAN = ("reference", "xqa") + COMPLETE_FIXES
@@ -55,9 +57,9 @@ def judge(result, request: int, payload: str) -> list[dict]:
             if k == request:
                 same = (torch.equal(torch.isnan(o[mine]), torch.isnan(ref[mine]))
                         and torch.equal(torch.isinf(o[mine]), torch.isinf(ref[mine])))
-                rec.update(verdict="own", as_reference=same)
+                rec.update(verdict=OWN, as_reference=same)
             else:
-                rec.update(verdict="leak" if rows else "clean", as_reference=not rows)
+                rec.update(verdict=LEAK if rows else CLEAN, as_reference=not rows)
             out.append(rec)
     return out
 
@@ -87,7 +89,7 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
     for payload in payloads:
         if (geometry.kv_dtype, payload) not in PAYLOAD_BITS:
             records.append({**meta, "route": None, "payload": payload, "poisoned_request": None, "request": None,
-                            "rows": [], "elements": 0, "verdict": "n/a", "as_reference": None,
+                            "rows": [], "elements": 0, "verdict": NA, "as_reference": None,
                             "note": f"{geometry.kv_dtype} has no {payload} code"})
             continue
         for r in requests:
@@ -100,7 +102,7 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
 
 def leaks(records, routes=None) -> list[dict]:
     """The records where a request other than the poisoned one got a non-finite row (of `routes`)."""
-    return [r for r in records if r["verdict"] == "leak" and (routes is None or r["route"] in routes)]
+    return [r for r in records if r["verdict"] == LEAK and (routes is None or r["route"] in routes)]
 
 
 def groups_of(geometry: Geometry) -> list[dict]:
@@ -138,27 +140,6 @@ def row_map(records, geometry: Geometry, payload: str, poisoned_request: int) ->
             "q_heads": geometry.q_heads}
 
 
-def summary_frame(records):
-    """One row per (q_heads, payload, poisoned request, route): the other requests' rows that went
-    non-finite ('-' when none) and whether the poisoned request's own rows match the reference."""
-    import pandas as pd
-
-    table = {}
-    for r in records:
-        if r["route"] is None:
-            continue
-        key = (r["q_heads"], r["payload"], r["poisoned_request"], r["route"])
-        row = table.setdefault(key, {"q_heads": key[0], "payload": key[1], "poisoned": key[2], "route": key[3],
-                                     "other requests' non-finite rows": [], "own rows as reference": None})
-        if r["verdict"] == "own":
-            row["own rows as reference"] = r["as_reference"]
-        else:
-            row["other requests' non-finite rows"] += [f"r{r['request']}:{x}" for x in r["rows"]]
-    for row in table.values():
-        row["other requests' non-finite rows"] = " ".join(row["other requests' non-finite rows"]) or "-"
-    return pd.DataFrame(list(table.values()))
-
-
 def _ranges(rows) -> str:
     """[40, 41, 42, 45] -> '40-42,45'."""
     out, run = [], []
@@ -188,7 +169,7 @@ def pivot_frame(records, q_heads: int):
         if col not in cols:
             cols.append(col)
         cell = cells.setdefault((r["route"], col), {"leaks": [], "own": True})
-        if r["verdict"] == "own":
+        if r["verdict"] == OWN:
             cell["own"] = r["as_reference"]
         elif r["rows"]:
             cell["leaks"].append(f"r{r['request']}:{_ranges(r['rows'])}")

@@ -42,9 +42,9 @@ def add_parser(sub, parents=()):
     p.add_argument("--dims", type=int_list, metavar="D,..", help="head dims poisoned (default 102,152,168,170,230 "
                                                                   "modulo --head-dim)")
     g = p.add_argument_group("a smaller case (default: the preset's; context 2051, head dim 256, topk 512)")
-    g.add_argument("--context", type=integer, help="tokens of request 0")
-    g.add_argument("--head-dim", type=integer, help="head dimension, a multiple of 16")
-    g.add_argument("--topk", type=integer, help="selected 4-token blocks per row")
+    g.add_argument("--context", type=integer, help="tokens of request 0 (default 2051, the preset's)")
+    g.add_argument("--head-dim", type=integer, help="head dimension, a multiple of 16 (default 256)")
+    g.add_argument("--topk", type=integer, help="selected 4-token blocks per row (default 512)")
     g.add_argument("--seed", type=integer, help="seed of q, K/V and the selections (default 0)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="(default auto)")
     p.add_argument("--json", metavar="PATH|-", help=f"write the records (schema qsa_lab.cross_request/1) to PATH, or - "
@@ -102,6 +102,7 @@ def check_args(args) -> dict:
 def run(args) -> int:
     s = check_args(args)
     from qsa_lab.analysis.cross_request import MUST_BE_CLEAN, SCHEMA, cross_request, groups_of, leaks, pivot_frame
+    from qsa_lab.analysis.leaks import NA
     from qsa_lab.routes.run import resolve_backend
     from qsa_lab.support.outputs import write_text
 
@@ -118,7 +119,7 @@ def run(args) -> int:
     bad = leaks(records, MUST_BE_CLEAN)
     doc = {"schema": SCHEMA, "backend": backend, "mix": args.mix, "runs": runs, "records": records,
            "must_be_clean": list(MUST_BE_CLEAN), "must_be_clean_leaks": len(bad)}
-    text = json.dumps(doc, indent=1) + "\n"
+    text = dump(doc)
     if quiet:
         sys.stdout.write(text)
     else:
@@ -128,7 +129,7 @@ def run(args) -> int:
         mixed = [f"{x['rows'][0]}-{x['rows'][1]} (requests {','.join(map(str, x['requests']))})"
                  for x in runs[0]["groups"] if x["mixed"]]
         print(f"# groups of 8 consecutive rows that mix requests: {'; '.join(mixed) or 'none'}")
-        skipped = sorted({r["note"] for r in records if r["verdict"] == "n/a"})
+        skipped = sorted({r["note"] for r in records if r["verdict"] == NA})
         for note in skipped:
             print(f"# n/a: {note}")
         for g in s["geometries"]:
@@ -139,10 +140,17 @@ def run(args) -> int:
         leaky = sorted({r["route"] for r in leaks(records)})
         print(f"# routes that gave another request's row a non-finite value: {', '.join(leaky) or 'none'}")
         print("# must stay clean (reference, xqa, the complete fixes): "
-              + ("clean" if not bad else f"LEAK in {', '.join(sorted({r['route'] for r in bad}))}"))
+              + ("none leaks" if not bad else f"LEAK in {', '.join(sorted({r['route'] for r in bad}))}"))
     if s["json"] is not None:
         with blame({}, "--json"):
             write_text(s["json"], text, "--json", force=args.force)
         if not quiet:
             print(f"# wrote {s['json']}")
     return EXIT_DIFFERS if bad else EXIT_OK
+
+
+def dump(doc: dict) -> str:
+    """The document as JSON, one record per line (a run of every route, request and payload is thousands)."""
+    head = json.dumps({k: v for k, v in doc.items() if k != "records"}, indent=1)
+    records = ",\n".join("  " + json.dumps(r, separators=(",", ":")) for r in doc["records"])
+    return head[:-2] + ',\n "records": [\n' + records + "\n ]\n}\n"

@@ -570,10 +570,10 @@ def small_multiples(fn, datas, ncols: int = 1, panel=(10, 2.6)):
     return fig
 
 
-#: plot_cross_request's cell colours: a row of the poisoned request (its own value: expected), a
-#: row of ANOTHER request (the leak), a clean row
+#: plot_cross_request's cell colours: a clean row, a row of the poisoned request (its own value:
+#: expected), a row of ANOTHER request (the leak)
 OWN_COLOR = "#495057"
-CROSS_REQUEST_COLORS = {"clean": "#f1f3f5", "own": OWN_COLOR, "leak": NAN_COLOR}
+CROSS_REQUEST_COLORS = ("#f1f3f5", OWN_COLOR, NAN_COLOR)
 
 
 def plot_cross_request(data: dict, ax=None):
@@ -594,8 +594,7 @@ def plot_cross_request(data: dict, ax=None):
     for i, route in enumerate(routes):
         for row in data["nonfinite"][route]:
             grid[i, row] = 1 if owner[row] == data["poisoned_request"] else 2
-    colors = [CROSS_REQUEST_COLORS[k] for k in ("clean", "own", "leak")]
-    ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=2, aspect="auto", interpolation="nearest",
+    ax.imshow(grid, cmap=ListedColormap(CROSS_REQUEST_COLORS), vmin=0, vmax=2, aspect="auto", interpolation="nearest",
               extent=(-0.5, n - 0.5, len(routes) - 0.5, -0.5))
     for x in range(8, data["grouped_rows"] + 1, 8):     # group boundaries (the XQA rows follow the last)
         ax.axvline(x - 0.5, color="#868e96", lw=0.8)
@@ -612,8 +611,8 @@ def plot_cross_request(data: dict, ax=None):
     ax.set_xlabel("query row (requests r0, r1, ... above; lines: the groups of 8 rows upstream forms)", labelpad=10)
     ax.set_title(f"{data['payload']} in request {data['poisoned_request']}'s attended V"
                  + (f", {data['q_heads']} query heads" if data.get("q_heads") else ""), fontsize=10, pad=26)
-    ax.legend(handles=[Patch(color=CROSS_REQUEST_COLORS["own"], label="non-finite: the poisoned request's row"),
-                       Patch(color=CROSS_REQUEST_COLORS["leak"], label="non-finite: ANOTHER request's row (leak)")],
+    ax.legend(handles=[Patch(color=CROSS_REQUEST_COLORS[1], label="non-finite: the poisoned request's row"),
+                       Patch(color=CROSS_REQUEST_COLORS[2], label="non-finite: ANOTHER request's row (leak)")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
 

@@ -17,7 +17,7 @@ def test_cross_request_table_and_exit(capsys):
     line = next(x for x in out.splitlines() if x.startswith("grouped+kernel_fix "))
     assert line.split()[1:] == ["r0:45", "r2:47", "-"]          # nan in r1 reaches rows 45 and 47; max: nothing
     assert next(x for x in out.splitlines() if x.startswith("grouped+finite_pv ")).split()[1:] == ["-", "-"]
-    assert "# must stay clean (reference, xqa, the complete fixes): clean" in out
+    assert "# must stay clean (reference, xqa, the complete fixes): none leaks" in out
 
 
 def test_cross_request_json(capsys, tmp_path):
