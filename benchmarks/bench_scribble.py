@@ -5,7 +5,8 @@ warm-up generation per mode, then `--repeats` generations each, wall clock (time
 device synchronised by transformers' synchronous batching before a generation returns); medians.
 Modes: `plain` (no hooks), `guard` (write guard only: a digest of every pool row around every step),
 `scribble` (guard + one region filled before every step: read-trash, nan). A full matrix costs
-about (2 + regions x payloads) x the scribble time, plus re-runs to localise leaks.
+about (2 + regions x payloads + requests x payloads for other-requests) x the scribble time, plus two
+re-runs for each leak it confirms.
 
     python benchmarks/bench_scribble.py --json results/bench_scribble.json
     python benchmarks/bench_scribble.py --device cuda --cuda-graph --json ...   # on a GPU

@@ -138,6 +138,8 @@ def machine() -> dict:
 
 def table(runs: list, env: dict) -> str:
     """Markdown: one row per library x kernel x spec, one column per kv dtype x query rows."""
+    from qsa_lab.canary.names import parse_kernel
+
     lib = {"flashinfer": ("FlashInfer", env.get("flashinfer")), "vllm": ("vLLM", env.get("vllm_rev") or env.get("vllm"))}
     cols = list(dict.fromkeys((r["kv_dtype"], r["query_len"]) for r in runs))
     head = [f"{d}, {'decode' if q == 1 else f'{q}-row chunk'}" for d, q in cols]
@@ -145,7 +147,7 @@ def table(runs: list, env: dict) -> str:
     keys = list(dict.fromkeys((r["kernel"], r["attend"]) for r in runs))
     lines = ["| library | version | kernel | spec | " + " | ".join(head) + " |", "|---" * (4 + len(cols)) + "|"]
     for k, spec in keys:
-        name, version = lib[k.split(":")[0]]
+        name, version = lib[parse_kernel(k).source]
         lines.append(f"| {name} | {version} | `{k}` | `{spec}` | "
                      + " | ".join(cell.get((k, spec, d, q), "-") for d, q in cols) + " |")
     return "\n".join(lines)

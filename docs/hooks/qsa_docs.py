@@ -495,8 +495,8 @@ def scribble_h200(name: str = "scribble_h200/summary.json") -> str:
     facts = doc["facts"]
     rows = []
     for config, got in doc["configs"].items():
-        if "error" in got:
-            rows.append([f"`{config}`", "could not run", ""])
+        if "error" in got or "skipped" in got:
+            rows.append([f"`{config}`", "could not run" if "error" in got else f"skipped ({got['skipped']})", ""])
             continue
         shown = {}
         for cell, verdict in got["verdicts"].items():
@@ -507,7 +507,8 @@ def scribble_h200(name: str = "scribble_h200/summary.json") -> str:
         rows.append([f"`{config}`", found or "every check clean or n/a", str(got["exit_code"])])
     return (table(["configuration", "what was not clean", "exit"], rows)
             + f"\n\n*{facts['gpu']}, torch {facts['torch']}, transformers {facts['transformers']}, tiny Llama in fp16, "
-              f"workload chunked-prefill (then named issue32); committed {_committed(name)}. Source: `{_where(name)}`.*")
+              f"workload chunked-prefill (issue32 in older runs) unless the configuration names another; "
+              f"committed {_committed(name)}. Source: `{_where(name)}`.*")
 
 
 def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribble_h200_graphs.json")) -> str:

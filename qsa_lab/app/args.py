@@ -61,6 +61,17 @@ def integer(text: str) -> int:
     return int(text)
 
 
+def seconds(text: str) -> float:
+    """A number of seconds > 0 (finite)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return v
+
+
 def int_list(text: str) -> list[int]:
     parts = [x for x in text.replace(" ", ",").split(",") if x]
     if not parts or len(parts) > 4096 or not all(re.fullmatch(r"[+-]?[0-9]{1,9}", x) for x in parts):

@@ -10,8 +10,9 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
+
+from qsa_lab.app.args import seconds
 
 #: API argument -> CLI option, so that an error names what the user typed
 FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
@@ -35,26 +36,18 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
-def _kernel_list(text: str) -> list[str]:
-    """_name_list, refusing an earlier spelling of a qsa route with its name now (labels.was_renamed)."""
-    from qsa_lab.routes.labels import was_renamed
+def _kernel_names(option: str):
+    """An argparse type: comma-separated kernel names (--kernels) or one (--kernel), each parsed
+    here, once (qsa_lab.canary.names), recording `option`."""
+    from qsa_lab.canary.names import KernelNameError, parse_kernel
 
-    names = _name_list(text)
-    for name in names:
-        message = name.startswith("qsa:") and was_renamed(name[4:], prefix="qsa:")
-        if message:
-            raise argparse.ArgumentTypeError(message)
-    return names
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return v
+    def parse(text: str):
+        try:
+            names = [parse_kernel(n, option) for n in (_name_list(text) if option == "--kernels" else [text])]
+        except KernelNameError as e:
+            raise argparse.ArgumentTypeError(e.problem) from None
+        return names if option == "--kernels" else names[0]
+    return parse
 
 
 def add_parser(sub, parents=()):
@@ -68,14 +61,14 @@ def add_parser(sub, parents=()):
                                    "inf-leak, finite-leak, error, unstable-control, input-modified or n/a. "
                                    "Exit 0 clean, 1 a leak, 3 a kernel failed, 2 bad input.")
     k = c.add_argument_group("kernels and matrix")
-    k.add_argument("--kernels", type=_kernel_list, metavar="K,..",
+    k.add_argument("--kernels", type=_kernel_names("--kernels"), metavar="K,..",
                    help="qsa:<route>, torch:sdpa-math|sdpa-efficient|sdpa-cudnn|sdpa-flash|sdpa-cut|flex|flex-paged, "
                         "flashinfer:decode|decode-tc|prefill|prefill-fa2, vllm:unified|unified-3d (README "
                         "'Third-party kernels'), or module:function / file.py:function (default: every built-in "
                         "qsa: and torch: kernel)")
     k.add_argument("--vllm-src", metavar="PATH", help="a vLLM source checkout for the vllm: kernels "
                    "(default: $QSA_LAB_VLLM_SRC, else an installed vllm)")
-    k.add_argument("--kernel", action="append", metavar="module:function",
+    k.add_argument("--kernel", action="append", type=_kernel_names("--kernel"), metavar="module:function",
                    help="your own kernel fn(PagedCall) -> [rows, q_heads, head_dim], run in a worker process "
                         "(repeatable; default: none)")
     k.add_argument("--regions", type=_name_list, metavar="R,..",
@@ -89,7 +82,7 @@ def add_parser(sub, parents=()):
     k.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="qsa routes: compiled kernels or emulation (only qsa: kernels build qsa_lab's extension); "
                         "the other kernels run on the GPU unless 'emulate' (default auto)")
-    k.add_argument("--timeout", type=_seconds, metavar="S",
+    k.add_argument("--timeout", type=seconds, metavar="S",
                    help="seconds one call of your own kernel may take before it is an error (default 600); "
                         "built-in kernels run in this process, unbounded (Ctrl-C stops them)")
     g = c.add_argument_group("the call's geometry and attention (default: 10 rows of 3 requests of 33, 32, 31 "
@@ -128,15 +121,6 @@ def add_parser(sub, parents=()):
     return c
 
 
-def _kernel_flag(message: str, args) -> str:
-    """'kernels: ...' -> the option the named kernel came from."""
-    m = re.match(r"kernels: '([^']*)'", message)
-    own = args.kernel or []
-    if (m and m.group(1) in own) or (not m and own and not args.kernels):
-        return "--kernel"
-    return "--kernels"
-
-
 @contextlib.contextmanager
 def _quiet_stdout(active: bool):
     """While kernels run for `--json -`: whatever they print goes to stderr, fd 1 included."""
@@ -160,77 +144,27 @@ def _quiet_stdout(active: bool):
             os.close(saved)
 
 
-def _group_cells(cells) -> str:
-    regions = list(dict.fromkeys(r.region for r in cells))
-    planes = list(dict.fromkeys(r.plane for r in cells))
-    payloads = list(dict.fromkeys(r.payload for r in cells))
-    if len(regions) * len(planes) * len(payloads) == len(cells):
-        return f"{','.join(regions)} / {','.join(planes)} / {','.join(payloads)}"
-    return ", ".join(f"{r.region}/{r.plane}/{r.payload}" for r in cells)
-
-
-def notes(report) -> list[str]:
-    """One line per group of non-clean cells: same verdict, detail and cells; kernels merged."""
-    from qsa_lab.analysis.leaks import FAILURES, LEAKS
-
-    groups = {}
-    for r in report.non_clean():
-        detail = r.error or (f"changed {', '.join(r.modified)}" if r.modified else "") or r.note
-        # a failure's detail differs cell by cell (counts, differences): its first one stands for all
-        key = (r.kernel, r.verdict, "" if r.verdict in FAILURES else detail)
-        groups.setdefault(key, [detail, []])[1].append(r)
-    groups = {(k, v, d): cells for (k, v, _), (d, cells) in groups.items()}
-    merged = {}
-    for (kernel, verdict, detail), cells in groups.items():
-        counts = ""
-        if verdict in LEAKS:
-            counts = f" ({sum(c.nan for c in cells)} NaN, {sum(c.inf for c in cells)} Inf, " \
-                     f"{sum(c.finite_changed for c in cells)} finite changed)"
-        merged.setdefault((verdict, _group_cells(cells), counts, detail), []).append(kernel)
-    out = []
-    for (verdict, where, counts, detail), kernels in merged.items():
-        who = "every kernel" if len(kernels) > 1 and len(kernels) == len(report.kernels) else ", ".join(kernels)
-        out.append(f"# {who}: {verdict} at {where}{counts}" + (f": {detail}" if detail else ""))
-    return out
-
-
-def matrix(report) -> str:
-    """Kernels down, region/plane/payload across, one mark per verdict (qsa_lab.plotting.verdicts)."""
-    import pandas as pd
-
-    from qsa_lab.analysis.leaks import NOT_RUN
-    from qsa_lab.plotting.verdicts import MARKS
-
-    df = report.frame()
-    if df.empty:
-        return "(no results)"
-    df["mark"] = df.verdict.map(MARKS)
-    t = df.pivot_table(index="kernel", columns=["region", "plane", "payload"], values="mark", aggfunc="first",
-                       sort=False).fillna(MARKS[NOT_RUN])
-    with pd.option_context("display.width", 250, "display.max_columns", 200):
-        return t.to_string()
-
-
 def _overlaps(kernels: list) -> bool:
     """Does the run hold a kernel of overlap.OVERLAP beside another one (the default: every kernel),
-    and a core to spare for it?"""
+    and a core to spare for it? kernels: KernelName records."""
     from qsa_lab.canary.overlap import OVERLAP, idle_core
 
-    mixed = not kernels or (any(k in OVERLAP for k in kernels) and any(k not in OVERLAP for k in kernels))
+    mixed = not kernels or (any(k.text in OVERLAP for k in kernels) and any(k.text not in OVERLAP for k in kernels))
     return mixed and idle_core()
 
 
-def kernel_source(spec: str) -> str | None:
-    """The file a user's kernel `file.py:function` or `module:function` is read from (found on
-    sys.path as the worker would, nothing imported); None for a built-in name or a module not found."""
+def kernel_source(name) -> str | None:
+    """The file a user's kernel (a KernelName of kind file or module) is read from (found on
+    sys.path as the worker would, nothing imported); None for a built-in or a module not found."""
     from pathlib import Path
 
-    name = spec.rpartition(":")[0]
-    if not name or spec.startswith(("qsa:", "torch:", "flashinfer:", "vllm:")):
+    from qsa_lab.canary.names import FILE, MODULE
+
+    if name.kind == FILE:
+        return name.source
+    if name.kind != MODULE:
         return None
-    if name.endswith(".py"):
-        return name
-    parts = name.split(".")
+    parts = name.source.split(".")
     for entry in ["", *sys.path]:   # the worker finds modules in the current folder too
         base = Path(entry or ".", *parts)
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
@@ -270,16 +204,15 @@ def _inputs(args) -> dict:
     """{option: path} of the run's input files (the case, every kernel's source, whichever option
     and form named it), which no output may be or hold."""
     out = {"--case": args.case} if args.case else {}
-    for flag, specs in (("--kernels", args.kernels), ("--kernel", args.kernel)):
-        for spec in specs or []:
-            source = kernel_source(spec)
-            if source is not None and source not in out.values():   # two kernels of one file: one input
-                out[f"{flag} {spec}"] = source
+    for name in (args.kernels or []) + (args.kernel or []):
+        source = kernel_source(name)
+        if source is not None and source not in out.values():   # two kernels of one file: one input
+            out[f"{name.option} {name.text}"] = source
     return out
 
 
 def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
-    from qsa_lab.app.args import UsageError, blame as _blame
+    from qsa_lab.app.args import blame as _blame
 
     from qsa_lab.canary.case import load_case  # torch from here on: every argument above was checked without it
     from qsa_lab.canary.runner import run_canary
@@ -302,36 +235,19 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
     if args.case:
         with _blame({"attend": "--attend"}, "--case"):
             case = load_case(args.case, args.attend)
-    try:
-        with _blame(FLAGS, "canary"), _quiet_stdout(args.json == "-"):
-            report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads,
-                                planes=args.planes or ("k", "v"), backend=args.backend,
-                                kv_dtype=args.kv_dtype, dims=args.dims, attend=None if case else args.attend,
-                                case=case, progress=sys.stderr.isatty() and args.json != "-", second=second,
-                                **({"timeout": args.timeout} if args.timeout else {}), **geometry)
-    except UsageError as e:
-        msg = str(e)
-        if msg.startswith("--kernels:"):
-            msg = _kernel_flag("kernels:" + msg[len("--kernels:"):], args) + msg[len("--kernels"):]
-        raise UsageError(msg) from e
+    with _blame(FLAGS, "canary"), _quiet_stdout(args.json == "-"):   # a kernel's error names its own option
+        report = run_canary(kernels or None, regions=args.regions, payloads=args.payloads,
+                            planes=args.planes or ("k", "v"), backend=args.backend,
+                            kv_dtype=args.kv_dtype, dims=args.dims, attend=None if case else args.attend,
+                            case=case, progress=sys.stderr.isatty() and args.json != "-", second=second,
+                            **({"timeout": args.timeout} if args.timeout else {}), **geometry)
     doc = report.to_json()
     if args.json == "-":
         print(json.dumps(doc, indent=2))
     else:
-        print(f"# canary: {report.case.describe()}; {doc['pool_pages']} pool pages; "
-              f"backend {report.backend}, device {report.device}")
-        print(f"# regions (slots): {doc['regions']}; payload bits: {doc['payload_bits']}")
-        from qsa_lab.analysis.leaks import STRAY_WRITE, VERDICTS
-        from qsa_lab.plotting.verdicts import legend_line
+        from qsa_lab.canary.render import terminal
 
-        print(matrix(report))
-        print(legend_line([v for v in VERDICTS if v != STRAY_WRITE]))   # a kernel call writes no pool
-        for line in notes(report):
-            print(line)
-        for s in report.skipped:
-            what = "/".join(s[k] for k in ("kernel", "region", "plane", "payload") if k in s)
-            print(f"# skipped {what}: {s['reason']}")
-        print(f"# {report.summary()}")
+        print("\n".join(terminal(report, doc)))
         if "--json" in outs:
             from qsa_lab.support.outputs import write_text
 

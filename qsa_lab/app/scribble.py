@@ -1,5 +1,6 @@
 """`qsa-lab scribble`: argv -> one scribbled generation matrix (qsa_lab.scribble). No torch until
-the arguments are good.
+the arguments are good. `--attn file.py:function` runs the whole matrix in a worker process
+(qsa_lab.scribble.isolated), as the canary runs a user's kernel.
 
 Exit codes (the canary's): 0 every check ran and none leaked; 1 a leak or a stray write; 2 bad
 input, one line `qsa-lab: error: <argument>: <problem>`; 3 an error, an unstable control, or a
@@ -12,12 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer
-from qsa_lab.scribble.models import RENAMED_WORKLOADS, WORKLOADS
+from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer, seconds
+from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
+from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS
 from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
 
-MODEL_NAMES = ("llama-gqa", "mistral-swa", "qwen2-hybrid")      # scribble.models.MODELS, without importing it
-DTYPES = ("float32", "float16", "bfloat16")
+MODEL_NAMES = tuple(MODELS)
+DTYPES = ("float32", "float16", "bfloat16")                                  # scribble.isolated.build_engine
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -32,17 +34,23 @@ def add_parser(sub, parents=()):
     p = sub.add_parser(
         "scribble", parents=list(parents),
         help="poison every KV slot an engine does not own, at every step; guard every slot it must not write",
-        description="Fill one region of a running engine's KV pool before every step of a whole generation "
-                    "and compare tokens, logprobs and logits with a clean run; hash every row around every "
-                    "step and report writes outside the step's own slots (stray-write). Engine: transformers' "
-                    "continuous batching (pip install 'qsa_lab[scribble]').")
+        description="Fill one region of a running engine's KV pool (or one live request's own rows, to judge the "
+                    "others) before every step of a whole generation and compare tokens, logprobs and logits with "
+                    "a clean run, every leak confirmed by a second clean and a second filled run; hash every row "
+                    "around every step and between steps and report writes where none may land (stray-write). "
+                    "Engine: transformers' continuous batching (pip install 'qsa_lab[scribble]').")
     p.add_argument("--model", default="llama-gqa",
                    help=f"a tiny model built from a config ({', '.join(MODEL_NAMES)}) or a local checkpoint "
                         "folder (default llama-gqa)")
     p.add_argument("--workload", default="chunked-prefill", type=_workload, choices=tuple(WORKLOADS),
                    help="named seeded workload (default chunked-prefill)")
     p.add_argument("--attn", default="paged|eager",
-                   help="attention implementation: paged|eager, sdpa, flash_attention_2, ... (default paged|eager)")
+                   help="attention implementation: paged|eager, sdpa, flash_attention_2, ..., or your own function "
+                        "file.py:function / module:function, which takes paged|eager's place and runs with the "
+                        "whole matrix in a worker process (default paged|eager)")
+    p.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"seconds the worker of your own --attn function may take for the whole matrix before it "
+                        f"is killed and every check is an error (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--pad", action="store_true",
                    help="pad inputs as CUDA graphs and compile do (padded rows read the read-trash block; default off)")
     p.add_argument("--cuda-graph", action="store_true", help="let transformers capture CUDA graphs (CUDA only; default off)")
@@ -54,7 +62,9 @@ def add_parser(sub, parents=()):
     p.add_argument("--json", default=None, metavar="PATH|-",
                    help="write the report (schema qsa_lab.scribble/1) to PATH, or - for stdout (default: none)")
     p.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
-    p.add_argument("--no-localise", action="store_true", help="skip the re-runs that localise a leak (default: localise it)")
+    p.add_argument("--no-localise", action="store_true",
+                   help="do not record attention outputs in the re-runs that confirm a leak, which name the first "
+                        "step and layer where it shows (default: record them)")
     p.set_defaults(func=run)
     return p
 
@@ -93,8 +103,7 @@ def run(args) -> int:
     import torch
 
     from qsa_lab.scribble.check import scribble
-    from qsa_lab.scribble.hf_engine import TransformersEngine
-    from qsa_lab.scribble.models import local_model, tiny_model, workload
+    from qsa_lab.scribble.isolated import build_engine, scribble_attention
     from qsa_lab.scribble.versions import machine_facts
     from qsa_lab.support.outputs import write_text
 
@@ -103,13 +112,16 @@ def run(args) -> int:
         raise UsageError("--device: cuda asked for, but torch sees no CUDA device")
     if args.cuda_graph and device != "cuda":
         raise UsageError("--cuda-graph: needs a CUDA device and torch sees none")
-    dtype = getattr(torch, args.dtype)
+    engine = dict(model=args.model, workload=args.workload, pad=args.pad, cuda_graph=args.cuda_graph,
+                  dtype=args.dtype, device=device, seed=args.seed)
+    matrix = dict(regions=settings["regions"], payloads=settings["payloads"], localise_leaks=not args.no_localise)
     try:
-        model = (tiny_model(args.model, seed=args.seed, dtype=dtype, device=device) if args.model in MODEL_NAMES
-                 else local_model(args.model, dtype=dtype, device=device))
-        engine = TransformersEngine(model, workload(args.workload), attn=args.attn, pad=args.pad,
-                                    cuda_graph=args.cuda_graph)
-        report = scribble(engine, settings["regions"], settings["payloads"], localise_leaks=not args.no_localise)
+        if is_user_attention(args.attn):
+            report = scribble_attention(args.attn, timeout=args.timeout, argument="--attn", **matrix, **engine)
+        else:
+            report = scribble(build_engine(attn=args.attn, **engine), **matrix)
+    except AttentionLoadError as e:
+        raise UsageError(str(e)) from None
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
         raise Failure(f"scribble: {type(e).__name__}: {e}") from e
     report.facts = machine_facts()

@@ -22,21 +22,19 @@ and stops the run.
 from __future__ import annotations
 
 import os
-import pickle
-import selectors
-import struct
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from qsa_lab.analysis.leaks import bits
 from qsa_lab.canary.call import KernelSkipped, PagedCall
-from qsa_lab.support.processes import end as _end, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
+from qsa_lab.canary.names import FILE, MODULE, KernelName
+from qsa_lab.support.loading import LoadError, first_line, import_function
+from qsa_lab.support.processes import end as _end, read_reply, recv, send, spawn  # noqa: F401 - recv / send: the worker's protocol
 from qsa_lab.model.paged import TENSORS as INPUTS  # the paged call's tensors, declared once
 
 DEFAULT_TIMEOUT = 600.0
@@ -60,12 +58,6 @@ class Outcome:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a.cpu()), bits(b.cpu()))
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ").rstrip() if not isinstance(e, SystemExit) \
-        else f"SystemExit: {e.code!r}"
 
 
 def call_kernel(fn, inputs: dict, meta: dict, device, memo: dict, interruptible: bool = False) -> Outcome:
@@ -137,10 +129,11 @@ class InProcess:
 # -- a worker process per user kernel -----------------------------------------------------------
 
 class Worker:
-    """`module:function` or `file.py:function` in its own process (see the module docstring)."""
+    """A user's kernel (canary.names: `module:function` or `file.py:function`) in its own process
+    (see the module docstring)."""
 
-    def __init__(self, spec: str, timeout: float):
-        self.spec, self.timeout, self.proc, self.dead = spec, timeout, None, None
+    def __init__(self, name: KernelName, timeout: float):
+        self.name, self.timeout, self.proc, self.dead = name, timeout, None, None
         self.paged_inputs = None
 
     def _start(self) -> None:
@@ -148,23 +141,7 @@ class Worker:
 
     def _read(self, deadline: float) -> tuple:
         """-> ("msg", obj) | ("timeout", None) | ("eof", returncode)."""
-        fd = self.proc.stdout.fileno()
-        buf, need = b"", None
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    return "timeout", None
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    return "eof", self.proc.wait()
-                buf += chunk
-                if need is None and len(buf) >= 8:
-                    (n,) = struct.unpack("<Q", buf[:8])
-                    need = 8 + n
-                if need is not None and len(buf) >= need:
-                    return "msg", pickle.loads(buf[8:need])
+        return read_reply(self.proc, deadline)
 
     def _send(self, msg):
         """None, or ("eof", returncode) when the worker is gone."""
@@ -182,11 +159,11 @@ class Worker:
         workers of one run import at once)."""
         if self.proc is None:
             self._start()
-            self._loading = (self._send(("load", self.spec, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
+            self._loading = (self._send(("load", self.name, os.getcwd(), [p for p in sys.path if isinstance(p, str)])),
                              time.monotonic() + max(self.timeout, LOAD_TIMEOUT_MIN))
 
     def load(self) -> None:
-        """Import the kernel in the worker; ValueError naming `kernels` when it cannot be loaded."""
+        """Import the kernel in the worker; ValueError naming the name's option when it cannot be loaded."""
         self.begin()
         failed, deadline = self._loading
         kind, reply = failed or self._read(deadline)
@@ -195,10 +172,10 @@ class Worker:
             return
         self.close()
         if kind == "timeout":
-            raise ValueError(f"kernels: {self.spec!r}: importing it did not finish within "
-                             f"{max(self.timeout, LOAD_TIMEOUT_MIN):g} s")
+            raise self.name.error(f"{self.name.text!r}: importing it did not finish within "
+                                  f"{max(self.timeout, LOAD_TIMEOUT_MIN):g} s")
         if kind == "eof":
-            raise ValueError(f"kernels: {self.spec!r}: importing it ended the process (exit code {reply})")
+            raise self.name.error(f"{self.name.text!r}: importing it ended the process (exit code {reply})")
         raise ValueError(reply[1])
 
     def call(self, inputs: dict, meta: dict, device) -> Outcome:
@@ -219,34 +196,13 @@ class Worker:
         _end(p)
 
 
-def load_kernel(spec: str):
-    """'package.module:function' or 'path/to/file.py:function' -> the callable (the file's
-    folder goes first on sys.path, so it can import its neighbours). ValueError naming `kernels`."""
-    import importlib
-    import importlib.util
-
-    mod_name, _, fn_name = spec.rpartition(":")
-    if not mod_name or not fn_name:
-        raise ValueError(f"kernels: {spec!r} is not a known kernel nor module:function")
+def load_kernel(name: KernelName):
+    """A user's kernel (canary.names: FILE 'path/to/file.py:function' or MODULE
+    'package.module:function') -> the callable (the file's folder goes first on sys.path, so it
+    can import its neighbours). ValueError naming the option the name came from."""
+    if name.kind not in (FILE, MODULE):
+        raise name.error(f"{name.text!r} is not a module:function / file.py:function")
     try:
-        if mod_name.endswith(".py"):
-            path = Path(mod_name).resolve()
-            if not path.is_file():
-                raise ValueError(f"kernels: {spec!r}: no file {mod_name}")
-            folder = str(path.parent)
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            mspec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(mspec)
-            sys.modules.setdefault(path.stem, module)
-            mspec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except ValueError:
-        raise
-    except BaseException as e:  # noqa: BLE001 - a module that fails (or exits) on import is bad input
-        raise ValueError(f"kernels: {spec!r}: cannot import {mod_name!r} ({first_line(e)})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"kernels: {spec!r}: {mod_name} has no callable {fn_name!r}")
-    return fn
+        return import_function(name.source, name.function)
+    except LoadError as e:
+        raise name.error(f"{name.text!r}: {e}") from None

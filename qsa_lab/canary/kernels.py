@@ -20,6 +20,9 @@ Built in:
     torch:flex           FlexAttention with a block mask over the same whole pages
                          (eager on the CPU, torch.compile on a GPU)
     torch:flex-paged     torch's experimental paged FlexAttention reading the pool itself
+
+A name is parsed once, where it enters, by qsa_lab.canary.names (which lists the prefixes);
+resolve_kernel looks the parsed name up.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from typing import Callable
 import torch
 
 from qsa_lab.canary.call import KernelSkipped, PagedCall, plane_index  # noqa: F401 - named here too
-from qsa_lab.routes.labels import ROUTES, check_renamed
+from qsa_lab.canary.names import ADAPTER, REGISTERED, KernelName, as_kernel_name, check_registrable
+from qsa_lab.routes.labels import ROUTES
 
 
 # -- qsa_lab routes --------------------------------------------------------------------------------
@@ -189,16 +193,9 @@ TORCH_KERNELS = {"torch:sdpa-math": sdpa_kernel("math"), "torch:sdpa-efficient":
                  "torch:sdpa-cut": sdpa_cut, "torch:flex": flex, "torch:flex-paged": flex_paged}
 
 
-#: name prefixes of the built-in third-party kernels (qsa_lab.canary.adapters: FlashInfer, vLLM)
-THIRD_PARTY = ("flashinfer:", "vllm:")
-#: kernels other modules add by name (e.g. adapters of other libraries): name -> fn(PagedCall)
-REGISTERED: dict = {}
-
-
 def register_kernel(name: str, fn: Callable) -> None:
     """Make `name` (e.g. 'flashinfer:decode') a built-in kernel, run in this process."""
-    if not isinstance(name, str) or ":" not in name or name.startswith(("qsa:", "torch:")):
-        raise ValueError(f"name: expected 'library:kernel' outside qsa: / torch:, got {name!r}")
+    check_registrable(name)
     REGISTERED[name] = fn
 
 
@@ -216,9 +213,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def kernel_name(kernel) -> str:
-    """A kernel's name: the string itself, a callable's `canary_name` attribute or module:qualname."""
-    if isinstance(kernel, str):
-        return kernel
+    """A kernel's name: the string itself (a KernelName's text), a callable's `canary_name`
+    attribute or module:qualname."""
+    if isinstance(kernel, (str, KernelName)):
+        return str(kernel)
     given = getattr(kernel, "canary_name", None)
     if isinstance(given, str) and given:
         return given
@@ -226,30 +224,27 @@ def kernel_name(kernel) -> str:
 
 
 def resolve_kernel(kernel, qsa_backend: str | None, qsa_reason: str | None = None) -> Callable:
-    """A kernel name or callable -> callable(PagedCall). `qsa_backend` None means the qsa routes
-    cannot run here (`qsa_reason` says why)."""
+    """A kernel (a KernelName, a name or a callable) -> callable(PagedCall) run in this process;
+    ValueError naming the name's option for one qsa_lab does not have. `qsa_backend` None means
+    the qsa routes cannot run here (`qsa_reason` says why)."""
+    kernel = as_kernel_name(kernel)
     if callable(kernel):
         return kernel
-    if not isinstance(kernel, str):
-        raise TypeError(f"kernels: expected names or callables, got {type(kernel).__name__}")
-    if kernel.startswith("qsa:"):
-        route = kernel[4:]
-        check_renamed(route, "kernels", prefix="qsa:")
-        if route not in ROUTES:
-            raise ValueError(f"kernels: unknown qsa route {route!r}; choose from {ROUTES}")
+    if kernel.text in REGISTERED:
+        return REGISTERED[kernel.text]
+    if kernel.source == "qsa":        # the route was checked when the name was parsed
         if qsa_backend is None:
             def unavailable(call):
                 raise KernelSkipped(qsa_reason)
             return unavailable
-        return qsa_kernel(route, qsa_backend)
-    if kernel.startswith("torch:"):
-        if kernel not in TORCH_KERNELS:
-            raise ValueError(f"kernels: unknown torch kernel {kernel!r}; choose from {tuple(TORCH_KERNELS)}")
-        return TORCH_KERNELS[kernel]
-    if kernel in REGISTERED:
-        return REGISTERED[kernel]
-    if kernel.startswith(THIRD_PARTY):  # built-in third-party kernels (canary.adapters), not in the default run
+        return qsa_kernel(kernel.function, qsa_backend)
+    if kernel.source == "torch":
+        if kernel.text not in TORCH_KERNELS:
+            raise kernel.error(f"unknown torch kernel {kernel.text!r}; choose from {tuple(TORCH_KERNELS)}")
+        return TORCH_KERNELS[kernel.text]
+    if kernel.kind == ADAPTER:        # built-in third-party kernels (canary.adapters), not in the default run
         from qsa_lab.canary.adapters import resolve
 
         return resolve(kernel)
-    raise ValueError(f"kernels: {kernel!r} is not a known kernel nor module:function / file.py:function")
+    raise kernel.error(f"{kernel.text!r} names a user's {kernel.kind}: it runs in a worker process "
+                       "(canary.execution.Worker), not here")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import as_completed
 
+from qsa_lab.canary.names import KernelName
 from qsa_lab.support import processes as procs
 from qsa_lab.support.executor import SecondProcess
 
@@ -77,7 +78,7 @@ def take(second: SecondProcess | None, named: list, device) -> Overlap | None:
     and `second` is ended (one run takes it or none)."""
     if second is None:
         return None
-    names = [n for n, k in named if isinstance(k, str) and k == n and n in OVERLAP]
+    names = [n for n, k in named if isinstance(k, KernelName) and k.text == n and n in OVERLAP]
     if getattr(device, "type", str(device)) != "cpu" or not names or len(names) == len(named):
         second.close()
         return None

@@ -41,6 +41,8 @@ from qsa_lab.analysis.leaks import CLEAN, ERROR, FINITE_LEAK, INF_LEAK, LEAKS, N
 
 CASE_KEYS = ("kv_heads", "q_heads", "head_dim", "page_size", "rows", "requests", "context", "query_len", "seed",
              "topk", "free_pages", "mla", "v_head_dim")
+#: the option a marker's kernel name came from, in its errors
+MARKER = "qsa_canary marker"
 RUN_KEYS = ("attend", "kv_dtype", "regions", "payloads", "planes", "backend", "case", "dims", "timeout")
 _runs: dict = {}
 
@@ -59,7 +61,7 @@ def pytest_configure(config):
 
 @dataclass(frozen=True)
 class Config:
-    kernel: object
+    kernel: object                       # a callable or a canary.names.KernelName
     options: tuple                       # sorted (key, value) pairs, values made hashable
 
     @classmethod
@@ -70,7 +72,15 @@ class Config:
         if bad:
             raise pytest.UsageError(f"qsa_canary marker: unknown option(s) {bad}; "
                                     f"choose from {CASE_KEYS + RUN_KEYS}")
-        return cls(marker.args[0], tuple(sorted((k, _hashable(v)) for k, v in marker.kwargs.items())))
+        kernel = marker.args[0]
+        if not callable(kernel):   # a name: parsed here, once (qsa_lab.canary.names)
+            from qsa_lab.canary.names import parse_kernel
+
+            try:
+                kernel = parse_kernel(kernel, MARKER)
+            except (TypeError, ValueError) as e:
+                raise pytest.UsageError(str(e)) from None
+        return cls(kernel, tuple(sorted((k, _hashable(v)) for k, v in marker.kwargs.items())))
 
     @property
     def kwargs(self) -> dict:
@@ -153,19 +163,19 @@ def run(cfg: Config, report_dir=None, force: bool = False):
         if report_dir and report.leaks():
             from pathlib import Path
 
-            from qsa_lab.canary.report import _slug, write_report
+            from qsa_lab.canary.calls import slug
+            from qsa_lab.canary.report import write_report
 
-            folder = Path(report_dir) / _slug(cfg.name)
+            folder = Path(report_dir) / slug(cfg.name)
             try:   # the same rules as --report: an existing report (perhaps edited by its user) is kept unless asked
                 write_report(report, folder, force=force,
                              fns={report.kernels[0]: cfg.kernel} if callable(cfg.kernel) else None)
             except (ValueError, FileExistsError) as e:
                 kept = f"no report written: {e}"
             else:
-                from qsa_lab.canary.replay import is_builtin
-
                 # replay runs a kernel that is not built in only when the command names it
-                named = "" if is_builtin(cfg.name) else f" --kernel {cfg.name}"
+                builtin = not callable(cfg.kernel) and cfg.kernel.in_process
+                named = "" if builtin else f" --kernel {cfg.name}"
                 for f in sorted((folder / "calls").glob("*.safetensors")):   # one per region x plane
                     replays[tuple(f.stem.split("__")[1:3])] = (f"cd {folder} && python -m qsa_lab.canary.replay "
                                                                f"calls/{f.name}{named}")

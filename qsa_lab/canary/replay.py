@@ -10,10 +10,10 @@ Inf), 2: bad input (not a call file, or a kernel that must be named, below), 130
 The same rule as the report's standalone scripts.
 
 A call file is data, often a stranger's: the kernel it records is text to show. Replay runs a
-built-in kernel it names (qsa:, torch:, flashinfer:, vllm:), looked up in qsa_lab's registry;
-anything else (module:function, file.py:function) runs only when you name it yourself with
---kernel (or `kernel=` in Python). Without that it runs nothing, prints the recorded name and
-the command that would run it, and exits 2.
+built-in kernel it names (qsa:, torch:, flashinfer:, vllm:; qsa_lab.canary.names), looked up in
+qsa_lab's registry; anything else (module:function, file.py:function) runs only when you name
+it yourself with --kernel (or `kernel=` in Python). Without that it runs nothing, prints the
+recorded name and the command that would run it, and exits 2.
 """
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ import argparse
 import shlex
 import sys
 
-BUILTIN_PREFIXES = ("qsa:", "torch:", "flashinfer:", "vllm:")
+from qsa_lab.canary.names import KernelName, as_kernel_name, parse_kernel
+
+#: the option a name read from a call file came from, in its errors
+CALL_FILE = "call file"
 
 
 class KernelNotNamed(ValueError):
@@ -39,19 +42,15 @@ def show(text: str) -> str:
     return repr(text) if not text.isprintable() else f"'{text}'"
 
 
-def is_builtin(name) -> bool:
-    """A name qsa_lab's registry resolves itself: it never names a module or a file to import."""
-    from qsa_lab.canary.kernels import registered
-
-    return isinstance(name, str) and (name.startswith(BUILTIN_PREFIXES) or name in registered())
-
-
-def saved_kernel(path, meta: dict) -> str:
-    """The kernel a call file records, when replay may run it unnamed (a built-in); else KernelNotNamed."""
+def saved_kernel(path, meta: dict) -> KernelName:
+    """The kernel a call file records, when replay may run it unnamed: a name qsa_lab looks up
+    itself (built-in or registered), never one naming a module or a file to import
+    (KernelNotNamed); a name that does not parse is bad input (ValueError naming the call file)."""
     recorded = meta.get("kernel", "")
-    if not is_builtin(recorded):
+    name = parse_kernel(recorded, CALL_FILE) if isinstance(recorded, str) and recorded.strip() else None
+    if name is None or not name.in_process:
         raise KernelNotNamed(path, str(recorded))
-    return recorded
+    return name
 
 
 class CannotRun(RuntimeError):
@@ -61,17 +60,19 @@ class CannotRun(RuntimeError):
 def replay(path, kernel=None, backend: str = "auto") -> dict:
     """-> {"kernel", "verdict", "recorded", "nan", "inf", "finite_changed", "rows", "heads", "dims",
     "outputs", "device"} for the saved call at `path`. kernel: a name or callable to run; None runs
-    the saved one only when it is a built-in (KernelNotNamed, a ValueError, otherwise)."""
+    the saved one only when it is a built-in (KernelNotNamed, a ValueError, otherwise). A name
+    given as a string is parsed here (errors name `kernel`)."""
     import torch
 
-    from qsa_lab.canary.kernels import kernel_name
-    from qsa_lab.canary.report import _outputs, kernel_runner, load_call
     from qsa_lab.analysis.leaks import compare
+    from qsa_lab.canary.calls import kernel_runner, load_call, run_call
+    from qsa_lab.canary.kernels import kernel_name
     from qsa_lab.canary.runner import resolve_devices
 
+    name = None if kernel is None else as_kernel_name(kernel, "kernel")
     control, poisoned, meta = load_call(path)
-    name = saved_kernel(path, meta) if kernel is None else kernel
-    qsa = isinstance(name, str) and name.startswith("qsa:")
+    name = saved_kernel(path, meta) if name is None else name
+    qsa = isinstance(name, KernelName) and name.source == "qsa"
     device, qsa_backend, qsa_reason = resolve_devices(backend, control.geometry, qsa)
     if qsa and (control.qsa_unsupported() or qsa_backend is None):
         raise RuntimeError(f"{name} cannot run here: {control.qsa_unsupported() or qsa_reason}")
@@ -80,8 +81,8 @@ def replay(path, kernel=None, backend: str = "auto") -> dict:
     except Exception as e:  # noqa: BLE001 - a kernel that does not load here cannot run: exit 3, not bad input
         raise CannotRun(f"the kernel {kernel_name(name)} cannot be loaded here: {type(e).__name__}: {e}") from None
     try:
-        ctrl = _outputs(runner, control, device)
-        out = _outputs(runner, poisoned, device)
+        ctrl = run_call(runner, control, device)
+        out = run_call(runner, poisoned, device)
     finally:
         runner.close()
     verdict, counts, changed = compare(ctrl, out)
@@ -104,11 +105,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", choices=("auto", "emulate", "cuda"),
                    help="where qsa: and torch: kernels run (default auto)")
     args = p.parse_args(argv)
-    if args.kernel is not None and not args.kernel.strip():
-        print("replay: error: --kernel: empty name", file=sys.stderr)
-        return 2
     try:
-        r = replay(args.path, args.kernel, args.backend)
+        kernel = None if args.kernel is None else parse_kernel(args.kernel, "--kernel")
+        r = replay(args.path, kernel, args.backend)
     except KeyboardInterrupt:
         print("replay: interrupted", file=sys.stderr)
         return 130

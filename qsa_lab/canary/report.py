@@ -5,6 +5,8 @@
     write_report(run_canary(["flashinfer:prefill-fa2"], attend="sparse", ...), "leak-report")
 
 The folder travels: copy or zip it, and everything in it works from wherever it is unpacked.
+This module builds the report's data (blocks); qsa_lab.canary.calls writes the call files and
+runs the calls that find the smallest leak, qsa_lab.canary.render writes the Markdown and HTML.
 
     report.md, report.html  the counts (qsa_lab.analysis.leaks.counts: the same numbers as the
                             command line and canary.json), the command line that wrote it, the
@@ -35,10 +37,8 @@ them a symlink), and never when it holds one of the run's inputs.
 """
 from __future__ import annotations
 
-import html
 import json
 import platform
-import re
 import subprocess
 from pathlib import Path
 
@@ -46,9 +46,9 @@ import torch
 
 from qsa_lab.analysis.leaks import CLEAN, LEAKS, NA, counts, summary
 from qsa_lab.support.version import __version__
-
-SCHEMA = "qsa_lab.canary-call/1"
-MAX_STEPS = 24  # halving steps: enough for 2**24 slots
+from qsa_lab.canary.calls import call_stem, kernel_runner, save_call, smallest_leak
+from qsa_lab.canary.names import FILE, MODULE, parse_kernel
+from qsa_lab.canary.render import html, markdown
 
 
 def environment(kernels=()) -> dict:
@@ -79,161 +79,11 @@ def _driver() -> str:
         return "unknown"
 
 
-# -- the smallest leaking call -------------------------------------------------------------------
-
-def _poisoned(case, slots: torch.Tensor, plane: str, payload: str, dims):
-    from qsa_lab.canary.runner import PLANES, write_region
-
-    out = case.clone()
-    write_region(out.kv_cache, slots, PLANES[plane], case.kv_dtype, payload, dims,
-                 case.v_head_dim if case.mla else None)
-    return out
-
-
-def kernel_runner(kernel, backend=None, timeout: float = 600.0):
-    """The canary's own way of calling a kernel (qsa_lab.canary.runner): built-ins and callables
-    in this process, `module:function` / `file.py:function` in a worker process; loaded."""
-    from qsa_lab.canary.runner import _runner
-
-    reason = None if backend else "the qsa routes did not run in this report's canary run"
-    runner = _runner(kernel, backend, reason, timeout)
-    runner.load()
-    return runner
-
-
-def _outputs(runner, case, device) -> torch.Tensor:
-    """One call of `runner` on `case` (fresh copies of its tensors); the output on the CPU."""
-    from qsa_lab.canary.execution import INPUTS
-    from qsa_lab.canary.runner import _meta
-
-    t = case.tensors()
-    out = runner.call({k: t[k].detach().cpu() for k in INPUTS}, _meta(case), device)
-    if out.kind != "ok":
-        raise RuntimeError(f"the kernel {out.kind}: {out.error}")
-    return out.output
-
-
-def leaks_with(runner, case, slots, plane, payload, dims, device) -> tuple[str, dict, torch.Tensor]:
-    """(verdict, counts, poisoned output) of one control + poisoned pair poisoning `slots`."""
-    from qsa_lab.canary.runner import compare
-
-    control = _outputs(runner, _poisoned(case, slots, plane, "zero", dims), device)
-    out = _outputs(runner, _poisoned(case, slots, plane, payload, dims), device)
-    verdict, counts, _ = compare(control, out)
-    return verdict, counts, out
-
-
-def smallest_leak(runner, case, region: str, plane: str, payload: str, dims=None, device="cpu"):
-    """The fewest slots of `region` found whose poison still gives the same verdict: halve
-    while one half alone does. -> (slots [pages, page_size] bool, verdict, counts)."""
-    from qsa_lab.model.regions import region_slots
-
-    full = region_slots(case, region)
-    verdict, counts, _ = leaks_with(runner, case, full, plane, payload, dims, device)
-    if verdict not in LEAKS:
-        return full, verdict, counts
-    coords = torch.nonzero(full)
-    for _ in range(MAX_STEPS):
-        if len(coords) <= 1:
-            break
-        half = len(coords) // 2
-        for part in (coords[:half], coords[half:]):
-            slots = torch.zeros_like(full)
-            slots[part[:, 0], part[:, 1]] = True
-            v, c, _ = leaks_with(runner, case, slots, plane, payload, dims, device)
-            if v == verdict:
-                coords, counts = part, c
-                break
-        else:
-            break  # neither half alone leaks this way: the leak needs slots from both
-    slots = torch.zeros_like(full)
-    slots[coords[:, 0], coords[:, 1]] = True
-    return slots, verdict, counts
-
-
-# -- call files -------------------------------------------------------------------------------------
-
-def save_call(path, case, kernel: str, region: str, plane: str, payload: str, slots: torch.Tensor, dims,
-              verdict: str, counts: dict, env: dict) -> Path:
-    """One poisoned call as safetensors: the control case (a case file: kv_cache holds the
-    slots zero-filled), kv_cache_poisoned, the slots, the attended tokens ([rows, max_tokens]
-    uint8, what a standalone script builds the library's mask from), and what was seen, in the
-    metadata. Written as a plain new file (the umask's mode, like the rest of the report)."""
-    from safetensors.torch import save
-
-    from qsa_lab.model.regions import attended_tokens
-
-    control = _poisoned(case, slots, plane, "zero", dims)
-    poisoned = _poisoned(case, slots, plane, payload, dims)
-    t = {k: v.contiguous().cpu() for k, v in control.tensors().items()}
-    t["kv_cache_poisoned"] = poisoned.kv_cache.contiguous().cpu()
-    t["poisoned_slots"] = slots.to(torch.uint8).cpu()
-    t["query_lens"] = case.query_lens().to(torch.int32)
-    t["attend"] = attended_tokens(case).to(torch.uint8).contiguous()
-    if case.spec.kind == "mask":
-        t["attend_mask"] = case.spec.mask.cpu()
-    meta = {"schema": SCHEMA, "kernel": kernel, "region": region, "plane": plane, "payload": payload,
-            "dims": json.dumps(None if dims is None else [int(d) for d in dims]), "verdict": verdict,
-            "counts": json.dumps(counts), "kv_dtype": case.kv_dtype, "attend": str(case.spec),
-            "k_scale": repr(float(case.k_scale)), "v_scale": repr(float(case.v_scale)),
-            "sm_scale": repr(float(case.sm_scale)), "mla": json.dumps(bool(case.mla)),
-            "v_head_dim": json.dumps(case.v_head_dim), "environment": json.dumps(env)}
-    if case.geometry is not None:
-        meta["geometry"] = json.dumps(case.geometry.to_dict())
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(save(t, metadata=meta))
-    return path
-
-
-def load_call(path) -> tuple:
-    """A call file -> (control CanaryCase, poisoned CanaryCase, metadata dict)."""
-    import dataclasses
-
-    from safetensors import safe_open
-
-    from qsa_lab.model.regions import AttentionSpec
-    from qsa_lab.canary.case import load_case
-
-    if not Path(path).is_file():   # a FIFO or a device would block the read
-        raise ValueError(f"path: {path} is not a regular file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            extra = {k: f.get_tensor(k) for k in ("kv_cache_poisoned", "attend_mask") if k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
-        raise ValueError(f"path: {path} is not a safetensors file ({type(e).__name__})") from None
-    needed = {"attend", "mla", "v_head_dim"}
-    if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra or not needed <= set(meta):
-        raise ValueError(f"path: {path} is not a {SCHEMA} call file (written by --report)")
-    spec = meta["attend"]
-    if spec.startswith("mask"):
-        spec = AttentionSpec("mask", mask=extra["attend_mask"])
-    control = load_case(path, attend=spec)   # scales and sm_scale from the metadata; MLA is the call file's own
-    control = dataclasses.replace(control, mla=json.loads(meta["mla"]), v_head_dim=json.loads(meta["v_head_dim"]))
-    poisoned = dataclasses.replace(control.clone(), kv_cache=extra["kv_cache_poisoned"].contiguous())
-    return control, poisoned, meta
-
-
 # -- the report -----------------------------------------------------------------------------------
 
 #: what a report folder holds: the only names `--force` replaces
 NAMES = ("report.md", "report.html", "leak_matrix.png", "canary.json", "calls", "kernels", "repro")
-BUILT_IN = ("qsa:", "torch:", "flashinfer:", "vllm:")
-FILE_KERNEL = re.compile(r"(.+\.py):(\w+)")
 MATRIX_MAX_PX = 1200   # the leak matrix's width cap: it fits a 1280-px window beside the page margins
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:80]
-
-
-def call_stem(kernel: str, region: str, plane: str, payload: str) -> str:
-    """A call file's name without .safetensors: '<kernel>__<region>__<plane>__<payload>', a
-    kernel file named by its stem only (no path of the machine that wrote it)."""
-    m = FILE_KERNEL.fullmatch(kernel) if isinstance(kernel, str) else None
-    name = f"{Path(m.group(1)).stem}.{m.group(2)}" if m else str(kernel)
-    return _slug(f"{name}__{region}__{plane}__{payload}")
 
 
 def check_report_dir(out_dir, force: bool = False, inputs: dict | None = None) -> Path:
@@ -259,11 +109,11 @@ def write_report(report, out_dir, force: bool = False, minimize: bool = True, fn
         doc = report.to_json()
         (tmp / "canary.json").write_text(json.dumps(doc, indent=1) + "\n")
         figure = _figure(report, tmp / "leak_matrix.png")
-        kernel_files = _copy_kernel_files(report.kernels, tmp)
+        kernel_files = _copy_kernel_files(report.names, tmp)
         calls = _leak_calls(report, tmp, env, minimize, fns or {}, progress, kernel_files)
         blocks = _blocks(report, doc, env, figure, calls, command, kernel_files)
-        (tmp / "report.md").write_text(_markdown(blocks))
-        (tmp / "report.html").write_text(_html(blocks))
+        (tmp / "report.md").write_text(markdown(blocks))
+        (tmp / "report.html").write_text(html(blocks))
     return out / "report.md"
 
 
@@ -285,17 +135,17 @@ def _figure(report, path: Path) -> str | None:
     return path.name
 
 
-def _copy_kernel_files(kernels, out: Path) -> dict:
-    """A user's `file.py:function` kernels -> {kernel name: 'kernels/<file>.py:function'}, the
-    files copied into the report (a maintainer's replay needs them; a name taken twice is numbered)."""
+def _copy_kernel_files(names: dict, out: Path) -> dict:
+    """A user's `file.py:function` kernels ({kernel name: KernelName}) -> {kernel name:
+    'kernels/<file>.py:function'}, the files copied into the report (a maintainer's replay needs
+    them; a name taken twice is numbered)."""
     import shutil
 
     copied, taken = {}, {}
-    for name in kernels:
-        m = FILE_KERNEL.fullmatch(name) if isinstance(name, str) else None
-        if not m or not Path(m.group(1)).is_file():
+    for kernel, name in names.items():
+        if name.kind != FILE or not Path(name.source).is_file():
             continue
-        src = Path(m.group(1)).resolve()
+        src = Path(name.source).resolve()
         if src not in taken:
             stem, n = src.stem, 1
             while f"{stem}.py" in taken.values():
@@ -304,20 +154,27 @@ def _copy_kernel_files(kernels, out: Path) -> dict:
             taken[src] = f"{stem}.py"
             (out / "kernels").mkdir(exist_ok=True)
             shutil.copyfile(src, out / "kernels" / taken[src])
-        copied[name] = f"kernels/{taken[src]}:{m.group(2)}"
+        copied[kernel] = f"kernels/{taken[src]}:{name.function}"
     return copied
 
 
-def _replay_command(call_file: str, kernel: str, kernel_files: dict) -> str:
-    """The replay line, relative to the report folder. Built-in names are looked up by replay;
-    a copied kernel file is named on the command line; a Python callable has no loadable name."""
+def _replay_command(call_file: str, kernel: str, name, kernel_files: dict) -> str:
+    """The replay line, relative to the report folder. Built-in names (`name`, the kernel's
+    KernelName) are looked up by replay; a copied kernel file is named on the command line; a
+    module, or a Python callable whose module:qualname is one, too; any other callable has no
+    loadable name."""
     cmd = f"python -m qsa_lab.canary.replay {call_file}"
-    if isinstance(kernel, str) and kernel.startswith(BUILT_IN):
+    if name is not None and name.in_process:
         return cmd
     if kernel in kernel_files:
         return f"{cmd} --kernel {kernel_files[kernel]}"
-    if isinstance(kernel, str) and re.fullmatch(r"[\w.]+:[\w.]+", kernel):
-        return f"{cmd} --kernel {kernel}"
+    if name is None:
+        try:
+            name = parse_kernel(kernel)
+        except ValueError:
+            pass
+    if name is not None and name.kind == MODULE:
+        return f"{cmd} --kernel {name.text}"
     return cmd + " --kernel MODULE:FUNCTION"
 
 
@@ -374,21 +231,24 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
                     progress(f"report: smallest leaking call of {r.kernel} {r.region}/{r.plane}/{r.payload}")
                 try:
                     if r.kernel not in runners:
-                        runners[r.kernel] = kernel_runner(fns.get(r.kernel, r.kernel), report.backend,
+                        kernel = fns.get(r.kernel) or report.names.get(r.kernel) or r.kernel
+                        runners[r.kernel] = kernel_runner(kernel, report.backend,
                                                           getattr(report, "timeout", 600.0))
                     slots, verdict, counts = smallest_leak(runners[r.kernel], report.case, r.region, r.plane,
                                                            r.payload, None, device)
                 except Exception as err:  # noqa: BLE001 - keep the whole region; say why
                     counts = {**counts, "minimize_error": f"{type(err).__name__}: {err}"}
-            name = call_stem(r.kernel, r.region, r.plane, r.payload)
+            name = call_stem(report.names.get(r.kernel, r.kernel), r.region, r.plane, r.payload)
             save_call(out / "calls" / f"{name}.safetensors", report.case, r.kernel, r.region, r.plane, r.payload,
                       slots, None, verdict, counts, env)
             n = int(slots.sum())
-            script = write_script(out / "repro" / f"{name}.py", r.kernel, report.case, f"{name}.safetensors",
+            script = write_script(out / "repro" / f"{name}.py", report.names.get(r.kernel), report.case,
+                                  f"{name}.safetensors",
                                   {"region": r.region, "plane": r.plane, "payload": r.payload, "slots": n})
             calls.append({**e, "payload": r.payload, "verdict": verdict, "counts": counts,
                           "slots": torch.nonzero(slots).tolist(), "file": f"calls/{name}.safetensors",
-                          "replay": _replay_command(f"calls/{name}.safetensors", r.kernel, kernel_files),
+                          "replay": _replay_command(f"calls/{name}.safetensors", r.kernel, report.names.get(r.kernel),
+                                                    kernel_files),
                           "script": f"repro/{name}.py" if script else None,
                           "full_region": int(region_slots(report.case, r.region).sum())})
     finally:
@@ -483,46 +343,3 @@ def _kernel_blocks(report, kernel: str, calls: list) -> list:
         b.append(("p", "No leak: every check ran clean." if any(r.verdict == CLEAN for r in mine)
                   else "No check ran."))
     return b
-
-
-def _markdown(blocks) -> str:
-    out = []
-    for kind, *rest in blocks:
-        if kind in ("h1", "h2", "h3"):
-            out.append("#" * int(kind[1]) + " " + rest[0])
-        elif kind == "p":
-            out.append(rest[0])
-        elif kind == "code":
-            out.append("```\n" + rest[0] + "\n```")
-        elif kind == "img":
-            out.append(f"<img src=\"{rest[0]}\" alt=\"leak matrix\" style=\"max-width:100%\">")
-        elif kind == "table":
-            head, rows = rest
-            cell = lambda s: str(s).replace("|", "\\|")  # noqa: E731
-            out.append("\n".join(["| " + " | ".join(map(cell, head)) + " |", "|" + " --- |" * len(head)]
-                                 + ["| " + " | ".join(map(cell, r)) + " |" for r in rows]))
-    return "\n\n".join(out) + "\n"
-
-
-def _html(blocks) -> str:
-    e = html.escape
-    out = ["<!doctype html><html><head><meta charset='utf-8'><title>qsa_lab canary leak report</title>",
-           "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}img{max-width:100%;height:auto}"
-           "table{border-collapse:collapse}"
-           "td,th{border:1px solid #bbb;padding:2px 8px;text-align:left}pre{background:#f4f4f4;padding:6px}"
-           "</style></head><body>"]
-    for kind, *rest in blocks:
-        if kind in ("h1", "h2", "h3"):
-            out.append(f"<{kind}>{e(rest[0])}</{kind}>")
-        elif kind == "p":
-            out.append(f"<p>{e(rest[0])}</p>")
-        elif kind == "code":
-            out.append(f"<pre>{e(rest[0])}</pre>")
-        elif kind == "img":
-            out.append(f"<img src='{e(rest[0])}' alt='leak matrix' style='max-width:100%;height:auto'>")
-        elif kind == "table":
-            head, rows = rest
-            out.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"
-                       + "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-                       + "</table>")
-    return "\n".join(out) + "\n</body></html>\n"

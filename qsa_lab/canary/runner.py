@@ -30,6 +30,7 @@ from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_ca
 from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Outcome, Worker
 from qsa_lab.canary.overlap import take as take_overlap
 from qsa_lab.canary.kernels import builtin_kernels, kernel_name, resolve_kernel
+from qsa_lab.canary.names import KernelName, as_kernel_name
 from qsa_lab.analysis.leaks import (CHECKED, CLEAN, ERROR, FAILURES, FINITE_LEAK, INPUT_MODIFIED, LEAKS, NA,
                                     UNSTABLE, LeakReport, compare, control_problem)
 
@@ -100,6 +101,7 @@ class CanaryReport(LeakReport):
     skipped: list              # {"kernel"?, "region"?, "payload"?, "reason"}
     requested: bool = True     # the kernels were named (a skipped one then fails the run)
     timeout: float = DEFAULT_TIMEOUT
+    names: dict = field(default_factory=dict)   # kernel -> its canary.names.KernelName (none for a callable)
     SCHEMA = SCHEMA            # the JSON's (LeakReport.header)
 
     def verdicts(self) -> list:
@@ -226,21 +228,21 @@ def write_region(kv_cache: torch.Tensor, slots: torch.Tensor, plane: int, kv_dty
 
 
 def _named(kernels) -> list:
-    """-> [(name, kernel)]: names as given; a name twice is refused, callables of one name numbered."""
+    """-> [(name, kernel)], kernel a KernelName (strings parsed here, canary.names) or a callable:
+    names as given; a name twice is refused, callables of one name numbered."""
     if isinstance(kernels, dict):
         items = list(kernels.items())
         for name, _ in items:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"kernels: names must be non-empty strings, got {name!r}")
-        return items
+        return [(name, as_kernel_name(k)) for name, k in items]
     items, seen = [], set()
     for k in kernels:
-        if isinstance(k, str):
-            name = k.strip()
-            if not name:
-                raise ValueError("kernels: an empty kernel name")
+        if isinstance(k, (str, KernelName)):
+            k = as_kernel_name(k)
+            name = k.text
             if name in seen:
-                raise ValueError(f"kernels: {name!r} given twice (each kernel is keyed by its name)")
+                raise k.error(f"{name!r} given twice (each kernel is keyed by its name)")
         elif callable(k):
             base = kernel_name(k)
             name, n = base, 1
@@ -280,8 +282,9 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
                timeout: float = DEFAULT_TIMEOUT, second=None, **geometry) -> CanaryReport:
     """Run the canary matrix.
 
-    kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`),
-        callables fn(PagedCall) -> [rows, q_heads, head_dim], or a dict {name: either};
+    kernels: names (`qsa:<route>`, `torch:...`, `module:function`, `file.py:function`; parsed by
+        qsa_lab.canary.names, or given as its KernelName records), callables fn(PagedCall) ->
+        [rows, q_heads, head_dim], or a dict {name: either};
         default every built-in kernel (then one that cannot run here is only listed as skipped).
     regions: of the case's spec (qsa_lab.model.regions.regions_of; default all); payloads: of nan,
         inf, max, zero (default nan, inf, max); planes: "k", "v".
@@ -302,8 +305,8 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     """
     requested = kernels is not None
     kernels = list(builtin_kernels()) if kernels is None else (
-        kernels if isinstance(kernels, dict) else [kernels] if isinstance(kernels, str) or callable(kernels)
-        else list(kernels))
+        kernels if isinstance(kernels, dict) else [kernels] if isinstance(kernels, (str, KernelName))
+        or callable(kernels) else list(kernels))
     if not kernels:
         raise ValueError("kernels: empty list")
     named = _named(kernels)
@@ -333,14 +336,14 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     if not regions:
         raise ValueError(f"regions: every one asked for is empty in this case ({case.describe()})")
 
-    qsa = any(isinstance(k, str) and k.startswith("qsa:") for _, k in named)
+    qsa = any(isinstance(k, KernelName) and k.source == "qsa" for _, k in named)
     why = case.qsa_unsupported() if qsa else None
     device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry, qsa and why is None)
     qsa_reason = why or qsa_reason
     runners, overlap = {}, None
     try:
         for name, k in named:
-            runners[name] = _runner(k, qsa_backend, qsa_reason, timeout)
+            runners[name] = runner_of(k, qsa_backend, qsa_reason, timeout)
         for r in runners.values():
             r.begin()       # every worker process imports its kernel at once
         for r in runners.values():
@@ -353,30 +356,32 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     finally:
         for r in [*runners.values(), *([overlap] if overlap else [])]:
             r.close()
-    return CanaryReport(qsa_backend, str(device), case, list(runners), results, skipped, requested, float(timeout))
+    return CanaryReport(qsa_backend, str(device), case, list(runners), results, skipped, requested, float(timeout),
+                        {n: k for n, k in named if isinstance(k, KernelName)})
 
 
-def _runner(kernel, qsa_backend, qsa_reason, timeout):
-    if isinstance(kernel, str) and ":" in kernel and kernel.split(":", 1)[0] not in ("qsa", "torch") \
-            and not _is_registered(kernel):
+def runner_of(kernel, qsa_backend, qsa_reason, timeout):
+    """How the canary calls `kernel` (a KernelName, a name or a callable): a user's file or
+    module in a Worker process, anything else in this process (InProcess)."""
+    kernel = as_kernel_name(kernel)
+    if isinstance(kernel, KernelName) and not kernel.in_process:
         return Worker(kernel, timeout)
     return InProcess(resolve_kernel(kernel, qsa_backend, qsa_reason), timeout, thread=callable(kernel))
-
-
-def _is_registered(name: str) -> bool:
-    from qsa_lab.canary.kernels import THIRD_PARTY, registered
-
-    return name in registered() or name.startswith(THIRD_PARTY)
 
 
 def _paged_inputs(runner) -> str:
     v = getattr(runner, "paged_inputs", None) or getattr(getattr(runner, "fn", None), "paged_inputs", "block_table")
     if v not in PAGED_INPUTS:
-        raise ValueError(f"kernels: paged_inputs must be one of {PAGED_INPUTS}, got {v!r}")
+        problem = f"paged_inputs must be one of {PAGED_INPUTS}, got {v!r}"
+        name = getattr(runner, "name", None)   # a Worker's KernelName: the error names its option
+        if isinstance(name, KernelName):
+            raise name.error(f"{name.text!r}: {problem}")
+        raise ValueError(f"kernels: {problem}")
     return v
 
 
-def _meta(case: CanaryCase) -> dict:
+def call_meta(case: CanaryCase) -> dict:
+    """The call's scalars and spec, as a kernel runner takes them beside the tensors."""
     return {"k_scale": float(case.k_scale), "v_scale": float(case.v_scale), "sm_scale": float(case.sm_scale),
             "kv_dtype": case.kv_dtype, "spec": case.spec, "mla": case.mla, "v_head_dim": case.v_head_dim,
             "geometry": case.geometry}
@@ -410,7 +415,7 @@ def _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, s
 
     cells = [(r, pl) for r in regions for pl in planes]
     remote = overlap.submit(run_overlap, case, parts, regions, planes, payloads, dims) if overlap else []
-    inputs, meta = _Pools(case, parts, dims), _meta(case)
+    inputs, meta = _Pools(case, parts, dims), call_meta(case)
     done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
     try:
@@ -472,7 +477,7 @@ def run_overlap(names, case, parts, regions, planes, payloads, dims, progress=No
     class Bar:
         update = staticmethod(progress or (lambda n: None))
 
-    inputs, meta, cells = _Pools(case, parts, dims), _meta(case), [(r, pl) for r in regions for pl in planes]
+    inputs, meta, cells = _Pools(case, parts, dims), call_meta(case), [(r, pl) for r in regions for pl in planes]
     torch.set_num_threads(1)
     return {n: _run_kernel(n, InProcess(TORCH_KERNELS[n], DEFAULT_TIMEOUT, thread=False), case, inputs, meta,
                            torch.device("cpu"), cells, payloads, Bar) for n in names}

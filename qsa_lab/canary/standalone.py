@@ -25,6 +25,7 @@ from string import Template
 from qsa_lab.canary.adapters import flashinfer as _fi
 from qsa_lab.canary.adapters import vllm as _vllm
 from qsa_lab.canary.call import KernelSkipped
+from qsa_lab.canary.names import ADAPTER, REGISTERED, as_kernel_name
 
 EXIT_LEAK, EXIT_CLEAN, EXIT_CANNOT_RUN = 1, 0, 3
 
@@ -200,13 +201,16 @@ _OPTIONS = {"decode": 'p.add_argument("--tensor-cores", action=argparse.BooleanO
                        'canary ran)")'}
 
 
-def library_args(kernel: str, case) -> dict | None:
-    """The library arguments the adapter of `kernel` passes for `case` (None: no generator, or
-    the adapter would not run this case)."""
+def library_args(kernel, case) -> dict | None:
+    """The library arguments the adapter of `kernel` (a KernelName, or a name parsed here)
+    passes for `case` (None: no kernel, no generator, or the adapter would not run this case)."""
+    kernel = None if kernel is None else as_kernel_name(kernel)
+    if kernel is None or kernel.kind != ADAPTER or kernel.text in REGISTERED:   # a registered name runs its own code
+        return None
     base = {"kv_dtype": case.kv_dtype, "q_heads": case.q_heads, "kv_heads": case.kv_heads,
             "head_dim": case.head_dim, "page_size": case.page_size, "sm_scale": float(case.sm_scale)}
-    name = kernel.split(":", 1)[-1]
-    if kernel.startswith("flashinfer:") and name in ("decode", "decode-tc", "prefill", "prefill-fa2"):
+    library, name = kernel.source, kernel.function
+    if library == "flashinfer" and name in ("decode", "decode-tc", "prefill", "prefill-fa2"):
         decode = name.startswith("decode")
         left = _fi.window_left(case.spec)
         if decode and left is None:
@@ -217,7 +221,7 @@ def library_args(kernel: str, case) -> dict | None:
         return {**base, "wrapper": "decode" if decode else "prefill", "tensor_cores": name == "decode-tc",
                 "backend": {"prefill": "auto", "prefill-fa2": "fa2"}.get(name), "window_left": left,
                 "scales": scales, "api": f"flashinfer.{wrapper} ({kernel}), {how}"}
-    if kernel.startswith("vllm:") and name in ("unified", "unified-3d"):
+    if library == "vllm" and name in ("unified", "unified-3d"):
         try:
             window = _vllm._window(case.spec, kernel)
         except KernelSkipped:
@@ -229,12 +233,14 @@ def library_args(kernel: str, case) -> dict | None:
     return None
 
 
-def script_text(kernel: str, case, call_name: str, cell: dict) -> str | None:
-    """The standalone script for one saved call of `kernel` (cell: region, plane, payload, slots)."""
+def script_text(kernel, case, call_name: str, cell: dict) -> str | None:
+    """The standalone script for one saved call of `kernel` (a KernelName or a name; cell: region,
+    plane, payload, slots)."""
     args = library_args(kernel, case)
     if args is None:
         return None
-    library = kernel.split(":", 1)[0]
+    kernel = as_kernel_name(kernel)
+    library = kernel.source
     head = _HEAD.substitute(
         title=f"{kernel}: {cell['payload']} on the {cell['plane'].upper()} plane of {cell['region']} slots "
               "reaches the output", library=library, script=f"repro/{Path(call_name).stem}.py",
@@ -244,7 +250,7 @@ def script_text(kernel: str, case, call_name: str, cell: dict) -> str | None:
     return head + (_FLASHINFER if library == "flashinfer" else _VLLM) + _TAIL
 
 
-def write_script(path, kernel: str, case, call_name: str, cell: dict) -> Path | None:
+def write_script(path, kernel, case, call_name: str, cell: dict) -> Path | None:
     """script_text written to `path` (a fresh file in a report folder being written); None when
     `kernel` has no standalone generator."""
     text = script_text(kernel, case, call_name, cell)

@@ -30,11 +30,11 @@ def main() -> int:
         if msg is None:
             return 0
         if msg[0] == "load":
-            _, spec, cwd, path = msg
+            _, name, cwd, path = msg   # a canary.names.KernelName
             os.chdir(cwd)
             sys.path[:0] = [p for p in path if p not in sys.path]
             try:
-                fn = load_kernel(spec)
+                fn = load_kernel(name)
                 reply = ("ok", {"paged_inputs": getattr(fn, "paged_inputs", None)})
             except ValueError as e:
                 reply = ("error", str(e))

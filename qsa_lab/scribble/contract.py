@@ -2,15 +2,23 @@
 
 A kernel shows the canary one `PagedCall`; an engine shows the scribble a stream of steps. Before
 each forward step the adapter hands over a `StepView`: the KV pool as rows (one row = one token of
-one layer's K or V, in the pool's dtype), which rows the live requests have written (attention may
-read those), and every other row sorted into the regions of `verdicts.REGIONS`, the engine's
-deliberate slots (read trash / null block, write trash) among them. After the step it hands the same
-view back, so the write guard can check what changed. `generate(hooks)` runs a whole, seeded,
-greedy generation and returns tokens, logprobs and, where no graph hides them, logits and
-attention outputs.
+one layer's K or V, or of an MLA layer's latents, in the pool's dtype), which rows the live requests
+have written (attention may read those), and every other row sorted into the regions of
+`verdicts.REGIONS`, the engine's deliberate slots (read trash / null block, write trash) among them.
+After the step it hands the same view back, so the write guard can check what changed.
+`generate(hooks)` runs a whole, seeded, greedy generation and returns tokens, logprobs and, where no
+graph hides them, logits and attention outputs.
+
+Between two steps the engine still works on the pool: it restores preempted requests, copies the
+blocks of forked requests, evicts cached blocks. The adapter wraps each such entry point it knows in
+`hooks.engine_call(name, pool, moves)`, so the write guard can name the call that wrote a row, and
+tell an engine's own move (`moves=True`: a restore or a fork copy into rows a request owns at the
+next step) from a stray write.
 
 The regions are disjoint. A row belongs to `owned` (never poisoned) or to at most one region;
 `may_write` lists the rows the step is allowed to change (its own writes and the write trash).
+`request_rows` gives each live request (forked children under their parent's name) the owned rows
+that it alone may read: the other-requests check poisons them one request at a time.
 
 How the built-in adapter reads the pool (`reads_pool`):
   "gather"        the engine gathers each request's rows by index before attention (transformers'
@@ -33,8 +41,9 @@ Each is one module importing its engine lazily, skipping with the reason when it
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -43,12 +52,14 @@ import torch
 class StepView:
     """One forward step of the engine, as it is about to run (and, handed back, as it ran).
 
-    pool:      [rows, row_elems] the KV pool in its dtype, a view: writes reach the engine
-    regions:   region name -> int64 rows (disjoint, only regions that exist for this engine)
-    owned:     int64 rows live requests have written (what attention may read)
-    may_write: int64 rows the step may change (its own writes, the write trash)
-    row_layer: [rows] int64, the model layer of each row (-1: trash or a sector no allocator holds)
-    requests:  the requests of this step's batch, in query-row order; query_rows: their query lengths
+    pool:         [rows, row_elems] the KV pool in its dtype, a view: writes reach the engine
+    regions:      region name -> int64 rows (disjoint, only regions that exist for this engine)
+    owned:        int64 rows live requests have written (what attention may read)
+    may_write:    int64 rows the step may change (its own writes, the write trash)
+    row_layer:    [rows] int64, the model layer of each row (-1: a sector no allocator holds, or a trash
+                  sector that several allocators share)
+    requests:     the requests of this step's batch, in query-row order; query_rows: their query lengths
+    request_rows: request -> int64 owned rows that only it (and its forked children) may read
     """
     step: int | str               # 0, 1, ... or "warmup"
     pool: torch.Tensor
@@ -59,24 +70,34 @@ class StepView:
     requests: list = field(default_factory=list)
     query_rows: list = field(default_factory=list)
     padded: bool = False
+    request_rows: dict = field(default_factory=dict)
 
 
 @dataclass
 class Generation:
     """A whole generation. tokens / logprobs: request -> list; logits: per step [n, vocab] float32
     (None under CUDA graphs); attention: per step {layer: [q_rows, heads, head_dim]} when recorded;
-    steps: per step (requests, query_rows); error: the text of an exception, '' if none."""
+    steps: per step (requests, query_rows); families: request -> the request whose KV it started from
+    (a forked child -> its parent; absent: itself); events: what the engine did that the workload is
+    meant to exercise (counts: chunked prefills, preemptions, restores, fork copies, prefix hits);
+    error: the text of an exception, '' if none."""
     tokens: dict
     logprobs: dict
     logits: list | None = None
     attention: list | None = None
     steps: list = field(default_factory=list)
+    families: dict = field(default_factory=dict)
+    events: dict = field(default_factory=dict)
     error: str = ""
+
+    def family(self, request: str) -> str:
+        return self.families.get(request, request)
 
 
 class StepHooks(Protocol):
     def before_step(self, view: StepView) -> None: ...
     def after_step(self, view: StepView) -> None: ...
+    def engine_call(self, name: str, pool: torch.Tensor, moves: bool) -> ContextManager: ...
 
 
 class EngineAdapter(Protocol):
@@ -94,3 +115,6 @@ class NoHooks:
 
     def after_step(self, view: StepView) -> None:
         pass
+
+    def engine_call(self, name: str, pool: torch.Tensor, moves: bool) -> ContextManager:
+        return contextlib.nullcontext()

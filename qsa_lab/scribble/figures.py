@@ -10,7 +10,7 @@ from .verdicts import PAYLOADS, REGIONS
 
 def verdict_grid(report, ax=None):
     """Rows: regions; columns: the read check's payloads, then the write guard; a cell no check
-    filled is not-run."""
+    filled is not-run; the report's verdict line under it."""
     import matplotlib.pyplot as plt
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))
@@ -23,4 +23,5 @@ def verdict_grid(report, ax=None):
     ax.set_xticks(range(len(columns)), columns)
     ax.set_yticks(range(len(regions)), regions)
     ax.set_title(f"{report.engine} ({report.reads_pool})", fontsize=9)
+    ax.set_xlabel(report.verdict_line(), fontsize=7)
     return ax

@@ -1,16 +1,18 @@
-"""Which transformers the built-in engine adapter was written against. Torch-free.
+"""Which transformers the built-in engine adapter is checked against. Torch-free.
 
 The adapter hooks private internals of transformers' continuous batching
 (`ContinuousBatchProcessor._generation_step`, `PagedAttentionCache.cache_tensor`, the allocators'
-block tables and trash indexes, `CachePool`), which changed shape in 5.24 (one cache tensor,
-sectors, per-type allocators). Another version is refused with one line, never given a verdict.
-The same list is the `scribble` extra of the package.
+block tables and trash indexes, `CachePool`, the offloading manager), which changed shape in 5.24
+(one cache tensor, sectors, per-type allocators); 5.25 adds an MLA allocator (one row of two
+latents per token) and sums `bytes_per_block` over the allocators. The tests run under each
+version listed here (`make test`: scripts/test_other_transformers.sh); another version is refused
+with one line, never given a verdict. The `scribble` extra of the package spans the same versions.
 """
 from __future__ import annotations
 
 from importlib import metadata
 
-SUPPORTED_TRANSFORMERS = ("5.24.0",)
+SUPPORTED_TRANSFORMERS = ("5.24.0", "5.25.0")
 
 
 def transformers_version() -> str | None:

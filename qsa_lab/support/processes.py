@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import selectors
 import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -28,6 +30,28 @@ def recv(stream):
         return None
     (n,) = struct.unpack("<Q", head)
     return pickle.loads(stream.read(n))
+
+
+def read_reply(proc: subprocess.Popen, deadline: float) -> tuple:
+    """One length-prefixed pickle from a spawned worker's stdout, waiting until `deadline`
+    (time.monotonic()) -> ("msg", obj) | ("timeout", None) | ("eof", returncode)."""
+    fd = proc.stdout.fileno()
+    buf, need = b"", None
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return "timeout", None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return "eof", proc.wait()
+            buf += chunk
+            if need is None and len(buf) >= 8:
+                (n,) = struct.unpack("<Q", buf[:8])
+                need = 8 + n
+            if need is not None and len(buf) >= need:
+                return "msg", pickle.loads(buf[8:need])
 
 
 def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:

@@ -383,6 +383,9 @@ def test_07_scribble_finds_the_read_trash_dependency(tmp_path):
         pytest.fail(refusal())   # the scribble extra pins the version the notebook was written for
     r = run_notebook(NB_DIR / "07_scribble_an_engine.ipynb", tmp_path)["results"]
     assert r["checked"] > 0 and r["clean_unpadded"] == r["checked"] and r["strays_unpadded"] == 0
+    assert r["other_requests_unpadded"] == ["nan-leak"]          # paged|eager's packed mask: 0 * NaN
+    assert r["other_pairs"] > 0 and r["other_first_step"] == 1   # step 0 is every request's prefill
     assert r["padded_leak_regions"] == ["read-trash"] and r["padded_leaks"] >= 1
     assert r["first_step"] == 0 and r["first_layer"] == 0
+    assert r["per_request_verdicts"] == ["clean"] and r["figures"] == 3
 

@@ -132,7 +132,7 @@ def test_json_force_never_replaces_the_kernels_source(form, tmp_path, monkeypatc
 
 def test_a_report_folder_may_not_hold_the_case(tmp_path, capsys):
     from qsa_lab.canary.case import canary_case
-    from qsa_lab.canary.report import save_call
+    from qsa_lab.canary.calls import save_call
     from qsa_lab.model.regions import region_slots
 
     case = canary_case()

@@ -9,6 +9,7 @@ import torch
 from proc_state import alive
 from qsa_lab.canary import overlap, run_canary
 from qsa_lab.canary.execution import same_bits
+from qsa_lab.canary.names import parse_kernel
 from qsa_lab.support import processes as procs
 
 # qsa routes and SDPA around both FlexAttention kernels, on poisoned cells of every kind they give:
@@ -73,11 +74,16 @@ class _Second:
         self.closed = True
 
 
+def _named(*items):
+    """run_canary's (name, kernel) pairs: a name parsed (canary.names), a callable as it is."""
+    return [(n, parse_kernel(k) if isinstance(k, str) else k) for n, k in items]
+
+
 @pytest.mark.parametrize("named,device", [
-    ([("torch:flex", "torch:flex"), ("qsa:xqa", "qsa:xqa")], "cuda"),            # a GPU run: compiled flex here
-    ([("torch:flex", "torch:flex"), ("torch:flex-paged", "torch:flex-paged")], "cpu"),   # nothing beside them
-    ([("torch:flex", lambda call: call.q), ("qsa:xqa", "qsa:xqa")], "cpu"),      # a callable of that name
-    ([("qsa:xqa", "qsa:xqa")], "cpu"),
+    (_named(("torch:flex", "torch:flex"), ("qsa:xqa", "qsa:xqa")), "cuda"),          # a GPU run: compiled flex here
+    (_named(("torch:flex", "torch:flex"), ("torch:flex-paged", "torch:flex-paged")), "cpu"),  # nothing beside them
+    (_named(("torch:flex", lambda call: call.q), ("qsa:xqa", "qsa:xqa")), "cpu"),    # a callable of that name
+    (_named(("qsa:xqa", "qsa:xqa")), "cpu"),
 ])
 def test_a_run_it_cannot_help_ends_it(named, device):
     second = _Second()
@@ -87,10 +93,10 @@ def test_a_run_it_cannot_help_ends_it(named, device):
 
 def test_a_run_takes_it_for_its_flex_kernels():
     second = _Second()
-    got = overlap.take(second, [("qsa:xqa", "qsa:xqa"), ("torch:flex-paged", "torch:flex-paged")],
+    got = overlap.take(second, _named(("qsa:xqa", "qsa:xqa"), ("torch:flex-paged", "torch:flex-paged")),
                        torch.device("cpu"))
     assert got.second is second and got.names == ["torch:flex-paged"] and not second.closed
-    assert overlap.take(None, [("qsa:xqa", "qsa:xqa"), ("torch:flex", "torch:flex")], "cpu") is None
+    assert overlap.take(None, _named(("qsa:xqa", "qsa:xqa"), ("torch:flex", "torch:flex")), "cpu") is None
 
 
 @pytest.mark.parametrize("others,started", [(0, True), (1, False)])

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from run_once import once_per_run
 from qsa_lab.canary import run_canary
 from qsa_lab.canary.case import canary_case
-from qsa_lab.canary.report import load_call, write_report
+from qsa_lab.canary.calls import load_call
+from qsa_lab.canary.report import write_report
 
 pytest_plugins = ["pytester"]
 DATA = Path(__file__).parents[1] / "data"

@@ -14,7 +14,8 @@ import torch
 
 from qsa_lab.canary import run_canary
 from qsa_lab.canary.case import canary_case
-from qsa_lab.canary.report import save_call, write_report
+from qsa_lab.canary.calls import save_call
+from qsa_lab.canary.report import write_report
 from qsa_lab.canary.standalone import script_text
 from qsa_lab.analysis.leaks import summary
 
@@ -59,7 +60,7 @@ def test_a_failed_run_leaves_no_folder_and_the_next_run_is_not_refused(tmp_path,
 
     def boom(*a, **k):
         raise KeyboardInterrupt   # Ctrl-C in the middle of writing
-    monkeypatch.setattr(rep, "_markdown", boom)
+    monkeypatch.setattr(rep, "markdown", boom)
     with pytest.raises(KeyboardInterrupt):
         write_report(report, tmp_path / "r", minimize=False)
     assert os.listdir(tmp_path) == []                  # neither the folder nor a partial one beside it

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from qsa_lab.canary.case import canary_case
 from qsa_lab.canary.replay import KernelNotNamed, main, replay
-from qsa_lab.canary.report import save_call
+from qsa_lab.canary.calls import save_call
 from qsa_lab.model.regions import region_slots
 
 EVIL = """\
@@ -93,6 +93,29 @@ def test_a_forged_builtin_name_is_looked_up_never_imported(call_file, evil, kern
     assert main([str(call_file), "--backend", "emulate"]) in (2, 3)   # unknown built-in: cannot run here
     assert not evil.exists()
     assert "verdict" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kernel,code,problem", [
+    ("qsa:no-such-route", 2, "unknown qsa route 'no-such-route'"),     # not a name: bad input
+    ("no kernel at all", 2, "'no kernel at all' is not a known kernel"),
+    ("torch:nope", 3, "unknown torch kernel 'torch:nope'"),            # a name this qsa_lab cannot run
+    ("flashinfer:evil.py:boom", 3, "unknown flashinfer kernel 'flashinfer:evil.py:boom'")])
+def test_a_bad_recorded_name_is_an_error_naming_the_call_file(call_file, evil, kernel, code, problem, capsys):
+    forge(call_file, kernel)
+    assert main([str(call_file), "--backend", "emulate"]) == code
+    err = capsys.readouterr().err
+    assert f"call file: {problem}" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("replay: error: call file: " if code == 2 else "replay: CannotRun: ")
+    assert not evil.exists()
+
+
+@pytest.mark.parametrize("kernel,code,problem", [("", 2, "an empty kernel name"),
+                                                 ("my-mod:fn", 2, "'my-mod:fn': 'my-mod' is neither a module"),
+                                                 ("torch:nope", 3, "unknown torch kernel 'torch:nope'")])
+def test_a_bad_kernel_option_is_an_error_naming_it(call_file, kernel, code, problem, capsys):
+    assert main([str(call_file), "--kernel", kernel, "--backend", "emulate"]) == code
+    err = capsys.readouterr().err
+    assert f"--kernel: {problem}" in err and len(err.strip().splitlines()) == 1
 
 
 def test_replay_of_a_fifo_does_not_hang(tmp_path, capsys):

@@ -8,13 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from qsa_lab.scribble import versions  # noqa: E402
-from qsa_lab.scribble.check import Scribbler, row_digest, scribble  # noqa: E402
-from qsa_lab.scribble.contract import StepView  # noqa: E402
-from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS  # noqa: E402
-
-if versions.refusal() is not None:
-    pytest.skip(versions.refusal(), allow_module_level=True)
-
+from qsa_lab.scribble.check import Scribbler, scribble  # noqa: E402
+from qsa_lab.scribble.verdicts import PAYLOADS, POOL_REGIONS, REGION_TEXT  # noqa: E402
 from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.models import tiny_model, workload  # noqa: E402
 
@@ -30,10 +25,10 @@ def cells(report, check="read"):
     return {(c.region, c.payload): c for c in report.cells if c.check == check}
 
 
-def test_unmodified_engine_unpadded_is_clean_everywhere():
-    report = scribble(engine())
+def test_unmodified_engine_unpadded_is_clean_in_every_pool_region():
+    report = scribble(engine(), regions=POOL_REGIONS)
     read = cells(report)
-    assert len(read) == len(REGIONS) * len(PAYLOADS)
+    assert len(read) == len(POOL_REGIONS) * len(PAYLOADS)
     for (region, payload), c in read.items():
         if region in HELD:
             assert c.verdict == "clean" and c.slots > 0, (region, payload, c)
@@ -50,7 +45,7 @@ def test_padded_read_trash_nan_is_a_nan_leak_there_only():
     gen = eng.generate(hooks)
     assert all(tok == 0 for toks in gen.tokens.values() for tok in toks)          # argmax of NaN logits
     assert all(lp != lp for lps in gen.logprobs.values() for lp in lps)           # every logprob NaN
-    report = scribble(eng, payloads=("nan",))
+    report = scribble(eng, regions=POOL_REGIONS, payloads=("nan",))
     read = cells(report)
     assert read[("read-trash", "nan")].verdict == "nan-leak"
     assert read[("read-trash", "nan")].where["step"] == 0        # the first step already reads it
@@ -85,7 +80,7 @@ def test_attention_that_reads_one_free_slot_with_weight_zero_is_a_nan_leak_in_fr
 
     AttentionInterface.register("paged|eager", leaky)
     try:
-        report = scribble(eng, payloads=("nan",))
+        report = scribble(eng, regions=POOL_REGIONS, payloads=("nan",))
     finally:
         AttentionInterface.register("paged|eager", eager_paged_attention_forward)
     read = cells(report)
@@ -105,13 +100,14 @@ def test_a_step_that_writes_one_byte_into_the_read_trash_is_a_stray_write():
 
     FullAttentionCacheAllocator.update = update
     try:
-        report = scribble(engine(), payloads=())
+        report = scribble(engine(), regions=POOL_REGIONS, payloads=())
     finally:
         FullAttentionCacheAllocator.update = orig
     write = cells(report, "write")
     assert write[("read-trash", "-")].verdict == "stray-write"
     stray = write[("read-trash", "-")].strays[0]
-    assert stray["step"] == 0 and stray["count"] == 1
+    assert stray["step"] == 0 and stray["count"] == 1 and stray["when"] == "during step 0"
+    assert stray["rows"] == [0] and stray["where"] == "layer 0"          # byte 5 of block 0: layer 0's K, token 0
     assert {r for (r, _), c in write.items() if c.verdict == "stray-write"} == {"read-trash"}
     assert report.exit_code() == 1
 
@@ -153,33 +149,11 @@ def test_bad_arguments_are_one_line_without_torch():
     assert done.stderr.startswith("qsa-lab: error: --payloads: unknown payload 'zero'") and done.stderr.count("\n") == 1
 
 
-def test_row_digest_sees_one_byte():
-    pool = torch.zeros(6, 8)
-    before = row_digest(pool)
-    pool.view(torch.uint8)[4, 13] = 1
-    assert torch.nonzero(row_digest(pool) != before).reshape(-1).tolist() == [4]
-
-
-def test_rows_that_leave_the_region_get_their_own_bytes_back():
-    pool = torch.arange(12.0).reshape(6, 2)
-    none = torch.zeros(0, dtype=torch.int64)
-
-    def view(rows):
-        return StepView(0, pool, {"free-blocks": torch.tensor(rows)}, none, none, torch.full((6,), -1))
-    s = Scribbler("free-blocks", "nan")
-    s.before_step(view([1, 2]))
-    assert pool[1:3].isnan().all() and not pool[[0, 3, 4, 5]].isnan().any()
-    s.after_step(view([1, 2]))
-    s.before_step(view([2, 3]))
-    assert pool[1].tolist() == [2.0, 3.0] and pool[2:4].isnan().all()       # row 1 restored, row 3 filled
-    assert s.filled_rows == 4 and s.strays == []
-
-
 @pytest.mark.parametrize("name", ["mistral-swa", "qwen2-hybrid"])
 def test_sliding_window_ring_leaves_no_out_of_window_slot_and_reads_nothing_unowned(name):
     """transformers' sliding layers are a ring (slot = position % window): the slot of the token that
     leaves the window is the one the step overwrites, so out-of-window is empty (n/a), not clean."""
-    report = scribble(engine(name=name, wl="reuse"), payloads=("nan",), localise_leaks=False)
+    report = scribble(engine(name=name, wl="reuse"), regions=POOL_REGIONS, payloads=("nan",), localise_leaks=False)
     read = cells(report)
     assert read[("out-of-window", "nan")].verdict == "n/a"
     for region in ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-trash"):
@@ -200,3 +174,43 @@ def test_verdict_grid_draws_every_region_and_column():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["nan", "write"]
     # one mark per cell (qsa_lab.plotting.verdicts): free-blocks has no write cell, read-trash every one
     assert sorted(t.get_text() for t in ax.texts) == sorted([".", "-", "N", "W"])
+    assert ax.get_xlabel() == report.verdict_line() == ("2 leaking of 3 checks (3 cells): 1 clean, 1 nan-leak, "
+                                                   "1 stray-write; leaks or stray writes in read-trash; exit code 1")
+
+
+def test_the_table_ends_with_a_summary_line_and_a_legend_of_its_regions():
+    report = scribble(engine(pad=True), regions=("free-blocks", "read-trash"), payloads=("nan",))
+    lines = report.table().splitlines()
+    summary = next(line for line in lines if line.startswith("summary: "))
+    assert summary == "summary: " + report.verdict_line()
+    assert report.verdict_line() == ("1 leaking of 4 checks (4 cells): 3 clean, 1 nan-leak; leaks or stray writes in "
+                                "read-trash; exit code 1")
+    legend = lines[lines.index(summary) + 1:]
+    assert legend[0].startswith("regions (rows filled per read run")
+    for line, region in zip(legend[1:], ("free-blocks", "read-trash")):
+        name, rows, text = line.split(maxsplit=2)
+        rows_filled = next(c.slots for c in report.cells if c.check == "read" and c.region == region)
+        assert (name, int(rows), text) == (region, rows_filled, REGION_TEXT[region]) and rows_filled > 0
+    assert report.to_dict()["counts"] == {"cells": 4, "checks": 4, "leaking": 1}
+
+
+def test_an_mla_models_latent_rows_are_the_pool_on_525_and_refused_on_524():
+    """transformers 5.25 caches an MLA layer's two latents in one row per token (its MLA allocator); 5.24
+    has no MLA allocator and fails in continuous batching, so the adapter refuses the model there."""
+    model = tiny_model("deepseek-mla")
+    if versions.transformers_version() == "5.24.0":
+        with pytest.raises(ValueError, match="^model: an MLA model"):
+            TransformersEngine(model, workload("chunked-prefill"))
+        return
+    eng = TransformersEngine(model, workload("chunked-prefill"))
+    widths = []
+
+    class Rows(Scribbler):
+        def before_step(self, view):
+            widths.append(view.pool.shape[1])
+            super().before_step(view)
+    assert not eng.generate(Rows()).error
+    assert set(widths) == {32 + 8}                        # kv_lora_rank + qk_rope_head_dim
+    report = scribble(eng, regions=POOL_REGIONS, payloads=("nan",))
+    assert {c.verdict for c in report.cells} <= {"clean", "n/a"}
+    assert cells(report)[("free-blocks", "nan")].slots > 0 and report.exit_code() == 0

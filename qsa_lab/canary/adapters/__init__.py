@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from qsa_lab.canary.names import KernelName
 from qsa_lab.canary.adapters import flashinfer as _fi
 from qsa_lab.canary.adapters import vllm as _vllm
 
@@ -32,13 +33,13 @@ KERNELS: dict[str, tuple[str, Callable]] = {
 LIBRARIES = {"flashinfer": _fi.version, "vllm": _vllm.version}
 
 
-def resolve(name: str) -> Callable:
-    """The kernel callable of a built-in third-party kernel name."""
-    if name not in KERNELS:
-        lib = name.split(":", 1)[0]
-        known = [k for k in KERNELS if k.startswith(lib + ":")]
-        raise ValueError(f"kernels: unknown {lib} kernel {name!r}; choose from {tuple(known)}")
-    return KERNELS[name][1]
+def resolve(name: KernelName) -> Callable:
+    """The kernel callable of a built-in third-party kernel name (canary.names.parse_kernel);
+    ValueError naming the option the name came from."""
+    if name.text not in KERNELS:
+        known = [k for k, (lib, _) in KERNELS.items() if lib == name.source]
+        raise name.error(f"unknown {name.source} kernel {name.text!r}; choose from {tuple(known)}")
+    return KERNELS[name.text][1]
 
 
 def versions(names) -> dict:

@@ -1,0 +1,103 @@
+"""A scribble with a user's attention function, in a process of its own: the canary's rules for user code.
+
+    report = scribble_attention("my_attn.py:attention", model="llama-gqa", workload="reuse")
+
+The worker (`python -m qsa_lab.scribble.worker`) imports the function (`file.py:function` or
+`package.module:function`), builds the model and the engine with the function in paged|eager's slot,
+runs the whole matrix and sends the report back. Nothing the function prints reaches this process's
+stdout (it goes to stderr, so `--json -` stays clean); the worker ignores Ctrl-C (the caller stops
+it), dies with the caller, and is killed after `timeout` seconds: then every read check is `error`.
+A function that cannot be imported is bad input: AttentionLoadError (a ValueError) naming `argument`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from qsa_lab.support.processes import end, read_reply, send, spawn
+
+from .verdicts import PAYLOADS, POOL_REGIONS, REGIONS
+
+DEFAULT_TIMEOUT = 1800.0
+#: what builds an engine, with its defaults (build_engine's keywords)
+SETTINGS = {"model": "llama-gqa", "workload": "chunked-prefill", "pad": False, "cuda_graph": False,
+            "dtype": "float32", "device": "cpu", "seed": 0}
+
+
+def is_user_attention(attn) -> bool:
+    """'file.py:function' or 'package.module:function' (not an implementation name such as paged|eager, nor a
+    hub kernel 'org/repo:kernel')."""
+    head, sep, fn = attn.rpartition(":") if isinstance(attn, str) else ("", "", "")
+    return bool(sep and fn) and (head.endswith(".py") or re.fullmatch(r"[A-Za-z_][\w.]*", head) is not None)
+
+
+class AttentionLoadError(ValueError):
+    """The user's attention function could not be imported (the message names the argument)."""
+
+
+def build_engine(attn="paged|eager", attn_name: str | None = None, **settings):
+    """A TransformersEngine from plain settings (SETTINGS' keys): a built-in tiny model by name or a local
+    checkpoint folder, a named workload, the dtype by name."""
+    import torch
+
+    from .hf_engine import TransformersEngine
+    from .models import MODELS, local_model, tiny_model, workload
+
+    s = SETTINGS | settings
+    dtype = getattr(torch, s["dtype"])
+    model = (tiny_model(s["model"], seed=s["seed"], dtype=dtype, device=s["device"]) if s["model"] in MODELS
+             else local_model(s["model"], dtype=dtype, device=s["device"]))
+    return TransformersEngine(model, workload(s["workload"]), attn=attn, pad=s["pad"], cuda_graph=s["cuda_graph"],
+                              attn_name=attn_name)
+
+
+def scribble_attention(attn: str, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = True,
+                       timeout: float = DEFAULT_TIMEOUT, argument: str = "attn", **settings):
+    """scribble() on an engine whose paged|eager is the user's function `attn` ('file.py:function' or
+    'module:function'), run in a worker process. settings: SETTINGS' keys. -> ScribbleReport."""
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise TypeError(f"scribble_attention: unknown settings {sorted(unknown)}; choose from {sorted(SETTINGS)}")
+    if not is_user_attention(attn):
+        raise AttentionLoadError(f"{argument}: {attn!r} is not file.py:function nor module:function")
+    path = attn.rpartition(":")[0]
+    if path.endswith(".py") and not Path(path).is_file():        # told at once, before a worker starts
+        raise AttentionLoadError(f"{argument}: {attn!r}: no file {path}")
+    proc, kind = spawn("qsa_lab.scribble.worker"), None
+    try:
+        failed = _send(proc, ("run", attn, argument, os.getcwd(), [p for p in sys.path if isinstance(p, str)],
+                              SETTINGS | settings, tuple(regions), tuple(payloads), localise_leaks))
+        kind, reply = failed or read_reply(proc, time.monotonic() + timeout)
+    finally:       # answered: it exits at the end of its input; otherwise (timeout, Ctrl-C) killed now
+        end(proc, wait=2 if kind == "msg" else 0)
+    if kind == "msg" and reply[0] == "ok":
+        return reply[1]
+    if kind == "msg" and reply[0] == "bad":
+        raise AttentionLoadError(reply[1])
+    problem = {"timeout": f"timed out after {timeout:g} s (its worker process was killed)",
+               "eof": f"its worker process ended (exit code {reply}) before it answered"}.get(kind)
+    return _failed_report(attn, SETTINGS | settings, regions, payloads, problem or reply[1])
+
+
+def _send(proc, msg):
+    try:
+        send(proc.stdin, msg)
+    except (BrokenPipeError, OSError):
+        return "eof", proc.wait()
+    return None
+
+
+def _failed_report(attn: str, settings: dict, regions, payloads, problem: str):
+    """Every read check `error`, with the problem: what a run that never answered can report."""
+    from .check import Cell, ScribbleReport
+    from .models import workload
+
+    padded = settings["pad"] or settings["cuda_graph"]
+    cells = [Cell("read", r, p, "error", error=problem) for r in regions for p in payloads]
+    cells += [Cell("write", r, "-", "error", error=problem) for r in regions if r in POOL_REGIONS]
+    return ScribbleReport(engine=f"transformers:{attn} (in the paged|eager slot)",
+                          reads_pool="padded-gather" if padded else "gather", graphs=settings["cuda_graph"],
+                          model=settings["model"], workload=workload(settings["workload"]).to_dict(), cells=cells)
