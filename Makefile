@@ -44,10 +44,9 @@ demo: setup
 # the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise;
 # then the scribble's tests again under each other transformers version it supports
 TEST_WORKERS ?= auto
-# (on an AMD CPU MKL is told to take its Intel kernels: scripts/mkl_intel_path.sh says why)
 test: setup
 	bash scripts/setup_test_extras.sh "$(PY)"
-	$$(bash scripts/mkl_intel_path.sh "$(ENV_DIR)") $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 	bash scripts/test_other_transformers.sh "$(PY)" "$(ENV_DIR)" $(TEST_WORKERS)
 
 test-fast: setup

@@ -23,8 +23,8 @@ from qsa_lab.routes.run import run_routes  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # `make test` runs the tests in parallel processes (pytest-xdist): their torch threads share
-    # the cores instead of each taking them all (outputs do not depend on the thread count:
-    # tests/test_bit_identity.py runs under this too)
+    # the cores instead of each taking them all (outputs do not depend on the thread count: 1 and
+    # 2 threads gave the same bits in every bit-identity case, evidence/bitid_cpu_paths.json)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 

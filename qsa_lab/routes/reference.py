@@ -30,8 +30,7 @@ def by_rows(device, elements: int) -> bool:
     than the arithmetic). A small case stays batched: a loop over its rows only adds per-op
     overhead (the canary's in-process qsa routes took 1.4x as long). Both ways give the same
     bits: the batched products ran each row's on one thread, and on one thread each row's are
-    those (a row's product on two threads is not: tests/test_bit_identity.py); the softmax is
-    row by row."""
+    those (a row's product on two threads is not, in the last bit); the softmax is row by row."""
     return torch.device(device).type == "cpu" and 2 * 8 * elements > BATCH_BYTES
 
 
@@ -39,8 +38,8 @@ def every_row(case: Case, index, count, width: int, *, reference: bool = True, x
     """-> (reference64 or None, XQA output or None) of every row from its token lists (index,
     count: plan.xqa_tokens), gathered once for both over `width` slots (XQA's partition padding
     included; the reference reads the first index.shape[1]): the whole batch at once, or one
-    row at a time on one torch thread where by_rows says so (the same bits either way,
-    tests/test_bit_identity.py, tests/routes/test_reference_batching.py)."""
+    row at a time on one torch thread where by_rows says so (the same bits either way:
+    tests/routes/test_reference_batching.py)."""
     T, rows = index.shape[1], case.q.shape[0]
     one_by_one = by_rows(case.q.device, rows * width * case.q.shape[-1])
     q64 = case.q.double() if reference else None

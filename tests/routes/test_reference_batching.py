@@ -44,8 +44,8 @@ def test_row_by_row_gives_the_batched_bits(geometry, monkeypatch):
 
 
 def test_the_bit_identity_cases_take_both_ways():
-    """tests/test_bit_identity.py holds both ways to the bits recorded before either existed:
-    the report's cases go row by row, its small geometries as one batch."""
+    """tests/test_bit_identity.py checks both ways against its records: the report's cases go row
+    by row, its small geometries as one batch."""
     report = [build_case(Geometry()), build_case(Geometry(rows=24, requests=3, layout="scatter", seed=63))]
     assert all(reference.by_rows(c.q.device, _gathered(c)) for c in report)
     small = [make_case(s) for s in small_specs()[:8]]
