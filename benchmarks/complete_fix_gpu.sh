@@ -3,27 +3,29 @@
 #   1. build the kernels (csrc/ with finite_pv and empty query slots)
 #   2. tests/gpu: every compiled route against the emulation (NaN and Inf masks bit for bit) over
 #      every mixed case, padded request groups, the binding, the upstream script at full size
-#   3. compute-sanitizer memcheck (e4m3, e5m2, fp16) and racecheck on finite_pv (tiles with NaN in V:
-#      its slow path) and on padded request groups, plus the existing variants
+#   3. compute-sanitizer memcheck (e4m3, fp16) and racecheck on finite_pv (tiles with NaN in V:
+#      its slow path) and on padded request groups, beside unfixed and kernel_fix
 #   4. the cost: each complete fix against grouped+kernel_fix and grouped on the mixed shapes and the
 #      report's geometry, and the remainder choice (XQA or a padded group), CUDA graphs, L2 flushed
 #   5. the standalone upstream script against the compiled route through the shim: exit 1 on
 #      kernel_fix and both_fixes, 0 on request_groups and finite_pv (3 on upstream's op: no vLLM here)
 #   6. `qsa-lab cross-request --backend cuda` (e4m3 and fp16, query heads 2, 6, 8)
 #   7. the canary's per-row rule (other-rows) on the qsa routes, and over the FlashInfer matrix when
-#      flashinfer imports (carry a wheel folder and set FLASHINFER_WHEELS=DIR: installed with
-#      pip --no-index --find-links DIR flashinfer-python, nothing downloaded)
+#      flashinfer imports or a wheel of it lies in FLASHINFER_WHEELS (default .whl: carry that folder;
+#      installed with pip --no-index --find-links DIR flashinfer-python, nothing downloaded)
 #
 #   bash benchmarks/complete_fix_gpu.sh [OUTDIR] [all|flashinfer]   (OUTDIR default: $OUT, else results/complete_fix)
 #
-# Stage 7's FlashInfer matrix (about 150 s with FlashInfer's JIT) runs in `all` only while the run is
-# under FI_START_BY seconds (default 380), so that one call stays under 10 minutes; otherwise the log
+# Time: every step's timeout is cut to what is left of BUDGET_S (default 520 s, the build included),
+# so one call ends with its summary in under 9 minutes. Stage 7's FlashInfer matrix (about 150 s with
+# FlashInfer's JIT) starts in `all` only with FI_NEEDS (default 170) seconds left; otherwise the log
 # says so, and `... OUTDIR flashinfer` runs that stage alone (build included) in a second call.
 #
-# OUTDIR gets, named as they go into evidence/: complete_fix_gpu_h200.log (this log), complete_fix_h200.json
-# (the cost), cross_request_h200.json, canary_other_rows_h200.json, canary_other_rows_flashinfer_h200.json
-# (+ .md) when FlashInfer ran, and logs.tgz (every log). The last stage prints EXPECTED / UNEXPECTED
-# per check; the exit code is the number of unexpected checks (0: everything as predicted).
+# OUTDIR gets: complete_fix_h200.json (the cost: commit it as data/complete_fix_h200.json; notebook 05
+# and the docs' tables read it there), and for evidence/: complete_fix_gpu_h200.log (this log),
+# cross_request_h200.json, canary_other_rows_h200.json, canary_other_rows_flashinfer_h200.json (+ .md) when
+# FlashInfer ran; logs.tgz holds every step's log. The last stage prints EXPECTED / UNEXPECTED per
+# check; the exit code is the number of unexpected checks (0: everything as predicted).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-${OUT:-results/complete_fix}}; MODE=${2:-all}
@@ -37,6 +39,11 @@ LOGNAME_=complete_fix_gpu_h200.log; [ "$MODE" = flashinfer ] && LOGNAME_=complet
 exec > >(tee "$OUTDIR/$LOGNAME_") 2>&1
 T0=$(date +%s)
 stage() { echo; echo "######## $1 ($(date -u +%T), +$(( $(date +%s) - T0 )) s)"; }
+# every step's timeout is cut to what is left of BUDGET_S (default 520 s from the start, the build
+# included), so the run ends with its summary inside one 10-minute call; a step cut short exits 124
+BUDGET_S=${BUDGET_S:-520}
+left() { echo $(( T0 + BUDGET_S - $(date +%s) )); }
+tmo() { local l; l=$(left); (( l < 1 )) && l=1; echo $(( $1 < l ? $1 : l )); }
 CHECKS=()
 check() {  # check NAME EXPECTED GOT
   if [ "$2" = "$3" ]; then CHECKS+=("EXPECTED   $1 ($3)"); else CHECKS+=("UNEXPECTED $1 (expected $2, got $3)"); fi
@@ -53,7 +60,7 @@ stage "build"
 
 if [ "$MODE" = all ]; then
 stage "tests/gpu (the compiled routes against the emulation)"
-timeout ${TEST_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider -rfE tests/gpu >"$OUTDIR/logs/pytest_gpu.log" 2>&1
+timeout $(tmo ${TEST_TIMEOUT:-240}) $PY -m pytest -q -p no:cacheprovider -rfE tests/gpu >"$OUTDIR/logs/pytest_gpu.log" 2>&1
 rc=$?; tail -1 "$OUTDIR/logs/pytest_gpu.log"
 grep -E "^(FAILED|ERROR)|^E  " "$OUTDIR/logs/pytest_gpu.log" | head -30
 check "tests/gpu exit" 0 $rc
@@ -61,19 +68,19 @@ check "tests/gpu exit" 0 $rc
 stage "compute-sanitizer: finite_pv (NaN in V: its slow path) and padded request groups"
 SAN="$OUTDIR/logs/sanitize"; mkdir -p "$SAN"
 for kv in e4m3 fp16; do
-  timeout 100 $CS --tool memcheck --leak-check no $PY benchmarks/sanitize_case.py --mixed --kv $kv --context 300 \
+  timeout $(tmo 100) $CS --tool memcheck --leak-check no $PY benchmarks/sanitize_case.py --mixed --kv $kv --context 300 \
     --variants unfixed,kernel_fix,finite_pv >"$SAN/memcheck_mixed_$kv.log" 2>&1
   n=$(grep -c "^variant" "$SAN/memcheck_mixed_$kv.log"); e=$(grep -m1 "ERROR SUMMARY" "$SAN/memcheck_mixed_$kv.log")
   echo "memcheck $kv: $n variant runs; $e"; check "memcheck mixed $kv" "ERROR SUMMARY: 0 errors" "${e#========= }"
 done
-timeout 120 $CS --tool racecheck $PY benchmarks/sanitize_case.py --mixed --context 300 \
+timeout $(tmo 120) $CS --tool racecheck $PY benchmarks/sanitize_case.py --mixed --context 300 \
   --variants kernel_fix,finite_pv >"$SAN/racecheck_mixed.log" 2>&1
 e=$(grep -m1 "RACECHECK SUMMARY" "$SAN/racecheck_mixed.log"); echo "racecheck mixed: $e"
 check "racecheck mixed (finite_pv slow path, padded groups)" "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" "${e#========= }"
 grep -h "^variant\|^xqa" "$SAN"/memcheck_mixed_e4m3.log
 
 stage "cost (benchmarks/complete_fix_cost.py)"
-timeout ${COST_TIMEOUT:-180} $PY benchmarks/complete_fix_cost.py --json "$OUTDIR/complete_fix_h200.json" \
+timeout $(tmo ${COST_TIMEOUT:-180}) $PY benchmarks/complete_fix_cost.py --json "$OUTDIR/complete_fix_h200.json" \
   >"$OUTDIR/logs/cost.log" 2>&1
 rc=$?; cat "$OUTDIR/logs/cost.log" | tail -45
 check "cost bench exit" 0 $rc
@@ -82,16 +89,16 @@ stage "the standalone upstream script on the compiled route (scripts/upstream)"
 for op in kernel_fix:1 both_fixes:1 request_groups:0 finite_pv:0; do
   name=${op%%:*}; want=${op##*:}
   echo "\$ python scripts/upstream/cross_request_nan.py --op scripts/upstream/qsa_lab_shim.py:$name"
-  timeout 120 $PY scripts/upstream/cross_request_nan.py --op "scripts/upstream/qsa_lab_shim.py:$name"
+  timeout $(tmo 120) $PY scripts/upstream/cross_request_nan.py --op "scripts/upstream/qsa_lab_shim.py:$name"
   rc=$?; echo "exit $rc"; check "upstream script on $name" "$want" "$rc"
 done
 echo "\$ python scripts/upstream/cross_request_nan.py   (upstream's own op: no vLLM on this machine)"
-timeout 60 $PY scripts/upstream/cross_request_nan.py; rc=$?; echo "exit $rc"
+timeout $(tmo 60) $PY scripts/upstream/cross_request_nan.py; rc=$?; echo "exit $rc"
 check "upstream script on upstream's op (not installed)" 3 "$rc"
 
 stage "qsa-lab cross-request --backend cuda"
 for kv in e4m3 fp16; do
-  timeout 150 $PY -m qsa_lab cross-request --backend cuda --kv-dtype $kv --json "$OUTDIR/cross_request_${kv}_h200.json" \
+  timeout $(tmo 150) $PY -m qsa_lab cross-request --backend cuda --kv-dtype $kv --json "$OUTDIR/cross_request_${kv}_h200.json" \
     --force >"$OUTDIR/logs/cross_request_$kv.log" 2>&1
   rc=$?; grep -v "^# running" "$OUTDIR/logs/cross_request_$kv.log" | tail -40
   check "cross-request $kv (complete fixes, xqa, reference clean)" 0 "$rc"
@@ -115,7 +122,7 @@ EOF
 
 stage "canary: the per-row rule (other-rows) on the qsa routes"
 QSA_KERNELS=qsa:reference,qsa:xqa,qsa:grouped,qsa:grouped+kernel_fix,qsa:grouped+both_fixes,qsa:grouped+request_groups,qsa:grouped+finite_pv
-timeout 120 $PY -m qsa_lab canary --backend cuda --kernels "$QSA_KERNELS" --regions other-rows,other-requests --requests 2 --rows 16 \
+timeout $(tmo 120) $PY -m qsa_lab canary --backend cuda --kernels "$QSA_KERNELS" --regions other-rows,other-requests --requests 2 --rows 16 \
   --context 40 --json "$OUTDIR/canary_other_rows_h200.json" --force >"$OUTDIR/logs/canary_other_rows.log" 2>&1
 rc=$?; grep -v "^#" "$OUTDIR/logs/canary_other_rows.log" | head -40; grep "^# .*leak\|leaking of" "$OUTDIR/logs/canary_other_rows.log"
 check "canary other-rows (the grouped routes leak: exit 1)" 1 "$rc"
@@ -132,15 +139,16 @@ EOF
 fi  # MODE all
 
 stage "canary: the per-row rule over the FlashInfer matrix"
-if [ "$MODE" = all ] && [ $(( $(date +%s) - T0 )) -gt ${FI_START_BY:-380} ]; then
-  echo "skipped: $(( $(date +%s) - T0 )) s into this run (the limit to start it is ${FI_START_BY:-380} s);"
+FLASHINFER_WHEELS=${FLASHINFER_WHEELS:-.whl}
+if [ "$MODE" = all ] && [ "$(left)" -lt ${FI_NEEDS:-170} ]; then
+  echo "skipped: $(left) s left of this run's ${BUDGET_S} s (the FlashInfer matrix needs about ${FI_NEEDS:-170} s);"
   echo "run it alone: bash benchmarks/complete_fix_gpu.sh OUTDIR flashinfer"
 elif ! $PY -c "import flashinfer" 2>/dev/null && [ -n "${FLASHINFER_WHEELS:-}" ] && [ -d "$FLASHINFER_WHEELS" ]; then
   $PY -m pip install -q --no-index --find-links "$FLASHINFER_WHEELS" flashinfer-python >"$OUTDIR/logs/flashinfer_install.log" 2>&1 \
     && echo "installed flashinfer from $FLASHINFER_WHEELS" || { echo "flashinfer install failed:"; tail -3 "$OUTDIR/logs/flashinfer_install.log"; }
 fi
 if $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null; then
-  timeout ${FI_TIMEOUT:-200} $PY benchmarks/canary_thirdparty.py --kernels flashinfer:decode,flashinfer:decode-tc,flashinfer:prefill,flashinfer:prefill-fa2 \
+  timeout $(tmo ${FI_TIMEOUT:-200}) $PY benchmarks/canary_thirdparty.py --kernels flashinfer:decode,flashinfer:decode-tc,flashinfer:prefill,flashinfer:prefill-fa2 \
     --regions other-rows,other-requests --label issue37-other-rows --json "$OUTDIR/canary_other_rows_flashinfer_h200.json" \
     >"$OUTDIR/logs/canary_flashinfer.log" 2>&1
   echo "flashinfer matrix exit $?"; tail -25 "$OUTDIR/logs/canary_flashinfer.log"
@@ -152,6 +160,8 @@ stage "summary"
 for c in "${CHECKS[@]}"; do echo "$c"; done
 BAD=$(printf '%s\n' "${CHECKS[@]}" | grep -c "^UNEXPECTED")
 echo "$BAD unexpected of ${#CHECKS[@]} checks; wall $(( $(date +%s) - T0 )) s"
-echo "to commit: cp $OUTDIR/{complete_fix_h200.json,cross_request_h200.json,canary_other_rows_h200.json,complete_fix_gpu_h200.log} evidence/ (and canary_other_rows_flashinfer_h200.json/.md when present)"
+echo "(a step that got 124 was stopped by its timeout or by the ${BUDGET_S} s budget)"
+echo "to commit: cp $OUTDIR/complete_fix_h200.json data/; cp $OUTDIR/{complete_fix_gpu_h200.log,cross_request_h200.json,canary_other_rows_h200.json} evidence/"
+echo "           (and $OUTDIR/canary_other_rows_flashinfer_h200.{json,md} to evidence/ when FlashInfer ran)"
 tar -C "$OUTDIR" -czf "$OUTDIR/logs.tgz" logs && rm -rf "$OUTDIR/logs"
 exit "$BAD"
