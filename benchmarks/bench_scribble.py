@@ -6,10 +6,12 @@ device synchronised by transformers' synchronous batching before a generation re
 Modes: `plain` (no hooks), `guard` (write guard only: a digest of every pool row around every step),
 `scribble` (guard + one region filled before every step: read-trash, nan). A full matrix costs
 about (2 + regions x payloads + requests x payloads for other-requests) x the scribble time, plus two
-re-runs for each leak it confirms.
+re-runs for each leak it confirms; `--matrix` also times one whole matrix (every region x payload),
+once.
 
     python benchmarks/bench_scribble.py --json results/bench_scribble.json
     python benchmarks/bench_scribble.py --device cuda --cuda-graph --json ...   # on a GPU
+    .venv-vllm/bin/python benchmarks/bench_scribble.py --engine vllm --matrix --json ...   # vLLM (CPU)
 """
 from __future__ import annotations
 
@@ -55,10 +57,15 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--cuda-graph", action="store_true", help="also time with CUDA graphs (CUDA only)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
+    p.add_argument("--matrix", action="store_true", help="also time one whole matrix")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    from qsa_lab.scribble.versions import refusal
+    if args.engine == "vllm":
+        from qsa_lab.scribble.vllm_env import refusal
+    else:
+        from qsa_lab.scribble.versions import refusal
     if refusal():
         print(f"bench_scribble: {refusal()}", file=sys.stderr)
         return 3
@@ -69,19 +76,32 @@ def main(argv=None) -> int:
     from qsa_lab.scribble.models import tiny_model, workload
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     configs = [("eager-loop", False)] + ([("cuda-graph", True)] if args.cuda_graph and device == "cuda" else [])
+    if args.engine == "vllm":
+        configs = [("vllm", False)]
     results = {}
     for label, graphs in configs:
-        engine = TransformersEngine(tiny_model(args.model, device=device), workload(args.workload), attn=args.attn,
-                                    cuda_graph=graphs)
+        if args.engine == "vllm":
+            from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload
+            wl = vllm_workload(args.workload)
+            engine = VllmEngine(vllm_model(args.model), wl, remove_model_dir=True)
+        else:
+            wl = workload(args.workload)
+            engine = TransformersEngine(tiny_model(args.model, device=device), wl, attn=args.attn, cuda_graph=graphs)
         results[label] = time_modes(engine, args.repeats)
         r = results[label]
+        if args.matrix:
+            from qsa_lab.scribble.check import scribble
+            start = time.perf_counter()
+            report = scribble(engine)
+            r["matrix"] = {"seconds": time.perf_counter() - start, "cells": len(report.cells)}
         print(f"{label:10} plain {r['plain']['median_s'] * 1e3:8.1f} ms   guard {r['guard']['median_s'] * 1e3:8.1f} ms "
               f"(x{r['guard']['x_plain']:.2f})   scribble {r['scribble']['median_s'] * 1e3:8.1f} ms "
               f"(x{r['scribble']['x_plain']:.2f})   {r['plain']['steps']} steps")
     doc = {"schema": "qsa_lab.bench_scribble/1", "method": __doc__.split("\n\n")[1].replace("\n", " "),
            "load_avg_1min": {"start": LOAD_START, "end": os.getloadavg()[0]},
-           "model": args.model, "workload": workload(args.workload).to_dict(), "attn": args.attn, "device": device,
-           "repeats": args.repeats, "facts": machine_facts(), "results": results}
+           "model": args.model, "workload": wl.to_dict(), "engine": args.engine,
+           "attn": args.attn if args.engine == "transformers" else "vLLM's own", "device": device,
+           "repeats": args.repeats, "threads": torch.get_num_threads(), "facts": machine_facts() | getattr(engine, "facts", {}), "results": results}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")

@@ -8,3 +8,6 @@ PY="${1:-python}"
 cd "$(dirname "$0")/.."
 "$PY" -m pip install -q --group nvrtc --group docs
 if [ -f scripts/setup_e2e.sh ]; then PY="$PY" bash scripts/setup_e2e.sh; fi
+# the vLLM adapter's tests run in .venv-vllm: make test builds it, and stops if it cannot (a skipped
+# engine is not a tested one)
+make --no-print-directory vllm-env

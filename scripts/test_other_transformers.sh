@@ -3,7 +3,8 @@
 # (qsa_lab.scribble.versions.SUPPORTED_TRANSFORMERS): `make setup` installed one of them; each other one
 # is installed once, without its dependencies (the installed version's serve it: the adapter's tests
 # import nothing else they would change), into ENV_DIR/qsa_lab-transformers/VERSION, and put first on
-# PYTHONPATH for one run of tests/scribble. Idempotent.
+# PYTHONPATH for one run of tests/scribble (the vLLM adapter's tests left out: they use vLLM's own
+# environment and transformers, tests/scribble/conftest.py). Idempotent.
 #   bash scripts/test_other_transformers.sh PYTHON ENV_DIR [WORKERS]
 set -euo pipefail
 PY="${1:-python}"
@@ -20,5 +21,6 @@ for V in $OTHERS; do
     touch "$TARGET/.installed"
   fi
   echo "tests/scribble under transformers $V"
-  PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" tests/scribble
+  PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" tests/scribble \
+    --ignore=tests/scribble/on_vllm --ignore-glob='tests/scribble/test_vllm_*.py'
 done

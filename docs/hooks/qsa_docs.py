@@ -511,7 +511,34 @@ def scribble_h200(name: str = "scribble_h200/summary.json") -> str:
               f"committed {_committed(name)}. Source: `{_where(name)}`.*")
 
 
-def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribble_h200_graphs.json")) -> str:
+def scribble_vllm(folder: str = "scribble_vllm_cpu") -> str:
+    """Per configuration of the vLLM CPU matrix: the regions each check covered and every cell that was
+    not clean (a clean configuration says so)."""
+    rows = []
+    facts = None
+    for path in sorted((REPO / "evidence" / folder).glob("*.json")):
+        doc = json.loads(path.read_text())
+        facts = facts or doc["facts"]
+        wl = doc["workload"]["name"]
+        caching = "on" if doc["facts"].get("prefix_caching") else "off"
+        shown = {}
+        for c in doc["results"]:
+            if c["verdict"] not in ("clean", "n/a"):
+                shown.setdefault((c["check"], c["region"], c["verdict"]), []).append(c["payload"])
+        found = "; ".join(f"{check} `{region}`: {verdict} ({', '.join(p)})" for (check, region, verdict), p in shown.items())
+        held = sorted({c["region"] for c in doc["results"] if c["check"] == "read" and c["verdict"] != "n/a"})
+        e = doc["events"]
+        engine = (f"{e['steps']} steps, {e['chunked_prefill']} chunked prefills, {e['preempted']} preempted, "
+                  f"{e['prefix_hit_tokens']} prefix-hit tokens, {e['blocks_reused']} blocks reused")
+        rows.append([f"`{doc['model']}`, `{wl}`, prefix caching {caching}", engine, ", ".join(held),
+                     found or "every check clean or n/a", f"`{path.relative_to(REPO).as_posix()}`"])
+    return (table(["configuration", "the engine did", "regions checked", "what was not clean", "source"], rows)
+            + f"\n\n*vLLM {facts['vllm']} (CPU backend, attention `{facts['attention']}`, ISA `{facts['isa']}`), "
+              f"torch {facts['torch']}, {facts['processor']}; payloads nan, inf, max.*")
+
+
+def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribble_h200_graphs.json",
+                         "bench_scribble_transformers_cpu.json", "bench_scribble_vllm_cpu.json")) -> str:
     """What one generation costs plain, with the write guard, and with one region scribbled."""
     rows = []
     for name in names:
@@ -519,11 +546,15 @@ def scribble_cost(names=("bench_scribble_cpu.json", "scribble_h200/bench_scribbl
         gpu = doc["facts"].get("gpu")
         where = (gpu if gpu and gpu != "none (CPU)" else None) or doc["facts"].get("processor") or doc["device"]
         load = doc.get("load_avg_1min", {}).get("start")
+        engine = f"{doc['engine']}, " if doc.get("engine") == "transformers" else ""    # vLLM's mode is "vllm"
         for mode, r in doc["results"].items():
-            rows.append([f"{where}, {mode}" + (f" (load {load:.1f})" if load is not None else ""),
+            matrix = r.get("matrix")
+            rows.append([f"{where}, {engine}{mode}" + (f" (load {load:.1f})" if load is not None else ""),
                          f"{1e3 * r['plain']['median_s']:.0f} ms", f"×{r['guard']['x_plain']:.2f}",
-                         f"×{r['scribble']['x_plain']:.2f}", f"`{_where(name)}`"])
-    return table(["machine, mode", "plain generation", "write guard", "guard + one region", "source"], rows)
+                         f"×{r['scribble']['x_plain']:.2f}", f"{matrix['seconds']:.0f} s" if matrix else "",
+                         f"`{_where(name)}`"])
+    return table(["machine, mode", "plain generation", "write guard", "guard + one region", "whole matrix", "source"],
+                 rows)
 
 
 def log_section(spec: str) -> str:
@@ -605,6 +636,8 @@ def expand(markdown: str) -> str:
             return scribble_h200()
         if kind == "scribble_cost":
             return scribble_cost()
+        if kind == "scribble_vllm":
+            return scribble_vllm()
         raise ValueError(f"docs: unknown marker qsa:{kind}")
 
     markdown = api_directives(MARKER.sub(marker, markdown))

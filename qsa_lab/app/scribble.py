@@ -3,8 +3,12 @@ the arguments are good. `--attn file.py:function` runs the whole matrix in a wor
 (qsa_lab.scribble.isolated), as the canary runs a user's kernel.
 
 Exit codes (the canary's): 0 every check ran and none leaked; 1 a leak or a stray write; 2 bad
-input, one line `qsa-lab: error: <argument>: <problem>`; 3 an error, an unstable control, or a
-transformers version the adapter was not written for (one line, never a verdict).
+input, one line `qsa-lab: error: <argument>: <problem>`; 3 an error, an unstable control, or an
+engine version the adapter was not written for (one line, never a verdict).
+
+`--engine vllm` runs in vLLM's own environment (qsa_lab.scribble.vllm_env): from any other
+environment this command starts itself again in that environment's Python, with the same
+(checked) arguments, and answers with its output and exit code.
 """
 from __future__ import annotations
 
@@ -17,10 +21,14 @@ from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer,
 from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
 from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS
 from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
+from qsa_lab.scribble.vllm_env import NOT_ON_VLLM
 
 MODEL_NAMES = tuple(MODELS)
 DTYPES = ("float32", "float16", "bfloat16")                                  # scribble.isolated.build_engine
 DEVICES = ("auto", "cpu", "cuda")
+ENGINES = ("transformers", "vllm")
+TRANSFORMERS_ONLY = {"--attn": ("attn", "paged|eager"), "--pad": ("pad", False), "--cuda-graph": ("cuda_graph", False),
+                     "--device": ("device", "auto")}
 
 
 def _workload(text: str) -> str:
@@ -38,7 +46,11 @@ def add_parser(sub, parents=()):
                     "others) before every step of a whole generation and compare tokens, logprobs and logits with "
                     "a clean run, every leak confirmed by a second clean and a second filled run; hash every row "
                     "around every step and between steps and report writes where none may land (stray-write). "
-                    "Engine: transformers' continuous batching (pip install 'qsa_lab[scribble]').")
+                    "Engines: transformers' continuous batching (pip install 'qsa_lab[scribble]') and vLLM "
+                    "(make vllm-env).")
+    p.add_argument("--engine", default="transformers", choices=ENGINES,
+                   help="transformers' continuous batching, or vLLM (in its own environment, .venv-vllm) "
+                        "(default transformers)")
     p.add_argument("--model", default="llama-gqa",
                    help=f"a tiny model built from a config ({', '.join(MODEL_NAMES)}) or a local checkpoint "
                         "folder (default llama-gqa)")
@@ -65,6 +77,8 @@ def add_parser(sub, parents=()):
     p.add_argument("--no-localise", action="store_true",
                    help="do not record attention outputs in the re-runs that confirm a leak, which name the first "
                         "step and layer where it shows (default: record them)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM: run the engine with prefix caching off (default: on, vLLM's default)")
     p.set_defaults(func=run)
     return p
 
@@ -87,6 +101,16 @@ def check_args(args) -> dict:
                          "nor a local folder")
     if args.cuda_graph and args.device == "cpu":
         raise UsageError("--cuda-graph: needs a CUDA device, not --device cpu")
+    if args.engine == "vllm":
+        for flag, name in (("--model", args.model), ("--workload", args.workload)):
+            if name in NOT_ON_VLLM:
+                raise UsageError(f"{flag}: {name}: {NOT_ON_VLLM[name]}")
+        for flag, (name, default) in TRANSFORMERS_ONLY.items():
+            if getattr(args, name) != default:
+                raise UsageError(f"{flag}: applies to --engine transformers only (vLLM picks its own attention, "
+                                 "device and graphs)")
+    elif args.no_prefix_caching:
+        raise UsageError("--no-prefix-caching: applies to --engine vllm only")
     outs = check_outputs(args, {"--json": None if args.json == "-" else args.json})
     return {"regions": _csv(args.regions, REGIONS, "--regions"), "payloads": _csv(args.payloads, PAYLOADS, "--payloads"),
             "json": outs.get("--json")}
@@ -94,6 +118,8 @@ def check_args(args) -> dict:
 
 def run(args) -> int:
     settings = check_args(args)
+    if args.engine == "vllm":
+        return run_vllm(args, settings)
     from qsa_lab.scribble.versions import refusal
 
     line = refusal()
@@ -125,6 +151,67 @@ def run(args) -> int:
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
         raise Failure(f"scribble: {type(e).__name__}: {e}") from e
     report.facts = machine_facts()
+    text = json.dumps(report.to_dict(), indent=1) + "\n"
+    if args.json == "-":
+        sys.stdout.write(text)
+    else:
+        print(report.table())
+        if settings["json"] is not None:
+            with blame({}, "--json"):
+                write_text(settings["json"], text, "--json", force=args.force)
+            print(f"# wrote {settings['json']}")
+    return report.exit_code()
+
+
+def _vllm_argv(args, settings) -> list:
+    """The checked arguments, as the same command in vLLM's environment gets them."""
+    argv = ["scribble", "--engine", "vllm", "--model", str(args.model), "--workload", args.workload,
+            "--regions", ",".join(settings["regions"]), "--payloads", ",".join(settings["payloads"]),
+            "--dtype", args.dtype, "--seed", str(args.seed)]
+    if args.json is not None:
+        argv += ["--json", args.json]
+    argv += [flag for flag, on in (("--force", args.force), ("--no-localise", args.no_localise),
+                                   ("--no-prefix-caching", args.no_prefix_caching)) if on]
+    return argv
+
+
+def run_vllm(args, settings) -> int:
+    """--engine vllm: here when this Python has vLLM, else the same command in vLLM's environment."""
+    from importlib import util
+
+    from qsa_lab.scribble.vllm_env import refusal, vllm_python
+
+    python = vllm_python()
+    if python is None:
+        raise Failure(refusal())
+    if util.find_spec("vllm") is None:
+        from qsa_lab.support.processes import spawn
+
+        return spawn("qsa_lab", *_vllm_argv(args, settings), python=python, pipes=False).wait()
+    line = refusal()
+    if line is not None:
+        raise Failure(line)
+    import os
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")     # the table, not vLLM's start-up log
+
+    from qsa_lab.scribble.check import scribble
+    from qsa_lab.scribble.versions import machine_facts
+    from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload
+    from qsa_lab.support.outputs import write_text
+
+    builtin = args.model in MODEL_NAMES
+    engine = None
+    try:
+        folder = vllm_model(args.model, seed=args.seed) if builtin else args.model
+        engine = VllmEngine(folder, vllm_workload(args.workload), prefix_caching=not args.no_prefix_caching,
+                            dtype=args.dtype, remove_model_dir=builtin, label=args.model)
+        report = scribble(engine, settings["regions"], settings["payloads"], localise_leaks=not args.no_localise)
+    except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
+        raise Failure(f"scribble: {type(e).__name__}: {e}") from e
+    finally:
+        if engine is not None:
+            engine.close()
+    report.facts = machine_facts() | engine.facts
     text = json.dumps(report.to_dict(), indent=1) + "\n"
     if args.json == "-":
         sys.stdout.write(text)

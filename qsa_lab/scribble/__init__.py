@@ -13,6 +13,8 @@ leak confirmed by a re-run; and guard every row a step, or the engine between st
 
     report = scribble_attention("my_attn.py:attention", workload="reuse")   # yours, in a worker process
 
+vLLM (in its own environment, `make vllm-env`): VllmEngine(vllm_model("llama-gqa"), vllm_workload("reuse")).
+
 The contract an engine adapter implements: qsa_lab.scribble.contract (StepView, EngineAdapter).
 Names load on first use, so `qsa-lab scribble --help` needs neither torch nor transformers.
 """
@@ -23,7 +25,8 @@ _NAMES = {
     "PAYLOADS": ".verdicts", "SCHEMA": ".verdicts", "STRAY": ".verdicts",
     "SUPPORTED_TRANSFORMERS": ".versions", "refusal": ".versions",
     "StepView": ".contract", "Generation": ".contract", "EngineAdapter": ".contract",
-    "TransformersEngine": ".hf_engine",
+    "TransformersEngine": ".hf_engine", "VllmEngine": ".vllm_engine", "vllm_model": ".vllm_engine",
+    "vllm_workload": ".vllm_engine", "SUPPORTED_VLLM": ".vllm_env",
     "tiny_model": ".models", "local_model": ".models", "workload": ".models", "WORKLOADS": ".models",
     "MODELS": ".models",
     "scribble": ".check", "Scribbler": ".check", "ScribbleReport": ".check", "compare": ".check",

@@ -103,7 +103,7 @@ class Scribbler:
                 self.region_rows[name] += int(rows.numel())
         rows = view.request_rows.get(self.victim) if self.region == OTHER else view.regions.get(self.region)
         target = torch.zeros_like(self._poisoned)
-        if rows is not None and self.payload is not None:
+        if rows is not None and self.payload is not None and view.step != "warmup":   # nothing reads at warm-up
             target[rows.to(pool.device)] = True
         # rows we filled before that left the region get the engine's bytes back: one region at a time
         restore = self._poisoned & ~target

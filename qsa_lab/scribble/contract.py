@@ -1,10 +1,11 @@
 """The engine adapter contract: what an inference engine shows the scribble before each forward step.
 
 A kernel shows the canary one `PagedCall`; an engine shows the scribble a stream of steps. Before
-each forward step the adapter hands over a `StepView`: the KV pool as rows (one row = one token of
-one layer's K or V, or of an MLA layer's latents, in the pool's dtype), which rows the live requests
-have written (attention may read those), and every other row sorted into the regions of
-`verdicts.REGIONS`, the engine's deliberate slots (read trash / null block, write trash) among them.
+each forward step the adapter hands over a `StepView`: the KV pool as rows (transformers: one row =
+one token of one layer's K or V, or of an MLA layer's latents; vLLM: one element; in the pool's
+dtype), which rows the live requests have written (attention may read those), and every other row
+sorted into the regions of `verdicts.REGIONS`, the engine's deliberate slots (read trash / null
+block, write trash) among them.
 After the step it hands the same view back, so the write guard can check what changed.
 `generate(hooks)` runs a whole, seeded, greedy generation and returns tokens, logprobs and, where no
 graph hides them, logits and attention outputs.
@@ -26,18 +27,11 @@ How the built-in adapter reads the pool (`reads_pool`):
   "padded-gather" the same, padded to a static size with the read-trash index (CUDA graphs, compile)
   "block-table"   the kernel walks a block table itself (flash decode fast path)
 
-Next adapters (contract-shaped, no code until one has run):
-  vLLM    a KV-connector plugin. Scheduler side: `bind_kv_cache_manager` gives the block pool and
-          `build_connector_meta` runs once per step after scheduling, so it can put the step's block
-          tables, free blocks and the null block (block 0) into the metadata, with synchronous loads.
-          Worker side: `register_kv_caches` hands over the per-layer KV tensors (the pool), and
-          `start_load_kv` runs before the forward: the place to fill a region and take digests;
-          `wait_for_save` (after the forward) is the place to check them.
-  SGLang  an `sglang.srt.plugins` entry point with an AROUND hook on `ModelRunner.forward`: the
-          `ForwardBatch` carries `req_to_token_pool` / `token_to_kv_pool` (the pool and the slots each
-          request owns), `out_cache_loc` (this step's writes) and the allocator's free list; padding
-          for CUDA graphs reads slot 0.
-Each is one module importing its engine lazily, skipping with the reason when it is absent.
+Adapters: transformers' continuous batching (hf_engine) and vLLM through its KV connector API
+(vllm_engine, vllm_connector, vllm_pool). The next one, SGLang: an `sglang.srt.plugins` entry point
+with an AROUND hook on `ModelRunner.forward`; the `ForwardBatch` carries `req_to_token_pool` /
+`token_to_kv_pool`, `out_cache_loc` (this step's writes) and the allocator's free list; padding for
+CUDA graphs reads slot 0. Each is one module importing its engine lazily.
 """
 from __future__ import annotations
 

