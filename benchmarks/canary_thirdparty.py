@@ -7,7 +7,10 @@ the null block: vLLM's padded-table path; FlashInfer reads a page list, so its n
 are n/a there). Writes one JSON document and a Markdown table.
 
     python benchmarks/canary_thirdparty.py --json evidence/canary_thirdparty_h200.json \
-        [--vllm-src PATH] [--jobs 12] [--kernels flashinfer:decode,...] [--kv-dtypes fp16,e4m3]
+        [--vllm-src PATH] [--jobs 12] [--kernels flashinfer:decode,...] [--kv-dtypes fp16,e4m3] \
+        [--regions other-rows,other-requests]
+
+--regions runs those regions instead of each spec's defaults (e.g. the per-row rule, other-rows).
 
 Each (kernel, kv dtype) runs in its own worker process, several at once (--jobs): FlashInfer
 compiles one module per configuration on first use, and the workers compile theirs in
@@ -84,7 +87,8 @@ def worker(kernel: str, kv_dtype: str, out: Path) -> None:
     for spec, query_len, case in cases(kernel, kv_dtype):
         t0 = time.time()
         try:
-            report = run_canary([kernel], case=case, backend="auto")
+            regions = os.environ.get("QSA_LAB_THIRDPARTY_REGIONS")
+            report = run_canary([kernel], case=case, backend="auto", regions=regions.split(",") if regions else None)
             doc = report.to_json()
         except Exception as e:  # noqa: BLE001 - record it, carry on with the next case
             doc = {"results": [], "skipped": [{"kernel": kernel, "reason": f"run_canary raised {type(e).__name__}: "
@@ -166,12 +170,15 @@ def main(argv=None) -> int:
     p.add_argument("--label", help="recorded in the JSON (e.g. the qsa_lab commit that ran)")
     p.add_argument("--jobs", type=int, default=12)
     p.add_argument("--report", metavar="DIR", help="also write a leak report (qsa_lab.canary.report) per leaking run")
+    p.add_argument("--regions", metavar="R,..", help="regions to run instead of each spec's defaults (e.g. other-rows)")
     p.add_argument("--worker", nargs=3, metavar=("KERNEL", "KV_DTYPE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.vllm_src:
         os.environ["QSA_LAB_VLLM_SRC"] = str(Path(args.vllm_src).resolve())
     if args.report:
         os.environ["QSA_LAB_THIRDPARTY_REPORT"] = str(Path(args.report).resolve())
+    if args.regions:
+        os.environ["QSA_LAB_THIRDPARTY_REGIONS"] = args.regions
     if args.worker:
         worker(args.worker[0], args.worker[1], Path(args.worker[2]))
         return 0
@@ -204,7 +211,8 @@ def main(argv=None) -> int:
         env["vllm_rev"] = args.vllm_rev
     doc = {"schema": SCHEMA, "label": args.label, "machine": env, "geometry": GEOMETRY, "specs": list(SPECS),
            "padded_table": {"attend": PADDED[0], "geometry": dict(GEOMETRY, **PADDED[1])},
-           "prefill_rows": PREFILL_ROWS, "wall_s": round(time.time() - t0, 1), "runs": runs}
+           "prefill_rows": PREFILL_ROWS, "regions_asked": args.regions, "wall_s": round(time.time() - t0, 1),
+           "runs": runs}
     out.write_text(dump(doc))
     md = table(runs, env)
     out.with_suffix(".md").write_text(md + "\n")

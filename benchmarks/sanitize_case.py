@@ -1,10 +1,14 @@
 """A small poisoned case through the compiled kernels, for compute-sanitizer (sanitize.sh).
 
-    python benchmarks/sanitize_case.py --variants unfixed,kernel_fix --kv e4m3 [--trials N]
+    python benchmarks/sanitize_case.py --variants unfixed,kernel_fix --kv e4m3 [--trials N] [--mixed]
 
 Runs each grouped variant once (plus XQA and decode_panel), prints NaN counts. With
 --trials N it also reruns each variant N times and counts runs whose output has a NaN
 on a route that should be clean (the leak test for kernel_fix (A) without its leading barrier).
+With --mixed the case is upstream's mixed batch (46 + 1 + 1 + 1 rows, a shorter context) with
+NaN in request 0's attended V, and each variant also runs on the request-aligned plan whose
+remainders are padded groups (empty query slots, group_rows -1): finite_pv's slow path (tiles
+with non-finite V) and the padded groups under the sanitizer.
 """
 import argparse
 
@@ -12,8 +16,9 @@ import torch
 
 from qsa_lab.routes import compiled as kernels
 from qsa_lab.model.case import Geometry, build_case
+from qsa_lab.model.geometry import MIXES
 from qsa_lab.model.plan import plan_groups, xqa_tokens
-from qsa_lab.model.poison import apply_poison
+from qsa_lab.model.poison import apply_poison, poison_request
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--variants", default="unfixed,kernel_fix,masked_load,kernel_fix_no_leading_barrier,early_v")
@@ -21,18 +26,25 @@ ap.add_argument("--kv", default="e4m3")
 ap.add_argument("--site", default="random")
 ap.add_argument("--context", type=int, default=1030)
 ap.add_argument("--trials", type=int, default=0)
+ap.add_argument("--mixed", action="store_true")
 a = ap.parse_args()
 
-g = Geometry(rows=19, requests=2, layout="scatter", context=a.context, topk=64, kv_dtype=a.kv)
-case = apply_poison(build_case(g), a.site, plane="kv").to("cuda")
+if a.mixed:
+    g = MIXES["upstream-mix"].replace(context=a.context, topk=64, kv_dtype=a.kv)
+    case = poison_request(apply_poison(build_case(g), a.site, plane="kv"), 0, "nan").to("cuda")
+else:
+    g = Geometry(rows=19, requests=2, layout="scatter", context=a.context, topk=64, kv_dtype=a.kv)
+    case = apply_poison(build_case(g), a.site, plane="kv").to("cuda")
 plan = plan_groups(case)
-args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks, plan.masks,
-        plan.seq_len)
+plans = {"": plan}
+if a.mixed:  # request-aligned, every remainder a padded group (empty query slots)
+    plans[" padded"] = plan_groups(case, "request", remainder_group_min=1)
 kw = dict(kv_dtype=a.kv, sm_scale=case.sm_scale)
-for v in a.variants.split(","):
+for v, (name, pl) in ((v, item) for v in a.variants.split(",") for item in plans.items()):
+    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, pl.group_rows, pl.microblocks, pl.masks, pl.seq_len)
     out = kernels.grouped_forward(*args, variant=v, **kw)
     torch.cuda.synchronize()
-    line = f"variant {v:32s} nan {int(torch.isnan(out).sum())}"
+    line = f"variant {v + name:32s} nan {int(torch.isnan(out).sum())}"
     if a.trials:
         leaks = sum(bool(torch.isnan(kernels.grouped_forward(*args, variant=v, **kw)).any()) for _ in range(a.trials))
         line += f"  runs with NaN: {leaks}/{a.trials}"

@@ -107,7 +107,8 @@ void dispatch_variant(int variant, const qsa::GroupedParams& p, int groups, unsi
     case qsa::kKernelFixNoLeadingBarrier:
       return launch_grouped<FMT, qsa::kKernelFixNoLeadingBarrier>(p, groups, smem, stream);
     case qsa::kEarlyV: return launch_grouped<FMT, qsa::kEarlyV>(p, groups, smem, stream);
-    default: TORCH_CHECK(false, "variant: expected 0..4, got " + num(variant));
+    case qsa::kFinitePv: return launch_grouped<FMT, qsa::kFinitePv>(p, groups, smem, stream);
+    default: TORCH_CHECK(false, "variant: expected 0..5, got " + num(variant));
   }
 }
 
@@ -121,7 +122,7 @@ std::vector<at::Tensor> grouped_forward(const at::Tensor& q, const at::Tensor& k
   const at::Device device = q.device();
   const int q_heads = (int)q.size(1), head_dim = (int)q.size(2);
   check_kv_cache(kv_cache, (int)kv_format, head_dim, device);
-  TORCH_CHECK(variant >= qsa::kUnfixed && variant <= qsa::kEarlyV, "variant: expected 0..4, got " + num(variant));
+  TORCH_CHECK(variant >= qsa::kUnfixed && variant <= qsa::kFinitePv, "variant: expected 0..5, got " + num(variant));
   check_cuda_tensor(group_rows_in, "group_rows", device);
   TORCH_CHECK(group_rows_in.scalar_type() == at::kLong || group_rows_in.scalar_type() == at::kInt,
               "group_rows: expected dtype int64 or int32, got " + dtype_name(group_rows_in.scalar_type()));
@@ -153,8 +154,9 @@ std::vector<at::Tensor> grouped_forward(const at::Tensor& q, const at::Tensor& k
 
   // Data-dependent ranges (skipped while capturing a CUDA graph; see the file comment).
   if (!capturing()) {
-    check_none((group_rows < 0) | (group_rows >= q.size(0)),
-               "group_rows: every row index must be in [0, rows=" + std::to_string(q.size(0)) + ")");
+    check_none((group_rows < -1) | (group_rows >= q.size(0)),
+               "group_rows: every row index must be in [0, rows=" + std::to_string(q.size(0)) +
+                   ") or -1 (an empty query slot of a padded group)");
     check_none((seq_len < 0) | (seq_len > 4 * cap) | (seq_len.remainder(32) != 0),
                "seq_len: every entry must be a multiple of 32 in [0, 4 * cap=" + std::to_string(4 * cap) + "]");
     if (cap > 0) {

@@ -95,6 +95,19 @@ __device__ __forceinline__ void decode_fp8_16B(uint4 raw, uint4& first, uint4& s
   decode_word<FMT>(raw.w, second.z, second.w);
 }
 
+// Whether one 16-byte load of stored elements holds a NaN or an Inf, from the codes alone:
+// E4M3 NaN is 0x7F / 0xFF (no Inf), E5M2 and fp16 are non-finite when the exponent field is
+// all ones. (x & m) ^ m has a zero byte (fp16: half) exactly at such an element, and the
+// classic zero-lane test finds one (a borrow can only add lanes above a zero lane).
+template <int FMT>
+__device__ __forceinline__ bool nonfinite_16B(uint4 raw) {
+  constexpr unsigned int m = FMT == kE4M3 ? 0x7F7F7F7Fu : FMT == kE5M2 ? 0x7C7C7C7Cu : 0x7C007C00u;
+  constexpr unsigned int lo = FMT == kFP16 ? 0x00010001u : 0x01010101u;
+  constexpr unsigned int hi = FMT == kFP16 ? 0x80008000u : 0x80808080u;
+  const unsigned int a = (raw.x & m) ^ m, b = (raw.y & m) ^ m, c = (raw.z & m) ^ m, d = (raw.w & m) ^ m;
+  return (((a - lo) & ~a) | ((b - lo) & ~b) | ((c - lo) & ~c) | ((d - lo) & ~d)) & hi;
+}
+
 // One 16-byte load of stored elements -> fp16 at dst (32 bytes for fp8, 16 for
 // fp16). dst must be 16-byte aligned. The decode_panel debug binding uses it; the
 // grouped panel loader uses decode_fp8_16B with its own store order.

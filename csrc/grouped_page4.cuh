@@ -14,6 +14,10 @@
 //   4. rescale the output accumulators; V panel into the same buffer
 //      fix A: leading barrier A2, then zero every V row no query attends
 //                                                                       barrier B4
+//      finite_pv: B4 also ORs "this tile's V panel holds a NaN or Inf" over the CTA
+//      (__syncthreads_or); only such a tile adds to each row the IEEE sum of p * v over
+//      the non-finite values that row attends (4b), barrier F1, sets the panel's
+//      non-finite values to 0, barrier F2
 //   5. O += P V on the tensor cores (0 * NaN = NaN happens here)        barrier B5
 //
 // Barriers per tile (kBarriersPerTile below, recorded in the bench JSON):
@@ -27,6 +31,20 @@
 //                                   tile's V bytes read into registers together with K
 //                                   (one global round trip per tile instead of two);
 //                                   stored into the panel at the same point as above
+//   kFinitePv                   5   this project's in-kernel complete fix (routes.labels
+//                                   finite_pv): no zeroing pass; B4 is __syncthreads_or of
+//                                   the loader's "non-finite V" flags. A tile whose V is all
+//                                   finite runs as unfixed (p = 0 times a finite value is 0);
+//                   (7 on a tile    a tile with a NaN or Inf first adds, per output element,
+//                    with a NaN     the sum of p * v over the non-finite v its row attends
+//                    or Inf in V)   (NaN, +Inf or -Inf, as IEEE gives it: 0 * Inf = NaN for
+//                                   an attended token whose fp16 p is 0), then sets the
+//                                   panel's non-finite values to 0 (F1, F2) before P@V. So a
+//                                   row gets exactly the non-finite result of its own values,
+//                                   and the rows of another request in the same group or
+//                                   M-tile none: what kernel_fix cannot give when the group's
+//                                   rows belong to several requests (it zeroes only rows NO
+//                                   query attends).
 //
 // The one departure from upstream's memory traffic in the upstream-structured variants:
 // the plan metadata of tile t+1 (its 8 microblock ids and masks, 64 bytes) is read into
@@ -80,10 +98,11 @@ enum Variant : int {
   kMaskedLoad = 2,
   kKernelFixNoLeadingBarrier = 3,
   kEarlyV = 4,
+  kFinitePv = 5,
 };
 
 // __syncthreads() per tile of each variant (see the file comment).
-__host__ __device__ constexpr int kBarriersPerTile(int variant) {
+__host__ __device__ constexpr int kBarriersPerTile(int variant) {  // kFinitePv: B4 is a __syncthreads_or
   return variant == kKernelFix ? 7 : variant == kKernelFixNoLeadingBarrier ? 6 : 5;
 }
 
@@ -171,7 +190,7 @@ __device__ __forceinline__ float exp_clamped(float x) {
 struct GroupedParams {
   const __half* q;               // [rows, q_heads, head_dim]
   const unsigned char* kv;       // [pages, 2, page_size, 1, head_dim] codes (fp8) or fp16
-  const long long* group_rows;   // [groups, 8] row of q for each query of the group
+  const long long* group_rows;   // [groups, 8] row of q for each query of the group (-1: an empty slot)
   const int* microblocks;        // [groups, cap] physical microblock ids
   const int* masks;              // [groups, cap] bit query*4 + token_in_microblock
   const int* seq_len;            // [groups] tokens incl. padding, multiple of 32
@@ -194,10 +213,11 @@ grouped_page4_forward(const GroupedParams p) {
   using FragV = wmma::fragment<wmma::matrix_b, kWmma, kWmma, kWmma, __half, wmma::row_major>;
   using FragAcc = wmma::fragment<wmma::accumulator, kWmma, kWmma, kWmma, float>;
   static_assert(FragAcc::num_elements == 8, "accumulator element map holds 8 entries");
-  static_assert(VARIANT >= kUnfixed && VARIANT <= kEarlyV, "unknown variant");
+  static_assert(VARIANT >= kUnfixed && VARIANT <= kFinitePv, "unknown variant");
   constexpr bool kFixA = VARIANT == kKernelFix || VARIANT == kKernelFixNoLeadingBarrier;
   constexpr bool kMasked = VARIANT == kMaskedLoad;
   constexpr bool kVEarly = VARIANT == kEarlyV;
+  constexpr bool kFinite = VARIANT == kFinitePv;
 
   // Stored elements per 16-byte load, and the 16-byte pieces ("slots") a thread loads
   // per panel at the largest head_dim: one for fp8, two for fp16.
@@ -547,15 +567,77 @@ grouped_page4_forward(const GroupedParams p) {
         }
       }
     }
+    bool v_nonfinite = false;  // finite_pv: a V element this thread stored is NaN or Inf
 #pragma unroll
     for (int s = 0; s < kSlots; ++s)
-      if (slot_j[s] >= 0) store_piece(s, v_raw[s]);
+      if (slot_j[s] >= 0) {
+        store_piece(s, v_raw[s]);
+        if (kFinite) v_nonfinite |= nonfinite_16B<FMT>(v_raw[s]);  // VARIANT
+      }
     if (kFixA) {  // VARIANT: fix A's V pass
       // VARIANT: kKernelFixNoLeadingBarrier omits A2 on purpose (racecheck demo).
       if (VARIANT == kKernelFix) __syncthreads();  // A2: every V store landed before any zeroing
       zero_unattended_rows();
     }
-    __syncthreads();  // B4: the V panel (zeroed rows included, for fix A) is visible to P@V
+    bool tile_nonfinite = false;  // finite_pv: some V element of this tile is NaN or Inf (CTA-uniform)
+    if (kFinite)  // VARIANT
+      tile_nonfinite = __syncthreads_or(v_nonfinite) != 0;  // B4, and every thread learns the OR of the flags
+    else
+      __syncthreads();  // B4: the V panel (zeroed rows included, for fix A) is visible to P@V
+
+    // ---- 4b. VARIANT: finite_pv on a tile whose V holds a NaN or Inf (CTA-uniform branch).
+    // First each output element of an active M-tile adds the IEEE sum of p * v over the
+    // non-finite v of its column that its row's query attends (NaN, +Inf or -Inf; 0 * Inf =
+    // NaN for an attended token whose fp16 p is 0); then the panel's non-finite values become
+    // 0, so P@V below multiplies finite values only. The sum is added before P@V instead of
+    // after it: a non-finite accumulator stays the same non-finite class whatever finite
+    // value is added, so the result is the one the emulation's order gives. Rare (a tile with
+    // non-finite V), so written for clarity: one pass over the 32 tokens per element.
+    if (kFinite && tile_nonfinite) {
+      auto add_attended_nonfinite = [&](int i) {  // i is a constant at every call: acc[i] stays in registers
+        if (!((active >> frag_mt(i)) & 1u)) return;  // warp-uniform: an inactive M-tile sees nothing of this tile
+#pragma unroll
+        for (int e = 0; e < FragAcc::num_elements; ++e) {
+          const int row = frag_mt(i) * kWmma + ((elem_row >> (4 * e)) & 0xFu);
+          const int col = frag_dt(i) * kWmma + ((elem_col >> (4 * e)) & 0xFu);
+          const int query = row / Hq;  // >= 8 for padding rows: they attend nothing
+          if (query >= kQueries) continue;
+          float sum = 0.f;
+          bool hit = false;
+          for (int j = 0; j < kTileTokens; ++j) {
+            const __half v = KVs[j * ld + col];
+            if ((__half_as_ushort(v) & 0x7C00u) == 0x7C00u && ((tile_mask_s[j / 4] >> (4 * query + (j & 3))) & 1u)) {
+              sum += __half2float(Ps[row * kPLd + j]) * __half2float(v);
+              hit = true;
+            }
+          }
+          if (hit) acc[i].x[e] += sum;
+        }
+      };
+      switch (n_frags) {  // warp-uniform
+        case 4: add_attended_nonfinite(0); add_attended_nonfinite(1); add_attended_nonfinite(2); add_attended_nonfinite(3); break;
+        case 3: add_attended_nonfinite(0); add_attended_nonfinite(1); add_attended_nonfinite(2); break;
+        case 2: add_attended_nonfinite(0); add_attended_nonfinite(1); break;
+        case 1: add_attended_nonfinite(0); break;
+        default: break;
+      }
+      __syncthreads();  // F1: every warp has read the raw V panel before any value of it becomes 0
+      for (int c = tid; c < kTileTokens * D / 8; c += kThreads) {  // 8 halves at a time
+        uint4* piece = reinterpret_cast<uint4*>(KVs + (c / (D / 8)) * ld + (c % (D / 8)) * 8);
+        uint4 w = *piece;
+        unsigned int* h = reinterpret_cast<unsigned int*>(&w);
+        bool changed = false;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const unsigned int keep = ((h[k] & 0x7C00u) == 0x7C00u ? 0u : 0xFFFFu) |
+                                    ((h[k] & 0x7C000000u) == 0x7C000000u ? 0u : 0xFFFF0000u);
+          changed |= keep != 0xFFFFFFFFu;
+          h[k] &= keep;
+        }
+        if (changed) *piece = w;
+      }
+      __syncthreads();  // F2: the panel with its non-finite values set to 0 is visible to P@V
+    }
 
     // ---- 5. O += P V on the tensor cores. Every P, zero included, is multiplied:
     // 0 * NaN = NaN is the bug being reproduced, so nothing is skipped but inactive M-tiles.

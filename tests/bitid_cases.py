@@ -177,17 +177,18 @@ def inputs(case) -> dict:
 def _routes_record(res) -> tuple[dict, dict]:
     """exact and values of one run_routes result (qsa_lab.routes.run.RunResult)."""
     from qsa_lab.model.plan import pad_fix
-    from qsa_lab.routes.run import GROUPED
+    from qsa_lab.routes.run import GROUPED, route_plan
 
     case = res.case
     exact = {**inputs(case), "plan": {k: digest(getattr(res.plan, k)) for k in PLAN_FIELDS},
              "poison": json.loads(json.dumps(case.poison))}
     values = {r: o.numpy() for r, o in res.outputs.items()}
     values["reference64"] = res.reference64.numpy()
-    if res.plan.groups:
-        fixed = pad_fix(res.plan)
-        for route, (variant, fix) in GROUPED.items():
-            values[f"lse/{route}"] = lse_of(case, fixed if fix else res.plan, variant).numpy()
+    fixed, memo = pad_fix(res.plan), {}
+    for route, (variant, _) in GROUPED.items():
+        plan = route_plan(route, res.plan, fixed, case, memo)   # request_groups: its own groups
+        if plan.groups:
+            values[f"lse/{route}"] = lse_of(case, plan, variant).numpy()
     return exact, values
 
 

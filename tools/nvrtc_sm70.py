@@ -29,7 +29,8 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"   # this checkout's (tools/ 
 DEVICE_HEADERS = ("fp8_decode.cuh", "grouped_page4.cuh", "xqa_page4.cuh")
 
 FORMATS = ("qsa::kE4M3", "qsa::kE5M2", "qsa::kFP16")
-VARIANTS = ("qsa::kUnfixed", "qsa::kKernelFix", "qsa::kMaskedLoad", "qsa::kKernelFixNoLeadingBarrier", "qsa::kEarlyV")
+VARIANTS = ("qsa::kUnfixed", "qsa::kKernelFix", "qsa::kMaskedLoad", "qsa::kKernelFixNoLeadingBarrier", "qsa::kEarlyV",
+            "qsa::kFinitePv")
 
 # Instructions an SM70 build must not contain (WMMA and plain loads only: the V100 has nothing newer).
 FORBIDDEN_PTX = ("cp.async", "ldmatrix", "wgmma", "cp.async.bulk", "cp.reduce.async", "redux.sync")

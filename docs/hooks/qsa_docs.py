@@ -5,7 +5,8 @@ committed measurements, so nothing in them is copied by hand:
 
     <!-- qsa:cli -->                         the CLI reference, walked from the argparse parser
     <!-- qsa:doctor -->                      `qsa-lab doctor`'s verdicts, from qsa_lab.support.machine.verdict
-    <!-- qsa:perf NAME -->                   a performance table from committed JSON (see PERF)
+    <!-- qsa:perf NAME -->                   a performance table from committed JSON (see PERF; complete-fix,
+                                             cross-request and other-rows say which file is not committed yet)
     <!-- qsa:log FILE "== SECTION" -->       one section of a committed log, verbatim
     [[evidence:FILE]]                        the path of a committed evidence file
 
@@ -370,6 +371,124 @@ def tile_rig(name: str = "tile_rig_h200.txt") -> str:
 
 PERF = {"tile-rig": tile_rig, "canary-matrix": canary_matrix, "cpu": perf_cpu, "h200": perf_h200, "upstream": perf_upstream, "playground": perf_playground,
         "emulate": perf_emulate, "canary-counts": _canary_counts, "thirdparty": thirdparty}
+
+
+# ------------------------------------------------------------------ the cross-request leak (issue 37)
+
+def _first_committed(*names: str) -> str | None:
+    """The first of `names` committed under evidence/ or data/ (None: none is)."""
+    for name in names:
+        try:
+            evidence(name)
+            return name
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def complete_fix(name: str = "complete_fix_h200.json") -> str:
+    """The complete fixes' cost beside kernel_fix (A) and the unfixed route, per shape."""
+    if _first_committed(name) is None:
+        return ("The complete fixes' cost on a GPU is not measured yet: `bash benchmarks/complete_fix_gpu.sh` on a GPU "
+                f"writes it, to be committed as `data/{name}`.")
+    doc = json.loads(evidence(name).read_text())
+    heads = ("grouped+masked_load", "grouped+request_groups", "grouped+finite_pv", "grouped+finite_pv, NaN in V", "xqa")
+    rows = []
+    for sh in doc["shapes"]:
+        r = sh["routes"]
+        fix = r["grouped+kernel_fix"]["median_us"]
+        rows.append([sh["name"], f"{r['grouped']['median_us']:.1f}", f"{fix:.1f}"]
+                    + [f"×{r[h]['median_us'] / fix:.2f} ({r[h]['p10_us'] / fix:.2f}–{r[h]['p90_us'] / fix:.2f})" for h in heads]
+                    + [f"{r['grouped+kernel_fix']['groups']}+{r['grouped+kernel_fix']['xqa_rows']} | "
+                       f"{r['grouped+request_groups']['groups']}+{r['grouped+request_groups']['xqa_rows']}"])
+    head = (f"{doc['gpu']} (sm {doc['capability']}), torch {doc['torch']}, CUDA {doc['cuda']}; committed {_committed(name)}. "
+            f"Method: {doc['method']}. Each ratio is to grouped+kernel_fix (A)'s median, its own 10th–90th percentile "
+            f"in brackets. Source: `{_where(name)}`.")
+    out = head + "\n\n" + table(["shape", "grouped µs", "kernel_fix (A) µs", "masked_load (C)", "request_groups (R)",
+                                   "finite_pv (F)", "finite_pv, NaN in V", "xqa (all rows)",
+                                   "groups + XQA rows: A | R"], rows)
+    rem = doc.get("remainder")
+    if rem:
+        pts = [(p["context"], p["rows"], f"{p['xqa']['median_us']:.1f}", f"{p['padded_group']['median_us']:.1f}",
+                p["cheaper"]) for p in rem["points"]]
+        out += ("\n\nA request's remainder rows, XQA or one padded group (kernel_fix's kernel, empty query slots): "
+                f"measured threshold {rem['remainder_group_min_measured']} rows (8: XQA always), the code's "
+                f"REMAINDER_GROUP_MIN {rem['remainder_group_min_in_code']}.\n\n"
+                + table(["context", "rows", "XQA µs", "padded group µs", "cheaper"], pts))
+    goals = doc.get("goals", {})
+    if goals:
+        out += "\n\n" + "; ".join(f"{k}: never slower than kernel_fix beyond the spread: {v['never_slower']}, faster on "
+                                    f"{len(v['faster_on_mixed'])} of {v['mixed_shapes']} mixed shapes"
+                                    for k, v in goals.items()) + "."
+    return out
+
+
+def _leak_cells(doc: dict, q_heads: int, kv_dtype: str, payload: str) -> dict:
+    """route -> 'r0→46,47 · r1→45,47' (the other requests' rows each poisoned request reached)."""
+    out: dict[str, dict] = {}
+    for r in doc["records"]:
+        if r["route"] is None or (r["q_heads"], r["kv_dtype"], r["payload"]) != (q_heads, kv_dtype, payload):
+            continue
+        cell = out.setdefault(r["route"], {})
+        if r["verdict"] == "leak":
+            cell.setdefault(r["poisoned_request"], []).extend(r["rows"])
+    def ranges(rows):
+        from qsa_lab.analysis.cross_request import _ranges
+
+        return _ranges(rows)
+    return {route: " · ".join(f"r{p}→{ranges(rows)}" for p, rows in sorted(c.items())) or "-"
+            for route, c in out.items()}
+
+
+def cross_request(names=("cross_request_h200.json", "cross_request_cpu.json")) -> str:
+    """Which other requests' rows each poisoned request reaches, per route and query-head count."""
+    name = _first_committed(*names)
+    doc = json.loads(evidence(name).read_text())
+    g = doc["runs"][0]["geometry"]
+    out = (f"`qsa-lab cross-request` ({doc['mix']}: rows per request {g['request_rows']}, context {g['context']}, head "
+           f"dim {g['head_dim']}; backend {doc['backend']}; committed {_committed(name)}; source `{_where(name)}`). A cell "
+           "lists, per poisoned request, the rows of OTHER requests that went non-finite; `-`: none.")
+    nowhere = []
+    for kv, payload in sorted({(r["kv_dtype"], r["payload"]) for r in doc["records"] if r["verdict"] != "n/a"}):
+        heads = sorted({r["q_heads"] for r in doc["records"] if r["kv_dtype"] == kv})
+        cells = {h: _leak_cells(doc, h, kv, payload) for h in heads}
+        routes = list(dict.fromkeys(r for h in heads for r in cells[h]))
+        if all(c == "-" for h in heads for c in cells[h].values()):
+            nowhere.append(f"{payload} in the {kv} cache")
+            continue
+        out += f"\n\n**{payload} in one request's V, {kv} cache**\n\n" + table(
+            ["route"] + [f"{h} query heads" for h in heads], [[f"`{r}`"] + [cells[h].get(r, "-") for h in heads]
+                                                                for r in routes])
+    if nowhere:
+        out += f"\n\nNo route gave another request's row a non-finite value with {' or '.join(nowhere)} (every head count)."
+    return out
+
+
+def other_rows(names=("canary_other_rows_cpu.json", "canary_other_rows_h200.json",
+                      "canary_other_rows_flashinfer_h200.json")) -> str:
+    """The per-row rule (other-rows) beside other-requests, per kernel, from each committed run."""
+    found = [n for n in names if _first_committed(n)]
+    out = []
+    for name in found:
+        doc = json.loads(evidence(name).read_text())
+        if "runs" in doc:   # the third-party matrix: one canary run per kernel, dtype, spec and query rows
+            rows = [(f"`{r['kernel']}`", r["kv_dtype"], r["attend"], r["query_len"], r["summary"]) for r in doc["runs"]]
+            out.append(f"FlashInfer over the third-party matrix, regions {doc.get('regions_asked')} (committed "
+                       f"{_committed(name)}, `{_where(name)}`):\n\n" + table(("kernel", "pool", "spec", "query rows", "non-clean"), rows))
+            continue
+        rows = [(f"`{k}`", v) for k, v in _kernel_summary(doc).items()]
+        where = ("the CPU, qsa routes on the emulation" if doc.get("device") == "cpu" else
+                 f"{doc.get('gpu')}, qsa routes on the {'compiled kernels' if doc.get('backend') == 'cuda' else 'emulation'}")
+        out.append(f"The canary's case, regions other-rows and other-requests ({where}; committed {_committed(name)}; "
+                   f"`{_where(name)}`):\n\n" + table(("kernel", "non-clean cells"), rows))
+    missing = [n for n in names if n not in found]
+    if missing:
+        out.append("Not committed yet: " + ", ".join(f"`evidence/{n}`" for n in missing)
+                   + " (`bash benchmarks/complete_fix_gpu.sh` on a GPU writes them).")
+    return "\n\n".join(out)
+
+
+PERF.update({"complete-fix": complete_fix, "cross-request": cross_request, "other-rows": other_rows})
 
 
 def scribble_h200(name: str = "scribble_h200/summary.json") -> str:

@@ -13,6 +13,11 @@ from qsa_lab.support.package_data import locate
 
 BENCH_JSON = locate("data") / "bench_h200.json"
 UPSTREAM_JSON = BENCH_JSON.with_name("upstream_fix_cost_h200.json")
+#: the complete fixes' cost (benchmarks/complete_fix_gpu.sh); absent until a GPU run is committed
+COMPLETE_FIX_JSON = BENCH_JSON.with_name("complete_fix_h200.json")
+#: the routes the complete-fix cost compares, in the order its tables and figure show them
+COST_ROUTES = ("grouped", "grouped+kernel_fix", "grouped+masked_load", "grouped+request_groups", "grouped+finite_pv",
+               "grouped+finite_pv, NaN in V", "xqa")
 #: the bench variants fix-cost figures and tables show: the unfixed kernel and every fix
 FIX_VARIANTS = ("unfixed", *FIXES)
 #: a bench point's tables that are keyed by variant
@@ -168,3 +173,59 @@ def fix_cost_table(upstream: dict):
     df.columns = ["upstream unfixed µs/tile", f"upstream ×{fix}", "upstream +µs", "qsa_lab unfixed µs/tile",
                   f"qsa_lab ×{fix}", "qsa_lab +µs"]
     return df
+
+
+def load_complete_fix(path: str | Path = COMPLETE_FIX_JSON) -> dict | None:
+    """The committed cost of the complete fixes (qsa_lab.complete_fix_cost/1), or None when no GPU run
+    has been committed yet."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    if doc.get("schema") != "qsa_lab.complete_fix_cost/1":
+        raise ValueError(f"{path}: not a qsa_lab.complete_fix_cost/1 document")
+    return doc
+
+
+def _route_heading(route: str) -> str:
+    from qsa_lab.routes.labels import label
+
+    base, _, extra = route.partition(", ")
+    return label(base) + (f", {extra}" if extra else "")
+
+
+def complete_fix_table(doc: dict):
+    """One row per shape: µs per call (median) of the unfixed route and kernel_fix (A), each other
+    route's ratio to kernel_fix (10th-90th percentile of its own replays in brackets, as ratios), and
+    the groups / XQA rows of kernel_fix and request_groups."""
+    import pandas as pd
+
+    rows = {}
+    for shape in doc["shapes"]:
+        r = shape["routes"]
+        fix = r["grouped+kernel_fix"]["median_us"]
+        row = {"grouped µs": round(r["grouped"]["median_us"], 1), "kernel_fix (A) µs": round(fix, 1)}
+        for route in COST_ROUTES:
+            if route in r and route != "grouped+kernel_fix":
+                v = r[route]
+                row[f"{_route_heading(route)} ×A"] = (f"{v['median_us'] / fix:.2f} "
+                                                       f"({v['p10_us'] / fix:.2f}–{v['p90_us'] / fix:.2f})")
+        row["groups + XQA rows: A | R"] = (f"{r['grouped+kernel_fix']['groups']} + {r['grouped+kernel_fix']['xqa_rows']} | "
+                                           f"{r['grouped+request_groups']['groups']} + "
+                                           f"{r['grouped+request_groups']['xqa_rows']}")
+        rows[shape["name"]] = row
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def complete_fix_data(doc: dict | None) -> dict | None:
+    """What plotting.plots.plot_complete_fix_cost draws: per shape and route the median and the
+    10th-90th percentile as ratios to kernel_fix (A)."""
+    if doc is None:
+        return None
+    routes = [r for r in COST_ROUTES if r != "grouped+kernel_fix" and all(r in s["routes"] for s in doc["shapes"])]
+    shapes = []
+    for s in doc["shapes"]:
+        fix = s["routes"]["grouped+kernel_fix"]["median_us"]
+        shapes.append({"name": s["name"], "ratios": {r: (s["routes"][r]["median_us"] / fix, s["routes"][r]["p10_us"] / fix,
+                                                         s["routes"][r]["p90_us"] / fix) for r in routes}})
+    return {"gpu": doc["gpu"], "routes": routes, "labels": {r: _route_heading(r) for r in routes}, "shapes": shapes}

@@ -277,8 +277,8 @@ def repro_display(table):
                 "background-color:#fff3bf" if route in expected else "background-color:#ffd6e0;color:#a00")
     return (frame.style.hide(axis="index").apply(lambda _: colours, axis=None, subset=counts)
             .set_caption(f"NaN elements per route: {short_key(route_of[c] for c in counts)}")
-            .set_properties(subset=["case"], **{"text-align": "left", "min-width": "12em", "white-space": "normal"})
+            .set_properties(subset=["case"], **{"text-align": "left", "min-width": "10em", "white-space": "normal"})
             .set_properties(subset=["poisoned dims"], **{"max-width": "8em", "white-space": "normal"})
-            .set_table_styles([{"selector": "", "props": "table-layout:auto; font-size:12px"},
+            .set_table_styles([{"selector": "", "props": "table-layout:auto; font-size:11px"},   # 9 routes in 1000 px
                                {"selector": "th", "props": "text-align:center; white-space:normal; max-width:6em"},
                                {"selector": "td", "props": "padding:2px 4px"}]))

@@ -284,9 +284,10 @@ def diff_json(result: RunResult, rows: list[dict] | None = None) -> dict:
     return {
         "schema": "qsa_lab.diff/1",
         "backend": result.backend,
-        "geometry": {k: getattr(g, k) for k in ("rows", "requests", "layout", "context", "topk", "page_size",
-                                                "q_heads", "head_dim", "kv_dtype", "group_rows", "seed",
-                                                "selection", "overlap")},
+        "geometry": {**{k: getattr(g, k) for k in ("rows", "requests", "layout", "context", "topk", "page_size",
+                                                   "q_heads", "head_dim", "kv_dtype", "group_rows", "seed",
+                                                   "selection", "overlap")},
+                     **({"request_rows": list(g.request_rows)} if g.request_rows else {})},
         "poison": {"site": p["site"], "plane": p["plane"], "nan_bytes": p["nan_bytes"],
                    "poisoned_dims": p["poisoned_dims"]},
         "groups": group_summary(result.plan),

@@ -25,10 +25,10 @@ from qsa_lab.model.case import KV_DTYPES, Case, Geometry, build_case, decoded_on
 from qsa_lab.model.geometry import CAUSAL3_SEED
 from qsa_lab.model.plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from qsa_lab.model.poison import ATTENDED_SITES, DIM_SITES, PLANES, REPORT_DIMS, SITES, apply_poison
-from qsa_lab.routes.labels import FIXES, GROUPED, ROUTES, fix_of
+from qsa_lab.routes.labels import FIXES, GROUPED, GROUPING, ROUTES, fix_of
 from qsa_lab.routes.reference import reference_forward
 from qsa_lab.routes.run import (BACKENDS, RunResult, backend_module, emulated_remainder, emulated_routes,
-                                grouped_output, resolve_backend, xqa_output)
+                                grouped_output, resolve_backend, route_plan, xqa_output)
 
 def playground_params(params=None):
     """Params for a Playground (None: the defaults), checked before any control is built:
@@ -178,7 +178,9 @@ def route_reads(case: Case, plan: GroupedPlan, fixed_plan: GroupedPlan) -> dict:
     Every route uses the tokens some row attends. The unfixed grouped kernel also uses
     every token of every microblock in its plan, padding included: mask 0 gives such a
     token probability 0, but 0 * NaN = NaN. kernel_fix (A) zeroes unattended panel rows and
-    masked_load (C) never loads them, so those variants use attended tokens only."""
+    masked_load (C) never loads them, so those variants use attended tokens only. finite_pv (F)
+    multiplies an unattended token's finite value by 0 and its non-finite value not at all:
+    counted with the panel all the same (an unattended -0 * p = -0 is still a read)."""
     n = case.kv_cache.shape[0] * case.geometry.page_size
     index, count = xqa_tokens(case)
     valid = torch.arange(index.shape[1]) < count.long().unsqueeze(1)
@@ -192,7 +194,8 @@ def route_reads(case: Case, plan: GroupedPlan, fixed_plan: GroupedPlan) -> dict:
 
     reads = {"reference": attended, "xqa": attended, REMAINDER: attended}
     for route, (variant, fixed) in GROUPED.items():
-        reads[route] = loaded(fixed_plan if fixed else plan) if variant == "unfixed" else attended
+        own = route_plan(route, plan, fixed_plan, case)
+        reads[route] = loaded(own) if variant in ("unfixed", "finite_pv") else attended
     return reads
 
 
@@ -217,9 +220,12 @@ def compute_route(case: Case, base: Base, route: str, backend: str) -> torch.Ten
     if route == REMAINDER:  # rows outside every group go through XQA in every grouped route
         return xqa_output(run_case, base.plan.xqa_rows.to(dev), impl).cpu()
     variant, fixed = GROUPED[route]
-    plan = (base.fixed_plan if fixed else base.plan).to(dev)
-    # checked: the plan is plan_groups(this geometry's case), which a poison does not change
-    out = grouped_output(run_case, replace(plan, xqa_rows=plan.xqa_rows[:0]), variant, impl, checked=True)
+    plan = route_plan(route, base.plan, base.fixed_plan, base.case, base.memo).to(dev)
+    # checked: the plan is plan_groups(this geometry's case), which a poison does not change; a route of
+    # labels.GROUPING runs its own remainder rows (not the shared REMAINDER entry)
+    own_rest = route in GROUPING
+    out = grouped_output(run_case, plan if own_rest else replace(plan, xqa_rows=plan.xqa_rows[:0]), variant, impl,
+                         checked=True)
     return out.cpu()
 
 
@@ -229,7 +235,7 @@ def compute_routes(case: Case, base: Base, routes, backend: str) -> dict:
     XQA, one grouped-kernel pass for every grouped variant), each output bit for bit the same."""
     if backend != "emulate":
         return {r: compute_route(case, base, r, backend) for r in routes}
-    shown = [r for r in routes if r in ROUTES]
+    shown = [r for r in routes if r in ROUTES and r not in GROUPING]   # GROUPING routes: compute_route
     # every row's tokens (reference, XQA) outnumber the cache's: decode it once; the grouped panels
     # alone read fewer tokens than it holds, and decode only those
     every_row = any(r in ("reference", "xqa", REMAINDER) for r in routes)
@@ -238,6 +244,9 @@ def compute_routes(case: Case, base: Base, routes, backend: str) -> dict:
                                     remainder=False, memo=base.memo)
         if REMAINDER in routes:
             outs[REMAINDER] = emulated_remainder(case, base.plan, base.memo)
+    for r in routes:
+        if r in GROUPING:
+            outs[r] = compute_route(case, base, r, backend)
     if ref is not None:
         outs["reference"] = ref
     return outs
@@ -330,7 +339,7 @@ class RunCache:
         ref = got["reference"]
         outputs = {"reference": ref.to(torch.float16)}
         for r in p.routes:
-            if r in GROUPED:  # grouped rows from the route, remainder rows from the shared XQA entry
+            if r in GROUPED and r not in GROUPING:  # grouped rows from the route, remainder rows from the shared XQA entry
                 out = got[r].clone()
                 if rest.numel():
                     out[rest] = got[REMAINDER]

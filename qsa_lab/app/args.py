@@ -103,7 +103,7 @@ def fraction(text: str) -> float:
 
 
 def add_case_args(p):
-    from qsa_lab.model.geometry import (BACKENDS, DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, PAYLOADS, PLANES, RANGES, SELECTIONS, SITES, Geometry)
+    from qsa_lab.model.geometry import (BACKENDS, DEFAULT_OVERLAP, GROUPINGS, KV_DTYPES, LAYOUTS, MIXES, PAYLOADS, PLANES, RANGES, SELECTIONS, SITES, Geometry)
 
     d = Geometry()
 
@@ -112,11 +112,16 @@ def add_case_args(p):
         return f"{what} (default {getattr(d, name)}; {lo}..{hi})"
 
     g = p.add_argument_group("geometry (defaults: the report's decode-like case; a preset changes them)")
-    g.add_argument("geometry", nargs="?", choices=["decode", "causal3"], default=None,
+    g.add_argument("geometry", nargs="?", choices=["decode", "causal3", *MIXES], default=None,
                    help="preset: decode = the report's 19 decode-like rows (the default); "
-                        "causal3 = 24 rows of 3 requests, scatter, seed 63")
+                        "causal3 = 24 rows of 3 requests, scatter, seed 63; batches that mix requests in a "
+                        "group of 8 rows: upstream-mix = upstream's regression test shape (46 + 1 + 1 + 1 rows, "
+                        "ctx 2051), prefill-mix = 20 + 13 + 7 rows, decode-mix = 4 + 19 x 3 rows")
     g.add_argument("--rows", type=integer, help=rng("rows", "query rows"))
     g.add_argument("--requests", type=integer, help=rng("requests", "requests; request r holds context - r tokens"))
+    g.add_argument("--request-rows", type=int_list, metavar="N,N,..",
+                   help="rows of each request in order, summing to --rows, e.g. 46,1,1,1 (default: the rows "
+                        "spread evenly)")
     g.add_argument("--layout", choices=LAYOUTS, help=f"physical page order (default {d.layout})")
     g.add_argument("--context", type=integer, help=rng("context", "tokens of request 0"))
     g.add_argument("--topk", type=integer, help=rng("topk", "selected 4-token blocks per row"))
@@ -155,12 +160,16 @@ def add_case_args(p):
 def geometry_of(args):
     """The requested Geometry, range-checked and within the memory budget (UsageError otherwise)."""
     from qsa_lab.model import memory as resources
-    from qsa_lab.model.geometry import CAUSAL3, DECODE, Geometry
+    from qsa_lab.model.geometry import CAUSAL3, DECODE, MIXES, Geometry
 
-    base = {"decode": DECODE, "causal3": CAUSAL3, None: Geometry()}[args.geometry]
+    base = {"decode": DECODE, "causal3": CAUSAL3, **MIXES, None: Geometry()}[args.geometry]
     names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
-             "selection", "overlap"]
-    over = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+             "selection", "overlap", "request_rows"]
+    over = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if "request_rows" in over:
+        over["request_rows"] = tuple(over["request_rows"])
+    elif base.request_rows and ("rows" in over or "requests" in over):
+        over["request_rows"] = ()   # a preset's split does not hold other row or request counts: spread evenly
     if args.grouping:
         over["group_rows"] = args.grouping
     if args.overlap is not None and over.get("selection", base.selection) != "indexer":

@@ -76,7 +76,9 @@ def add_parser(sub, parents=()):
                         "(repeatable; default: none)")
     k.add_argument("--regions", type=_name_list, metavar="R,..",
                    help="null-block, stale-tail, stale-microblock, free-pages, other-requests and the spec's "
-                        "in-range one: unselected (sparse), out-of-window (window) (default: all of the spec)")
+                        "in-range one: unselected (sparse), out-of-window (window) (default: all of the spec); "
+                        "other-rows, the per-row rule (slots other rows attend, judged on each row alone: a "
+                        "call per row), runs only when named")
     k.add_argument("--payloads", type=_name_list, metavar="P,..", help="nan, inf, max, zero (default nan,inf,max)")
     k.add_argument("--planes", type=_name_list, metavar="P,..", help="k, v (default k,v)")
     k.add_argument("--dims", type=_int_list, metavar="D,..", help="head dims to poison (default: every dim)")

@@ -1,4 +1,5 @@
-"""`qsa-lab` command line: diff, repro, bench, doctor, notebooks, lab, canary, replay, scribble.
+"""`qsa-lab` command line: diff, repro, bench, doctor, notebooks, lab, canary, replay, scribble,
+cross-request.
 
 Exit codes (README "Exit codes and errors"): 0 success; 1 a `--load` replay that differs;
 2 bad input, one line `qsa-lab: error: <argument>: <what is wrong>`; 3 any other failure,
@@ -45,7 +46,7 @@ def _load_case(args):
 
     given = [geometry_flag(k) if k != "geometry" else "a preset"
              for k in ("geometry", "rows", "requests", "layout", "context", "topk", "page_size", "q_heads",
-                       "head_dim", "kv_dtype", "seed", "grouping", "selection", "overlap", "dims")
+                       "head_dim", "kv_dtype", "seed", "grouping", "selection", "overlap", "dims", "request_rows")
              if getattr(args, k, None) is not None]
     given += [f"--{k.replace('_', '-')}" for k, d in (("poison", "none"), ("plane", "v"), ("poison_seed", 0),
                                                                   ("payload", None))
@@ -364,6 +365,12 @@ def _add_scribble_parser(sub, parents=()):
     scribble.add_parser(sub, parents)
 
 
+def _add_cross_request_parser(sub, parents=()):
+    from qsa_lab.app import cross_request
+
+    cross_request.add_parser(sub, parents)
+
+
 def build_parser():
     """One subparser per command; each sets `func`, so a new command is one add_parser +
     set_defaults. --debug is accepted before or after the command."""
@@ -423,6 +430,7 @@ def build_parser():
     _add_canary_parser(sub, parents=[common])
     _add_replay_parser(sub, parents=[common])
     _add_scribble_parser(sub, parents=[common])
+    _add_cross_request_parser(sub, parents=[common])
     return p
 
 

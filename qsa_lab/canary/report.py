@@ -240,7 +240,7 @@ def _where(r) -> dict:
 #: regions judged part by part on some rows only (qsa_lab.model.regions.region_parts): a call file
 #: judges every row, and the poisoned requests' own rows attend those pages, so a replay would blame
 #: a correct kernel. Such a leak is reported with where it lands, without a call file.
-JUDGED_BY_PART = ("other-requests",)
+JUDGED_BY_PART = ("other-requests", "other-rows")
 
 
 def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progress, kernel_files: dict) -> list:

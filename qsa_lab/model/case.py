@@ -153,7 +153,7 @@ def build_case(geometry: Geometry | None = None, device: str | torch.device = "c
     gen = torch.Generator().manual_seed(g.seed)
 
     seq_lens = torch.tensor([g.context - r for r in range(g.requests)], dtype=torch.int32)
-    per_req = [g.rows // g.requests + (1 if r < g.rows % g.requests else 0) for r in range(g.requests)]
+    per_req = g.rows_of_requests()
     token_to_req = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(per_req)])
     positions = torch.cat([torch.arange(int(seq_lens[r]) - n, int(seq_lens[r]), dtype=torch.int64)
                            for r, n in enumerate(per_req)])

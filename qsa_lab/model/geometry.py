@@ -64,11 +64,17 @@ class Geometry:
     group_rows: str = "consecutive"
     selection: str = "indexer"
     overlap: float = DEFAULT_OVERLAP
+    #: rows of each request, in order (a batch that mixes a prefill chunk with decode rows); empty:
+    #: the rows spread evenly over the requests (the first rows % requests get one more)
+    request_rows: tuple = ()
 
     def __post_init__(self):
         def need(ok, arg, what):
             if not ok:
                 raise ValueError(f"{arg}: must be {what}, got {getattr(self, arg)!r}")
+
+        if isinstance(self.request_rows, list):  # from JSON
+            object.__setattr__(self, "request_rows", tuple(self.request_rows))
 
         for name in RANGES:
             v = getattr(self, name)
@@ -85,7 +91,11 @@ class Geometry:
              and 0.0 <= self.overlap <= 1.0, "overlap", "a number in [0, 1] (mean neighbour overlap)")
         need(self.page_size % 4 == 0, "page_size", "a multiple of 4 (one microblock is 4 tokens)")
         need(self.head_dim % 16 == 0, "head_dim", "a multiple of 16 (one WMMA tile)")
-        rows_per_req = -(-self.rows // self.requests)
+        mix = self.request_rows
+        need(isinstance(mix, tuple) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mix)
+             and (not mix or (len(mix) == self.requests and sum(mix) == self.rows)), "request_rows",
+             f"empty or {self.requests} ints >= 1 (one per request) summing to rows={self.rows}")
+        rows_per_req = max(mix) if mix else -(-self.rows // self.requests)
         need(self.context - self.requests + 1 >= rows_per_req + 4, "context",
              f">= rows per request + requests + 3 ({rows_per_req + self.requests + 3})")
 
@@ -93,6 +103,13 @@ class Geometry:
     def m_tiles(self) -> int:
         """16-row M-tiles of one group's 8*q_heads score rows."""
         return -(-8 * self.q_heads // 16)
+
+    def rows_of_requests(self) -> list[int]:
+        """Rows of each request: request_rows, or the rows spread evenly (the first rows % requests
+        requests get one more)."""
+        if self.request_rows:
+            return list(self.request_rows)
+        return [self.rows // self.requests + (1 if r < self.rows % self.requests else 0) for r in range(self.requests)]
 
     @property
     def sm_scale(self) -> float:
@@ -112,3 +129,19 @@ DECODE = Geometry()                                              # 19 rows, cont
 # (640). Most seeds pad all 9 (720): see the README.
 CAUSAL3_SEED = 63
 CAUSAL3 = Geometry(rows=24, requests=3, layout="scatter", seed=CAUSAL3_SEED)
+
+#: batches that mix requests in one step (the CLI's presets of the same names). Upstream's host route
+#: hands the first rows // 8 * 8 rows to the grouped kernel in groups of 8 consecutive rows, so a group
+#: can hold rows of several requests. Each request holds its whole context selected (context 2051 =
+#: 512 complete 4-token blocks + a 3-token tail for request 0: topk 512 takes every block), as in
+#: upstream's regression test of the grouped/XQA split.
+MIXES = {
+    # upstream's test shape: a 46-row catch-up chunk of request 0, then one decode row from each of
+    # three other requests: rows 40-47 form one group holding requests 0, 1 and 2; row 48 goes to XQA
+    "upstream-mix": Geometry(rows=49, requests=4, request_rows=(46, 1, 1, 1), context=2051, layout="scatter"),
+    # prefill only: three prefill chunks whose boundaries fall inside groups
+    "prefill-mix": Geometry(rows=40, requests=3, request_rows=(20, 13, 7), context=2051, layout="scatter"),
+    # decode-heavy: 20 requests of 3-4 rows each (speculative decoding verifies a few tokens per request):
+    # every group of 8 consecutive rows holds 2 or 3 requests
+    "decode-mix": Geometry(rows=61, requests=20, request_rows=(4,) + (3,) * 19, context=2051, layout="scatter"),
+}

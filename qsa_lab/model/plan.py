@@ -5,7 +5,8 @@ Everything is torch ops on the case's device. Shapes:
                                   nibble [rows, topk+1] int64 (token bits 0..3)
     GroupedPlan.microblocks [groups, cap] int32, masks [groups, cap] int32,
                 categories [groups, cap] int32, seq_len [groups] int32,
-                group_rows [groups, 8] int64, xqa_rows [n] int64
+                group_rows [groups, 8] int64 (EMPTY_ROW: an empty query slot of a padded
+                group), xqa_rows [n] int64
 """
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ TILE_ENTRIES = 8     # microblocks per 32-token tile
 INT64_MAX = torch.iinfo(torch.int64).max
 TOKEN_BITS = 0x11111111  # token t of every query is TOKEN_BITS << t
 OWNER_NONE = 1 << 32     # above every (query << 29) | logical block
+EMPTY_ROW = -1           # a query slot of a padded group that holds no row (upstream: token_to_req < 0)
+#: request-aligned groups: a request's remainder of at least this many rows (fewer than 8) runs as one
+#: padded group (its empty query slots EMPTY_ROW), a shorter one through XQA. GROUP = never: every
+#: remainder goes to XQA, as upstream's request-aligned split does. Chosen by measured cost
+#: (benchmarks/complete_fix_gpu.sh, `remainder` in its JSON: XQA or a padded group per remainder size).
+REMAINDER_GROUP_MIN = GROUP
 
 
 @dataclass
@@ -114,43 +121,59 @@ def _attended(case: Case, rows: torch.Tensor | None = None):
     return mb, nibble, blocks
 
 
-def group_rows(case: Case, grouping: str | None = None):
+def group_rows(case: Case, grouping: str | None = None, remainder_group_min: int = REMAINDER_GROUP_MIN):
     """Split rows into grouped (groups of 8) and XQA remainder rows.
 
-    consecutive: the first rows//8*8 rows in order; request: 8 consecutive rows of one
-    request, each request's remainder to XQA. Returns (group_rows [groups, 8], xqa_rows [n]).
+    consecutive: the first rows//8*8 rows in order, as upstream's host route hands them to the
+    grouped kernel (a group may hold rows of several requests); request: 8 consecutive rows of
+    one request, so no group spans requests; each request's remainder (fewer than 8 rows) to
+    XQA, or, when it has at least `remainder_group_min` rows, to one padded group whose empty
+    query slots are EMPTY_ROW. Groups in row order.
+    Returns (group_rows [groups, 8] int64, xqa_rows [n] int64).
     """
     grouping = grouping or case.geometry.group_rows
     n = case.geometry.rows
     if grouping == "consecutive":
-        idx = torch.arange(n // GROUP * GROUP)
+        idx = torch.arange(n // GROUP * GROUP).view(-1, GROUP)
         rest = torch.arange(n // GROUP * GROUP, n)
     elif grouping == "request":
-        req = case.token_to_req.cpu()
-        start = torch.searchsorted(req, torch.arange(case.geometry.requests, dtype=req.dtype))
-        rank = torch.arange(n) - start[req.long()]
-        count = torch.bincount(req.long(), minlength=case.geometry.requests)
-        full = rank < count[req.long()] // GROUP * GROUP
-        idx, rest = torch.nonzero(full).flatten(), torch.nonzero(~full).flatten()
+        if not isinstance(remainder_group_min, int) or not 1 <= remainder_group_min <= GROUP:
+            raise ValueError(f"remainder_group_min: must be an int in 1..{GROUP}, got {remainder_group_min!r}")
+        req = case.token_to_req.cpu().long()    # non-decreasing: each request's rows together
+        start = torch.searchsorted(req, torch.arange(case.geometry.requests))
+        rank = torch.arange(n) - start[req]
+        count = torch.bincount(req, minlength=case.geometry.requests)
+        rem = count % GROUP
+        grouped = (rank < (count - rem)[req]) | (rem >= remainder_group_min)[req]
+        slot = rank % GROUP
+        first = grouped & (slot == 0)                       # the first row of each group
+        gid = torch.cumsum(first.long(), 0) - 1
+        idx = torch.full((int(first.sum()), GROUP), EMPTY_ROW, dtype=torch.long)
+        idx[gid[grouped], slot[grouped]] = torch.nonzero(grouped).flatten()
+        rest = torch.nonzero(~grouped).flatten()
     else:
         raise ValueError(f"grouping must be 'consecutive' or 'request', got {grouping!r}")
-    return idx.view(-1, GROUP).to(case.device), rest.to(case.device)
+    return idx.to(case.device), rest.to(case.device)
 
 
-def plan_groups(case: Case, grouping: str | None = None) -> GroupedPlan:
-    """The grouped planner: union, masks, categories, sort, per-category null padding."""
+def plan_groups(case: Case, grouping: str | None = None, remainder_group_min: int = REMAINDER_GROUP_MIN
+                ) -> GroupedPlan:
+    """The grouped planner: union, masks, categories, sort, per-category null padding.
+    grouping, remainder_group_min: how rows form groups (group_rows)."""
     if not isinstance(getattr(case, "geometry", None), Geometry):
         raise TypeError(f"case: expected a qsa_lab Case (qsa_lab.build_case), got {type(case).__name__}")
     g = case.geometry
     dev = case.device
-    grows, xrows = group_rows(case, grouping)
+    grows, xrows = group_rows(case, grouping, remainder_group_min)
     G = grows.shape[0]
     nmt = m_tiles(g.q_heads)
     if G == 0:
         empty = torch.zeros((0, 0), dtype=torch.int32, device=dev)
         return GroupedPlan(grows, xrows, empty, empty, empty, torch.zeros(0, dtype=torch.int32, device=dev),
                            g.q_heads)
-    mb, nib, logical = _attended(case, grows.flatten())               # [G*8, K]
+    mb, nib, logical = _attended(case, grows.flatten().clamp(min=0))  # [G*8, K]
+    empty = (grows.flatten() == EMPTY_ROW).unsqueeze(1)                  # an empty slot attends nothing
+    mb = mb.masked_fill(empty, -1)
     K = mb.shape[1]
     gid = torch.arange(G, device=dev).repeat_interleave(GROUP * K)
     query = torch.arange(GROUP, device=dev).repeat_interleave(K).repeat(G)

@@ -231,6 +231,42 @@ def apply_poison(case: Case, site: str = "targeted", plane: str = "v", dims=None
     return out
 
 
+REQUEST_SITE = "request"  # poison_request's record: every slot one request's rows attend
+
+
+def poison_request(case: Case, request: int, payload: str = "nan", dims=None, plane: str = "v") -> Case:
+    """A copy of `case` with `payload` ('nan', 'inf', 'max', 'zero') written as whole elements at
+    `dims` (default the report's dims) of every slot that `request`'s rows attend, on `plane`:
+    the value a request's own KV can hold (an fp16 overflow, a corrupted write) and that only
+    its rows may see. case.poison records site 'request', the request and what was written."""
+    from qsa_lab.model.case import validate_case
+    from qsa_lab.model.regions import attended_slots
+
+    validate_case(case)
+    g = case.geometry
+    if not isinstance(request, int) or isinstance(request, bool) or not 0 <= request < g.requests:
+        raise ValueError(f"request: must be an int in [0, {g.requests}), got {request!r}")
+    if plane not in ("k", "v"):
+        raise ValueError(f"plane: must be 'k' or 'v', got {plane!r}")
+    payload_bits(g.kv_dtype, payload)
+    dims = default_dims(g.head_dim) if dims is None else int_list(dims, "dims")
+    if not dims or any(not 0 <= d < g.head_dim for d in dims):
+        raise ValueError(f"dims: must be a non-empty list of head dims in [0, {g.head_dim}), got {dims}")
+    out = case.clone()
+    slots = attended_slots(out, out.token_to_req.cpu() == request)
+    written = write_payload(out.kv_cache, slots, PLANES[plane], g.kv_dtype, payload, dims)
+    pages = torch.nonzero(slots.any(dim=1)).flatten()
+    values = kv_values(out.kv_cache[pages.to(out.device), :, :, 0, :], g.kv_dtype).cpu()
+    here = written[pages]
+    nan_here, inf_here = torch.isnan(values) & here, torch.isinf(values) & here
+    out.poison = {"site": REQUEST_SITE, "request": request, "plane": plane, "seed": 0, "payload": payload,
+                  "dims": list(dims), "slots": int(slots.sum()),
+                  "bytes_written": int(here.sum()) * out.kv_cache.element_size(),
+                  "nan_bytes": int(nan_here.sum()), "poisoned_dims": sorted(set(torch.nonzero(nan_here)[:, 3].tolist())),
+                  "inf_bytes": int(inf_here.sum()),
+                  "nonfinite_dims": sorted(set(torch.nonzero(nan_here | inf_here)[:, 3].tolist()))}
+    return out
+
 
 def _poison_query(case: Case, dims: list, seed: int, payload: str) -> Case:
     """Site 'query': `payload` as fp16 elements at `dims` of every head of every row of q."""

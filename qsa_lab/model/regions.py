@@ -26,6 +26,12 @@ from it as bytes the call can reach but no row attends, each a set of token slot
                       Judged part by part (`region_parts`): poison other requests' pages and
                       compare only the rows of the requests under test; `region_slots` gives
                       the union of the parts (every page a request uses, when there are two)
+    other-rows        (opt-in: run only when named) the per-row rule: for each row, the slots that
+                      OTHER rows attend and it does not, poisoned and judged on that row alone. The
+                      other regions hold bytes no row (or no row of a request) attends; this one finds
+                      a kernel that lets one row's legitimate value reach a neighbour row: within a
+                      request (row p multiplying a V that only row p+1 attends) and across requests.
+                      One part per row (`region_parts`), so it costs a call per row
     unselected        sparse: written slots (before seq_len) that no row's selection covers
     out-of-window     window: written slots outside every row's window and sink
     masked            mask: written slots that no row's mask attends
@@ -50,7 +56,9 @@ KINDS = ("dense", "window", "sparse", "mask")
 #: spec kind -> its in-range unattended region (dense has none)
 IN_RANGE = {"dense": None, "window": "out-of-window", "sparse": "unselected", "mask": "masked"}
 OUT_OF_RANGE = ("null-block", "stale-tail", "stale-microblock", "free-pages", "other-requests")
-REGIONS = OUT_OF_RANGE + ("unselected", "out-of-window", "masked")
+#: regions a run includes only when they are named (not among a spec's default regions)
+OPT_IN = ("other-rows",)
+REGIONS = OUT_OF_RANGE + OPT_IN + ("unselected", "out-of-window", "masked")
 ALL_REGIONS = REGIONS + ("attended",)
 MICROBLOCK = 4
 
@@ -124,14 +132,15 @@ def spec_of(case) -> AttentionSpec:
 
 
 def regions_of(spec: AttentionSpec) -> tuple:
-    """The canary regions of a spec: the four outside any request's range plus its in-range one."""
+    """The canary regions of a spec (a run's default): those outside any request's range plus its
+    in-range one. The OPT_IN regions join when named."""
     return OUT_OF_RANGE + ((spec.in_range_region,) if spec.in_range_region else ())
 
 
 def check_region(region: str, spec: AttentionSpec | None = None) -> None:
     if region not in ALL_REGIONS:
         raise ValueError(f"region must be one of {ALL_REGIONS}, got {region!r}")
-    if spec is not None and region in REGIONS and region not in regions_of(spec):
+    if spec is not None and region in REGIONS and region not in regions_of(spec) + OPT_IN:
         owner = next(k for k, r in IN_RANGE.items() if r == region)
         raise ValueError(f"region {region!r} belongs to a {owner} spec; this case attends {spec} "
                          f"(its regions: {', '.join(regions_of(spec))})")
@@ -289,7 +298,7 @@ def region_slots(case, region: str) -> torch.Tensor:
         free = ~referenced_pages(case)
         free[0] = False  # page 0 is its own region
         out[free] = True
-    elif region == "other-requests":
+    elif region in ("other-requests", "other-rows"):
         for slots, _ in region_parts(case, region):
             out |= slots
     elif region == "attended":
@@ -327,7 +336,20 @@ def region_parts(case, region: str) -> list:
     """[(slots [pages, page_size] bool, rows [rows] bool or None)]: how the canary poisons and
     judges `region`. Every region is one part judged on every row (rows None) except
     other-requests: per split, the pages of the poisoned requests (none a judged request also
-    maps, never page 0) judged on the rows of the judged requests only."""
+    maps, never page 0) judged on the rows of the judged requests only; and other-rows: per row,
+    the slots other rows attend and it does not, judged on that row only (rows with no such
+    slot have no part)."""
+    if region == "other-rows":
+        check_region(region, spec_of(case))
+        rows = case.token_to_req.shape[0]
+        everyone = attended_slots(case)
+        out = []
+        for r in range(rows):
+            me = torch.arange(rows) == r
+            slots = everyone & ~attended_slots(case, me)
+            if slots.any():
+                out.append((slots, me))
+        return out
     if region != "other-requests":
         return [(region_slots(case, region), None)]
     check_region(region, spec_of(case))

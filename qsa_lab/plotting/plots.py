@@ -477,7 +477,7 @@ def plot_bench(data, ax=None):
 #: bench variant (unfixed or a fix of routes.labels) -> its colour in the fix-cost figure
 #: (both_fixes purple: two oranges for kernel_fix and both_fixes could not be told apart)
 FIX_COLORS = {"unfixed": "#8c9fb5", "kernel_fix": "#d9480f", "pad_fix": "#74b816", "both_fixes": "#9c36b5",
-              "masked_load": "#1c7ed6"}
+              "masked_load": "#1c7ed6", "request_groups": "#0ca678", "finite_pv": "#e64980"}
 
 
 def plot_fix_cost(data: dict, fig=None):
@@ -571,3 +571,82 @@ def small_multiples(fn, datas, ncols: int = 1, panel=(10, 2.6)):
     for ax in list(axes.flat)[len(datas):]:
         ax.axis("off")
     return fig
+
+
+#: plot_cross_request's cell colours: a clean row, a row of the poisoned request (its own value:
+#: expected), a row of ANOTHER request (the leak)
+OWN_COLOR = "#495057"
+CROSS_REQUEST_COLORS = ("#f1f3f5", OWN_COLOR, NAN_COLOR)
+
+
+def plot_cross_request(data: dict, ax=None):
+    """One poisoned run of a mixed batch (analysis.cross_request.row_map): a route per line, a
+    query row per column; dark = a non-finite row of the poisoned request (its own value), red =
+    a non-finite row of another request (the leak). Requests are shaded under the axis, the
+    groups of 8 consecutive rows that upstream's host route forms are drawn as thin lines, the rows
+    after them go to XQA."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    from qsa_lab.routes.labels import label
+
+    routes, owner = data["routes"], np.asarray(data["request_of_row"])
+    n = owner.size
+    ax = _ax(ax, (max(6.0, 0.16 * n + 2.5), 0.32 * len(routes) + 1.6))
+    grid = np.zeros((len(routes), n))
+    for i, route in enumerate(routes):
+        for row in data["nonfinite"][route]:
+            grid[i, row] = 1 if owner[row] == data["poisoned_request"] else 2
+    ax.imshow(grid, cmap=ListedColormap(CROSS_REQUEST_COLORS), vmin=0, vmax=2, aspect="auto", interpolation="nearest",
+              extent=(-0.5, n - 0.5, len(routes) - 0.5, -0.5))
+    for x in range(8, data["grouped_rows"] + 1, 8):     # group boundaries (the XQA rows follow the last)
+        ax.axvline(x - 0.5, color="#868e96", lw=0.8)
+    starts = [0] + [r for r in range(1, n) if owner[r] != owner[r - 1]]
+    band = ax.get_xaxis_transform()                     # x in rows, y in axes coordinates
+    for k, s in enumerate(starts):                      # one band per request above the rows, alternating shades
+        e = starts[k + 1] if k + 1 < len(starts) else n
+        ax.axvspan(s - 0.5, e - 0.5, ymin=1.01, ymax=1.05, color="#a5d8ff" if k % 2 else "#1c7ed6", clip_on=False)
+        ax.text((s + e - 1) / 2, 1.06 + 0.04 * (k % 2 if e - s < 3 else 0), f"r{owner[s]}", transform=band,
+                ha="center", va="bottom", fontsize=7)
+    if data["grouped_rows"] < n:
+        ax.text((data["grouped_rows"] + n - 1) / 2, -0.02, "XQA", transform=band, ha="center", va="top", fontsize=7)
+    ax.set_yticks(range(len(routes)), [label(r) for r in routes], fontsize=8)
+    ax.set_xlabel("query row (requests r0, r1, ... above; lines: the groups of 8 rows upstream forms)", labelpad=10)
+    ax.set_title(f"{data['payload']} in request {data['poisoned_request']}'s attended V"
+                 + (f", {data['q_heads']} query heads" if data.get("q_heads") else ""), fontsize=10, pad=26)
+    ax.legend(handles=[Patch(color=CROSS_REQUEST_COLORS[1], label="non-finite: the poisoned request's row"),
+                       Patch(color=CROSS_REQUEST_COLORS[2], label="non-finite: ANOTHER request's row (leak)")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def plot_complete_fix_cost(data: dict | None, ax=None):
+    """Each route's time per call as a ratio to kernel_fix (A) (analysis.bench_data.complete_fix_data),
+    one block of bars per shape, whiskers from the 10th to the 90th percentile; the line at 1 is
+    kernel_fix. None (no GPU run committed yet) draws that note instead."""
+    ax = _ax(ax, (9.5, 6.5))
+    if data is None:
+        ax.text(0.5, 0.5, "the complete fixes' cost is not measured yet:\nbash benchmarks/complete_fix_gpu.sh on a GPU "
+                "writes data/complete_fix_h200.json", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return ax
+    routes, shapes = data["routes"], data["shapes"]
+    colors = {"grouped": FIX_COLORS["unfixed"], "grouped+masked_load": FIX_COLORS["masked_load"],
+              "grouped+request_groups": FIX_COLORS["request_groups"], "grouped+finite_pv": FIX_COLORS["finite_pv"],
+              "grouped+finite_pv, NaN in V": "#f783ac", "xqa": "#adb5bd"}
+    height = 0.8 / len(routes)
+    for i, s in enumerate(shapes):
+        for j, r in enumerate(routes):
+            mid, lo, hi = s["ratios"][r]
+            y = i + (j - (len(routes) - 1) / 2) * height
+            ax.barh(y, mid, height=height * 0.9, color=colors.get(r, "#888888"),
+                    label=data["labels"][r] if i == 0 else None)
+            ax.plot([lo, hi], [y, y], color="#212529", lw=0.8)
+    ax.axvline(1.0, color=FIX_COLORS["kernel_fix"], lw=1.2, ls="--", label="kernel_fix (A) = 1")
+    ax.set_yticks(range(len(shapes)), [s["name"] for s in shapes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time per call / kernel_fix (A)'s (median; whiskers: 10th-90th percentile)")
+    ax.set_title(f"The complete fixes' cost, {data['gpu']}: the grouped kernel + XQA over the remainder rows",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    return ax

@@ -229,13 +229,19 @@ def format_table(table, width: int = 120) -> str:
     import textwrap
 
     routes = [r for r in SHORT if f"nan[{r}]" in table.columns]
-    case_w = max(8, width - (len(routes) * 6 + 46))
-    head = (f"{'#':>2} {'case':<{case_w}}" + "".join(f"{SHORT[r]:>6}" for r in routes)
-            + f"{'report':>7} {'max|fix-xqa|':>12}  {'mask differs':<14} ok")
+    counts = [[str(int(r[f"nan[{x}]"])) + ("*" if x in set(str(r.get("differs_from_reference", "")).split(",")) else "")
+               for x in routes] for _, r in table.iterrows()]
+    # a route column is 6 wide, narrower (its widest cell and a space) when the table would not fit; and
+    # where it still would not, the 'mask differs' column is left out (the `*` marks say the same)
+    cw = 6 if len(routes) * 6 + 54 <= width else max([len(SHORT[x]) for x in routes] + [len(c) for row in counts
+                                                                                          for c in row]) + 1
+    differs_col = len(routes) * cw + 54 <= width
+    case_w = max(8, width - (len(routes) * cw + (46 if differs_col else 30)))
+    head = (f"{'#':>2} {'case':<{case_w}}" + "".join(f"{SHORT[r]:>{cw}}" for r in routes)
+            + f"{'report':>7} {'max|fix-xqa|':>12}  " + ("mask differs   " if differs_col else "") + "ok")
     lines = [head]
     for i, r in table.reset_index(drop=True).iterrows():
-        differ = set(str(r.get("differs_from_reference", "")).split(",")) - {""}
-        cells = "".join(f"{str(int(r[f'nan[{x}]'])) + ('*' if x in differ else ''):>6}" for x in routes)
+        cells = "".join(f"{c:>{cw}}" for c in counts[i])
         rep = r.get("report_grouped_nan")
         rep = "—" if rep is None or (isinstance(rep, float) and math.isnan(rep)) or str(rep) == "" else str(rep)
         rep = rep if len(rep) <= 6 else "=dims" if "dims" in rep else rep[:5] + "…"   # the report's words, short
@@ -243,8 +249,8 @@ def format_table(table, width: int = 120) -> str:
         worst = f"{max(diffs):.1e}" if diffs else "NaN"
         got = short_routes(r.get("differs_from_reference", ""))
         name, *more = textwrap.wrap(str(r["case"]), case_w, break_on_hyphens=False) or [""]  # whole, never cut
-        lines.append(f"{i + 1:>2} {name:<{case_w}}{cells}{rep:>7} {worst:>12}  {got:<14} "
-                     f"{'yes' if r.get('as_expected') else 'NO'}")
+        lines.append(f"{i + 1:>2} {name:<{case_w}}{cells}{rep:>7} {worst:>12}  " + (f"{got:<14} " if differs_col else "")
+                     + f"{'yes' if r.get('as_expected') else 'NO'}")
         lines += [f"{'':>2} {part}" for part in more]
     lines += _wrap(f"# NaN elements per route ({short_key(routes)}; the reference in float64);", width, "# ", ", ")
     lines += ["# * and 'mask differs': the route's NaN mask is not the reference's; ok: exactly the routes",

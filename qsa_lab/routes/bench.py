@@ -14,7 +14,9 @@ route must read), so their GB/s compare work done, not bytes moved.
 
 Variants: unfixed, each fix of routes.labels by its name: kernel_fix (A), pad_fix (B: the
 unfixed kernel on the pad-fixed plan; the pad-fix ops are timed apart as pad_fix_op),
-both_fixes (A+B: kernel_fix on the pad-fixed plan), masked_load (C); early_v (not upstream: the unfixed kernel reading each tile's V
+both_fixes (A+B: kernel_fix on the pad-fixed plan), masked_load (C), request_groups (R:
+kernel_fix on request-aligned groups, the grouped kernel alone: its remainder rows' XQA is
+timed by time_routes), finite_pv (F, on unpoisoned inputs: every tile takes its fast path); early_v (not upstream: the unfixed kernel reading each tile's V
 bytes together with K), xqa (all rows, row-wise), torch_sdpa (gather each row's attended
 tokens, decode, torch.nn.functional.scaled_dot_product_attention).
 
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 from qsa_lab.routes.compiled import BARRIERS_PER_TILE, grouped_forward, xqa_forward
-from qsa_lab.routes.labels import GROUPED, check_renamed, fix_of
+from qsa_lab.routes.labels import GROUPED, GROUPING, check_renamed, fix_of
 
 REPORT = dict(rows=16, context=8192, topk=512, kv_dtype="e4m3")
 SWEEP_CONTEXTS = (8192, 32768, 131072)
@@ -41,6 +43,8 @@ SWEEP_ROWS = (16, 64, 256)
 COPIES = 3
 #: grouped variant (a grouped route's fix, or unfixed) -> (kernel variant, runs on the pad-fixed plan)
 GROUPED_VARIANTS = {**{fix_of(route) or "unfixed": how for route, how in GROUPED.items()}, "early_v": ("early_v", False)}
+#: grouped variant -> the grouping its plan takes whatever the geometry says (routes.labels.GROUPING)
+PLAN_GROUPING = {fix_of(route): grouping for route, grouping in GROUPING.items()}
 #: the kernel each grouped variant runs
 KERNEL_OF = {variant: kernel for variant, (kernel, _) in GROUPED_VARIANTS.items()}
 VARIANTS = (*GROUPED_VARIANTS, "pad_fix_op", "xqa", "torch_sdpa")
@@ -80,7 +84,9 @@ def _prepare(geometry, seed):
     plan = plan_groups(case)
     rows = torch.arange(case.geometry.rows, device="cuda")
     token_index, token_count = xqa_tokens(case, rows)
-    return dict(case=case, plan=plan, fixed=pad_fix(plan), token_index=token_index, token_count=token_count)
+    plans = {grouping: plan_groups(case, grouping) for grouping in set(PLAN_GROUPING.values())}
+    return dict(case=case, plan=plan, fixed=pad_fix(plan), plans=plans, token_index=token_index,
+                token_count=token_count)
 
 
 def _runner(variant, p):
@@ -100,6 +106,8 @@ def _runner(variant, p):
     if variant == "torch_sdpa":
         return lambda: torch_baseline(c, p["token_index"], p["token_count"])
     kernel, pad_fixed = GROUPED_VARIANTS[variant]
+    if variant in PLAN_GROUPING:   # its own groups (request_groups: never spanning requests)
+        return grouped(p["plans"][PLAN_GROUPING[variant]], kernel)
     return grouped(fixed if pad_fixed else plan, kernel)
 
 
@@ -115,7 +123,9 @@ def _sm_clock_mhz():
         return None
 
 
-def _capture(fn):
+def capture_graph(fn):
+    """fn() captured in a CUDA graph (run once eagerly first, on a side stream: the binding's range checks
+    synchronise and must not run inside the capture) -> the graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -159,7 +169,7 @@ def time_point(geometry, reps=30, warmup=5, copies=COPIES, variants=VARIANTS, fl
         # Each launch is captured once in a CUDA graph and replayed: a replay is the kernel
         # alone, as in a graph-captured serving step, without the Python wrapper or the
         # binding's data-dependent range checks (those synchronise, and are skipped in capture).
-        graphs = [_capture(_runner(variant, p)) for p in prepared]
+        graphs = [capture_graph(_runner(variant, p)) for p in prepared]
         for i in range(warmup):
             graphs[i % len(graphs)].replay()
         times = []

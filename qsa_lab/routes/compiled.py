@@ -43,12 +43,18 @@ BUILD_ESTIMATE = "about 1.5 minutes on an H200, longer with fewer cores"
 
 KV_DTYPE_CODES = {"e4m3": 0, "e5m2": 1, "fp16": 2}
 # Kernel variants of the grouped forward, numbered as csrc/grouped_page4.cuh's enum Variant: the
-# routes' (routes.labels), then two that no route runs: kernel_fix without its leading barrier (a
-# race kept for the sanitizer) and early_v, the unfixed kernel with each tile's V bytes read
-# together with K (not upstream).
-VARIANTS = {v: i for i, v in enumerate(KERNEL_VARIANTS + ("kernel_fix_no_leading_barrier", "early_v"))}
-# __syncthreads() per 32-token tile of each variant (kBarriersPerTile in the header).
-BARRIERS_PER_TILE = {"unfixed": 5, "kernel_fix": 7, "masked_load": 5, "kernel_fix_no_leading_barrier": 6, "early_v": 5}
+# routes' (routes.labels.KERNEL_VARIANTS) and two that no route runs: kernel_fix without its
+# leading barrier (a race kept for the sanitizer) and early_v, the unfixed kernel with each tile's
+# V bytes read together with K (not upstream).
+VARIANTS = {"unfixed": 0, "kernel_fix": 1, "masked_load": 2, "kernel_fix_no_leading_barrier": 3, "early_v": 4,
+            "finite_pv": 5}
+assert set(KERNEL_VARIANTS) <= set(VARIANTS), "every route's kernel variant is compiled"
+# __syncthreads() per 32-token tile of each variant (kBarriersPerTile in the header; finite_pv's B4
+# is a __syncthreads_or).
+BARRIERS_PER_TILE = {"unfixed": 5, "kernel_fix": 7, "masked_load": 5, "kernel_fix_no_leading_barrier": 6, "early_v": 5,
+                     "finite_pv": 5}
+# barriers more on a tile whose V panel holds a NaN or Inf (finite_pv's F1 and F2; no other variant has such a path)
+SLOW_TILE_BARRIERS = {"finite_pv": 2}
 MAX_Q_HEADS = 8
 MAX_HEAD_DIM = 256
 
@@ -292,7 +298,7 @@ def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, mask
     """Grouped page4 forward on the GPU, one CTA per group.
 
     q [rows, Hq, D] fp16; kv_cache [pages, 2, page_size, 1, D] uint8 codes or fp16;
-    group_rows [groups, 8] int64/int32; microblocks, masks [groups, cap] int32;
+    group_rows [groups, 8] int64/int32 (-1: an empty query slot); microblocks, masks [groups, cap] int32;
     seq_len [groups] int32 (multiple of 32, <= 4*cap). variant: one of VARIANTS.
     Returns out [groups, 8, Hq, D] fp16 (and lse [groups, 8, Hq] fp32 when return_lse).
     """

@@ -20,16 +20,29 @@ probability is exp(-80), 0 in fp16: the route silently drops that token (finite,
 where XQA and the float64 reference give NaN. The scores, maxima and probabilities of
 all tiles are computed at once; O and the sum are then accumulated tile by tile in the
 kernel's order, so 0 * NaN in any P@V survives exactly as it does on the GPU.
+
+The variants differ only in V: kernel_fix zeroes (masked_load never loads) the panel rows that
+no query of the group attends; finite_pv multiplies P by V's finite values only and then adds,
+to each row, the IEEE sum of p * v over the non-finite values that row itself attends:
+
+    O   = O * exp_diff + P @ where(isfinite(V), V, 0)
+    hit = the row attends a non-finite v of this tile (in an active M-tile)
+    O   = hit ? O + sum over those v of p * v : O         (NaN, +Inf or -Inf; 0 * Inf = NaN)
+
+so a row gets exactly the non-finite result its own values give it, and a row of another
+request that shares the M-tile (P = 0 there) gets none. An empty query slot of a padded group
+(group_rows EMPTY_ROW) has zero queries and attends nothing: its output is 0.
 """
 from __future__ import annotations
 
 import torch
 
 from qsa_lab.model.case import slot_values, token_values
-from qsa_lab.model.plan import GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
+from qsa_lab.model.plan import EMPTY_ROW, GROUP, TILE_ENTRIES, m_tiles, tile_active_m_tiles, unattended_tokens
 from qsa_lab.routes.labels import KERNEL_VARIANTS
 
 VARIANTS = KERNEL_VARIANTS
+ZEROING = ("kernel_fix", "masked_load")  # the variants whose unattended panel rows hold zeros
 MASKED_SCORE = -1e30   # the real route's "negative infinity" for unattended scores
 EXP_FLOOR = -80.0      # exp arguments are clamped here (fmaxf), as in the real route
 #: XQA partitions as the real route sizes them: fp8 KV 256 tokens with fp32 partials,
@@ -61,9 +74,10 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
 
     What the variants share is computed once: they differ only in the panel rows that no query
     of the group attends (padding entries repointed by pad_fix; rows zeroed by kernel_fix /
-    never loaded by masked_load), and those rows' scores are select-masked, so S, the maxima, P and the sums
-    are the same for every variant; only V and with it P @ V differ, and panels whose P @ V is the
-    same (_equal_panels) share one. -> [(out, lse)] per panel."""
+    never loaded by masked_load) and in how P @ V treats non-finite values (finite_pv), and
+    unattended scores are select-masked, so S, the maxima, P and the sums are the same for every
+    variant; only V and with it P @ V differ, and panels whose P @ V is the same (_equal_panels)
+    share one. -> [(out, lse)] per panel."""
     G, cap = masks.shape
     _, hq, D = q.shape
     nt = cap // TILE_ENTRIES
@@ -81,7 +95,9 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     row_tile = torch.arange(R, device=dev) // 16
     active = ((mt_bits.unsqueeze(-1) >> row_tile) & 1).bool()                  # [G, nt, R]
     # 3. S = Q K^T (fp16 values, fp32 accumulate), then scale; select masking
-    Q = q[group_rows.long()].float().reshape(G, 1, R, D)                      # row = query*hq + head
+    rows = group_rows.long()
+    Q = q[rows.clamp(min=0)].float().masked_fill_((rows == EMPTY_ROW).view(G, GROUP, 1, 1), 0.0)
+    Q = Q.reshape(G, 1, R, D)                                                  # row = query*hq + head
     s = torch.matmul(Q, K.transpose(-1, -2)) * torch.tensor(sm_scale * k_scale, dtype=f32)  # [G, nt, R, 32]
     query = torch.arange(R, device=dev) // hq
     bit = (query.view(R, 1) * 4 + torch.arange(32, device=dev) % 4).view(1, 1, R, 32)
@@ -98,7 +114,7 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     tile_sum = p.sum(dim=-1)                                                   # fp32 probabilities
     exp_diff = torch.where(tile_sum > 0, torch.exp(torch.fmax(old_max - run_max, torch.tensor(EXP_FLOOR))), 1.0)
     p16 = p.to(torch.float16).float()
-    del s, p, attended
+    del s, p
     # the sum and the output scale do not depend on V
     row_sum = torch.zeros(G, R, dtype=f32, device=dev)
     for t in range(nt):
@@ -109,10 +125,13 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     owner = _equal_panels(panels)
     done = {}
     for i in dict.fromkeys(owner):  # each distinct panel once
-        zeroed = panels[i][1] != "unfixed"
+        zeroed = panels[i][1] in ZEROING
         V = token_values(kv_cache, toks[0 if zeroed else i], 1, kv_dtype)  # zeroed rows: the token read is moot
         if zeroed:
             V.masked_fill_(dead, 0.0)
+        hit = None
+        if panels[i][1] == "finite_pv":
+            hit, add, V = _finite_pv(V, p16, attended)
         # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
         pv = torch.matmul(p16, V)                                              # [G, nt, R, D]
         del V
@@ -120,20 +139,41 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
         O = torch.zeros(G, R, D, dtype=f32, device=dev)
         for t in range(nt):  # the kernel's accumulation order: O = O * exp_diff + P@V
             O.mul_(e[:, t]).add_(pv[:, t])
-        # 6. output: 0 for a row that attended nothing
-        done[i] = O.mul_(scale.unsqueeze(-1)).to(torch.float16).view(G, GROUP, hq, D)
+            if hit is not None:  # finite_pv: the non-finite values each row attends in this tile
+                O = torch.where(hit[:, t], O + add[:, t], O)
+        # 6. output: 0 for a row that attended nothing (an empty slot's P@V may hold 0 * NaN)
+        out = torch.where(row_sum.unsqueeze(-1) > 0, O * scale.unsqueeze(-1), 0.0)
+        done[i] = out.to(torch.float16).view(G, GROUP, hq, D)
     return [(done[i], lse) for i in owner]
+
+
+def _finite_pv(V, p16, attended):
+    """finite_pv's P @ V operands: V's non-finite values replaced by 0, and for every row the IEEE
+    sum of p * v over the non-finite values it attends: hit [G, nt, R, D] bool where there is one,
+    add [G, nt, R, D] its value (NaN, +Inf or -Inf). Counted by 0/1 matrix products (exact):
+    NaN when the row attends a NaN, an Inf whose p is 0 in fp16 (0 * Inf) or Infs of both signs."""
+    nonfinite = ~torch.isfinite(V)                                             # [G, nt, 32, D]
+    if not bool(nonfinite.any()):
+        return None, None, V
+    att = attended.float()                                                     # [G, nt, R, 32]
+    weighted = (attended & (p16 > 0)).float()
+    pos, neg = (V == torch.inf).float(), (V == -torch.inf).float()
+    nan = (torch.matmul(att, torch.isnan(V).float()) > 0) | (torch.matmul(att - weighted, pos + neg) > 0)
+    up, down = torch.matmul(weighted, pos) > 0, torch.matmul(weighted, neg) > 0
+    nan |= up & down
+    add = torch.where(nan, torch.nan, torch.where(up, torch.inf, -torch.inf))
+    return nan | up | down, add, V.masked_fill(nonfinite, 0.0)
 
 
 def _equal_panels(panels) -> list:
     """For each (microblocks, variant), the index of the first panel with the same P @ V: every
     zeroing variant (kernel_fix, masked_load) reads the same values, as the rows where the plans
-    differ are unattended and so zeroed; unfixed panels read the same bytes when their
-    microblocks are equal."""
+    differ are unattended and so zeroed; panels of one other variant (unfixed, finite_pv) read
+    the same bytes when their microblocks are equal."""
     def same(a, b):
-        if a[1] != "unfixed" or b[1] != "unfixed":
-            return a[1] != "unfixed" and b[1] != "unfixed"
-        return a[0] is b[0] or torch.equal(a[0], b[0])
+        if a[1] in ZEROING or b[1] in ZEROING:
+            return a[1] in ZEROING and b[1] in ZEROING
+        return a[1] == b[1] and (a[0] is b[0] or torch.equal(a[0], b[0]))
 
     owner = []
     for i, panel in enumerate(panels):

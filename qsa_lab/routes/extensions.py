@@ -9,11 +9,14 @@ caches. Each id below is stable: scripts may test for it in the `extensions` lis
 """
 from __future__ import annotations
 
-from qsa_lab.routes.labels import GROUPED
+from qsa_lab.routes.labels import GROUPED, GROUPING
 
 #: the routes that run the planner's pad-fix, and the one that runs this project's masked load
 PAD_FIXED = {route for route, (_, pad_fixed) in GROUPED.items() if pad_fixed}
 MASKED_LOAD = next(route for route, (variant, _) in GROUPED.items() if variant == "masked_load")
+#: the route that runs the finite P@V kernel, and those that group per request whatever the geometry says
+FINITE_PV = next(route for route, (variant, _) in GROUPED.items() if variant == "finite_pv")
+REQUEST_GROUPED = {route for route, grouping in GROUPING.items() if grouping == "request"}
 
 #: id -> one line saying what goes beyond upstream
 EXTENSIONS = {
@@ -23,6 +26,8 @@ EXTENSIONS = {
     "request-grouping-fp8": "request-aligned groups with an fp8 cache (upstream groups per request for fp16 caches only)",
     "masked-load": "masked_load (C), the masked panel load, is this project's own (upstream has kernel_fix (A) "
                    "and pad_fix (B))",
+    "finite-pv": "finite_pv (F), the finite P@V kernel (each row the non-finite result of what it attends), is this "
+                 "project's own",
     "q-heads": "query heads per KV head other than 6 (upstream's grouped kernel is built for 6)",
     "head-dim": "head dim other than 256 (upstream's page4 routes take 256 only)",
     "topk": "selections other than 512 blocks (upstream's selection holds 4*512+3 token slots)",
@@ -36,8 +41,9 @@ def extensions_used(geometry, routes) -> list[dict]:
     used = {
         "e5m2-cache": g.kv_dtype == "e5m2",
         "pad-fix-non-e4m3": g.kv_dtype != "e4m3" and bool(routes & PAD_FIXED),
-        "request-grouping-fp8": g.group_rows == "request" and g.kv_dtype != "fp16",
+        "request-grouping-fp8": (g.group_rows == "request" or bool(routes & REQUEST_GROUPED)) and g.kv_dtype != "fp16",
         "masked-load": MASKED_LOAD in routes,
+        "finite-pv": FINITE_PV in routes,
         "q-heads": g.q_heads != 6,
         "head-dim": g.head_dim != 256,
         "topk": g.topk != 512,

@@ -9,8 +9,20 @@ from here. Plain Python, no torch: the command line checks names before torch lo
     grouped+pad_fix        (B) the planner's padding repointed at a real microblock (upstream)
     grouped+both_fixes     (A+B) kernel_fix and pad_fix together (upstream's default)
     grouped+masked_load    (C) the panel loader never reads an unattended row (this project's own)
+    grouped+request_groups (R) groups never span requests: request-aligned groups (planner and
+                           host split), each request's remainder rows to XQA, on kernel_fix's
+                           kernel (this project's complete fix for the cross-request leak)
+    grouped+finite_pv      (F) the kernel keeps mixed groups but multiplies P by V's finite values
+                           only, then gives each row the non-finite result of exactly the values
+                           it attends (IEEE: NaN, +Inf or -Inf); no other row sees them (this
+                           project's in-kernel complete fix)
 
-The letters A, B, C are an abbreviation shown beside a name (`label`), never a name of their own.
+kernel_fix (A) zeroes a panel row only when NO row of the group attends it, and pad_fix (B)
+repoints padding at the group's first real microblock: in a group whose 8 rows belong to
+several requests, a non-finite V value that one request attends still reaches the other
+requests' rows through P = 0 (0 * NaN = NaN). request_groups (R) and finite_pv (F) close that.
+
+The letters A, B, C, R, F are an abbreviation shown beside a name (`label`), never a name of their own.
 Earlier spellings (fix A, fixA, the bench's `both`, ...) are not names: `renamed_route` and
 `renamed_fix` say what such a spelling is called now, for an error that names it. A JSON document
 an earlier version wrote (keys such as `fix_a_vs_report`) is read through `current_keys`.
@@ -18,7 +30,8 @@ an earlier version wrote (keys such as `fix_a_vs_report`) is read through `curre
 from __future__ import annotations
 
 #: fix -> its letter (shown beside the name, never instead of it)
-FIXES = {"kernel_fix": "A", "pad_fix": "B", "both_fixes": "A+B", "masked_load": "C"}
+FIXES = {"kernel_fix": "A", "pad_fix": "B", "both_fixes": "A+B", "masked_load": "C", "request_groups": "R",
+         "finite_pv": "F"}
 
 #: grouped route -> (kernel variant, pad-fix applied to the plan)
 GROUPED = {
@@ -27,7 +40,14 @@ GROUPED = {
     "grouped+pad_fix": ("unfixed", True),
     "grouped+both_fixes": ("kernel_fix", True),
     "grouped+masked_load": ("masked_load", False),
+    "grouped+request_groups": ("kernel_fix", False),
+    "grouped+finite_pv": ("finite_pv", False),
 }
+#: grouped route -> the grouping it runs whatever the case's geometry says (model.plan.group_rows);
+#: every other grouped route groups as the geometry's `group_rows` says
+GROUPING = {"grouped+request_groups": "request"}
+#: the fixes that close the cross-request leak of a mixed group (the complete fixes)
+COMPLETE_FIXES = ("grouped+request_groups", "grouped+finite_pv")
 ROUTES = ("reference", "xqa") + tuple(GROUPED)
 #: the grouped kernel's variants the routes run (routes.compiled adds its test-only ones)
 KERNEL_VARIANTS = tuple(dict.fromkeys(variant for variant, _ in GROUPED.values()))
@@ -39,11 +59,12 @@ SHORT = {"reference": "ref", "xqa": "xqa", "grouped": "grp",
          **{f"grouped+{fix}": letter for fix, letter in FIXES.items()}}
 
 
-#: earlier spellings of a fix (the letters, "fix A", export names' "fixA", the bench's "both"),
-#: compared without case, spaces, "_" or "-" -> the fix's name
+#: earlier spellings of a fix (the letters, "fix A", export names' "fixA", the bench's "both"), and a
+#: fix spelled without its underscore, compared without case, spaces, "_" or "-" -> the fix's name
 OLD_FIX_NAMES = {"a": "kernel_fix", "fixa": "kernel_fix", "b": "pad_fix", "fixb": "pad_fix", "padfix": "pad_fix",
                  "ab": "both_fixes", "a+b": "both_fixes", "fixab": "both_fixes", "fixa+b": "both_fixes",
-                 "both": "both_fixes", "c": "masked_load", "fixc": "masked_load", "maskedload": "masked_load"}
+                 "both": "both_fixes", "c": "masked_load", "fixc": "masked_load", "maskedload": "masked_load",
+                 "requestgroups": "request_groups", "finitepv": "finite_pv"}
 
 
 #: keys of the JSON documents earlier versions wrote (the bench's qsa_lab.bench/1, the committed

@@ -1,8 +1,10 @@
 """Run a case through every route on one backend.
 
 Routes (routes.labels): reference, xqa, grouped, grouped+kernel_fix (A), grouped+pad_fix (B),
-grouped+both_fixes (A+B), grouped+masked_load (C). A grouped route runs
-the planner's groups through the grouped kernel and its remainder rows through XQA.
+grouped+both_fixes (A+B), grouped+masked_load (C), grouped+request_groups (R),
+grouped+finite_pv (F). A grouped route runs the planner's groups through the grouped kernel and
+its remainder rows through XQA; its groups are the case's (geometry `group_rows`), except for a
+route of labels.GROUPING, which plans its own (request_groups: groups that never span requests).
 """
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ import torch
 
 from qsa_lab.model.case import Case, decoded_once, validate_case
 from qsa_lab.model.geometry import BACKENDS
-from qsa_lab.model.plan import GroupedPlan, pad_fix, plan_groups, xqa_tokens
+from qsa_lab.model.plan import EMPTY_ROW, GroupedPlan, pad_fix, plan_groups, xqa_tokens
 from qsa_lab.routes import emulate
 from qsa_lab.routes.reference import every_row, reference_forward
 
-from qsa_lab.routes.labels import GROUPED, KERNEL_VARIANTS as VARIANTS, ROUTES, check_renamed  # noqa: F401 - the one vocabulary, named here too
+from qsa_lab.routes.labels import GROUPED, GROUPING, KERNEL_VARIANTS as VARIANTS, ROUTES, check_renamed  # noqa: F401 - the one vocabulary, named here too
 
 
 @dataclass
@@ -146,10 +148,33 @@ def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl, checked: b
         g = impl.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
                                  plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                  sm_scale=case.sm_scale, variant=variant)
-        out[plan.group_rows.flatten()] = g.reshape(-1, *case.q.shape[1:])
+        scatter_groups(out, plan, g)
     if plan.xqa_rows.numel():
         out[plan.xqa_rows] = xqa_output(case, plan.xqa_rows, impl)
     return out
+
+
+def scatter_groups(out: torch.Tensor, plan: GroupedPlan, grouped: torch.Tensor) -> None:
+    """out[row] = the grouped kernel's output [groups, 8, Hq, D] of each row of the plan's groups
+    (a padded group's empty slots, EMPTY_ROW, are dropped)."""
+    rows = plan.group_rows.flatten()
+    real = rows != EMPTY_ROW
+    out[rows[real]] = grouped.reshape(-1, *out.shape[1:])[real]
+
+
+def route_plan(route: str, plan: GroupedPlan, fixed_plan: GroupedPlan | None, case: Case,
+               memo: dict | None = None) -> GroupedPlan:
+    """The plan a grouped route runs: `plan` (the case's groups, before any fix), its pad_fix
+    `fixed_plan`, or for a route of labels.GROUPING its own groups (made from `case`, kept in
+    `memo` when given: a plan does not read the cache's bytes)."""
+    grouping = GROUPING.get(route)
+    if grouping is None:
+        return fixed_plan if GROUPED[route][1] else plan
+    memo = {} if memo is None else memo
+    key = f"plan.{grouping}"
+    if key not in memo:
+        memo[key] = plan_groups(case, grouping)
+    return memo[key]
 
 
 def xqa_output(case: Case, rows: torch.Tensor, impl) -> torch.Tensor:
@@ -204,8 +229,8 @@ def run_routes_planned(case: Case, routes, backend: str, plan: GroupedPlan, *, p
         elif route == "xqa":
             out = xqa_output(run_case, all_rows, impl)
         else:
-            variant, fixed = GROUPED[route]
-            out = grouped_output(run_case, fixed_plan if fixed else plan, variant, impl, checked=True)
+            route_p = route_plan(route, plan, fixed_plan, run_case, memo)
+            out = grouped_output(run_case, route_p, GROUPED[route][0], impl, checked=True)
         result.outputs[route] = out.cpu()
     return result
 
@@ -247,31 +272,48 @@ def _every_row(case: Case, memo: dict, reference: bool, xqa: bool) -> tuple:
                      xqa=xqa)
 
 
-def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict) -> torch.Tensor:
-    """[len(plan.xqa_rows), Hq, D]: the rows outside every group, through XQA as every grouped route runs them."""
-    if "rest_tokens" not in memo and "xqa_tokens" in memo:  # every row's lists, cut to these rows' width
+def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict, key: str = "rest_tokens") -> torch.Tensor:
+    """[len(plan.xqa_rows), Hq, D]: the rows outside every group, through XQA as every grouped route
+    of `plan` runs them (their token lists kept in memo[key])."""
+    if key not in memo and "xqa_tokens" in memo:  # every row's lists, cut to these rows' width
         index, count = memo["xqa_tokens"]
         count = count[plan.xqa_rows]
-        memo["rest_tokens"] = index[plan.xqa_rows, :max(int(count.max()) if count.numel() else 0, 1)].contiguous(), count
-    if "rest_tokens" not in memo:
-        memo["rest_tokens"] = xqa_tokens(case, plan.xqa_rows)
-    token_index, token_count = memo["rest_tokens"]
+        memo[key] = index[plan.xqa_rows, :max(int(count.max()) if count.numel() else 0, 1)].contiguous(), count
+    if key not in memo:
+        memo[key] = xqa_tokens(case, plan.xqa_rows)
+    token_index, token_count = memo[key]
     return emulate.xqa_forward(case.q[plan.xqa_rows], case.kv_cache, case.k_scale, case.v_scale, token_index,
                                token_count, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
 
 
 def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan, memo: dict, remainder: bool) -> dict:
+    """The grouped routes: those on the case's groups in one pass (grouped_forward_many), each route
+    of labels.GROUPING on its own plan."""
+    outs = {}
+    shared = [r for r in routes if r not in GROUPING]
+    if shared:
+        outs.update(_grouped_pass(case, shared, plan, [(fixed_plan if GROUPED[r][1] else plan) for r in shared],
+                                  memo, remainder, "rest_tokens"))
+    for r in routes:
+        if r in GROUPING:
+            own = route_plan(r, plan, fixed_plan, case, memo)
+            outs.update(_grouped_pass(case, [r], own, [own], memo, remainder, f"rest_tokens.{GROUPING[r]}"))
+    return {r: outs[r] for r in routes}
+
+
+def _grouped_pass(case: Case, routes, plan: GroupedPlan, plans, memo: dict, remainder: bool, key: str) -> dict:
+    """Grouped routes whose plans share `plan`'s groups and masks (`plans`: each route's, a plan or its
+    pad_fix): one grouped_forward_many, one XQA run of the remainder rows."""
     outs = {r: torch.empty_like(case.q) for r in routes}
     if plan.groups:
-        panels = [((fixed_plan if GROUPED[r][1] else plan).microblocks, GROUPED[r][0]) for r in routes]
+        panels = [(p.microblocks, GROUPED[r][0]) for r, p in zip(routes, plans)]
         many = emulate.grouped_forward_many(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
                                             panels, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                             sm_scale=case.sm_scale)
-        rows = plan.group_rows.flatten()
         for r, (g, _) in zip(routes, many):
-            outs[r][rows] = g.reshape(-1, *case.q.shape[1:])
+            scatter_groups(outs[r], plan, g)
     if remainder and plan.xqa_rows.numel():
-        rest = emulated_remainder(case, plan, memo)
+        rest = emulated_remainder(case, plan, memo, key)
         for r in routes:
             outs[r][plan.xqa_rows] = rest
     return outs

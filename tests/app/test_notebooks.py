@@ -239,6 +239,10 @@ def test_04_fixes_clean_and_stale_tail_finding(tmp_path):
     assert r["stale_kernel_fix_nan"] == 0 and r["stale_masked_load_nan"] == 0
     att = r["attended_k_nan"]   # a NaN key rows attend: NaN in XQA / reference, dropped by grouped
     assert att["xqa"] == att["reference"] > 0 and att["grouped"] < att["xqa"]
+    # upstream's mixed batch: NaN in request 0's V reaches rows 46, 47, in request 1's rows 45, 47 (6 heads)
+    assert r["cross_request_rows"] == 4 and r["poisoned_requests"] == [0, 1]
+    assert {"grouped+kernel_fix", "grouped+both_fixes"} <= set(r["cross_request_leaking_routes"])
+    assert not {"xqa", "grouped+request_groups", "grouped+finite_pv"} & set(r["cross_request_leaking_routes"])
 
 
 def test_05_reads_committed_timings(tmp_path):
@@ -258,6 +262,11 @@ def test_05_reads_committed_timings(tmp_path):
     text = "".join(o.get("data", {}).get("text/plain", "") for o in table.outputs)
     assert "kernel_fix (A)" in text and "3.49" in text and not re.search(r"\d\.\d{4,}", text), text   # not 3.488375
     assert round(r["speed_ratio"], 1) == 2.3 and round(r["report_v100_ratio"], 2) == 1.25
+    from qsa_lab.analysis.bench_data import COMPLETE_FIX_JSON   # the complete fixes' cost, once a GPU run is committed
+
+    assert r["complete_fix_measured"] == COMPLETE_FIX_JSON.is_file()
+    assert (r["complete_fix_ratio_span"] is None) == (not r["complete_fix_measured"])
+    assert ("not measured yet" in run["conclusion"]) == (not r["complete_fix_measured"])
     assert "×1.040–1.045" in run["conclusion"] and "2.3× faster" in run["conclusion"]
 
 

@@ -22,7 +22,7 @@ from qsa_lab.model.case import RANGES, Geometry, build_case
 from qsa_lab.app.cli import main
 from qsa_lab.model.plan import plan_groups
 from qsa_lab.model.poison import apply_poison
-from qsa_lab.routes.run import grouped_output, run_routes
+from qsa_lab.routes.run import ROUTES, grouped_output, run_routes
 from qsa_lab.routes import emulate
 
 TINY = ["--rows", "8", "--context", "64", "--topk", "8", "--head-dim", "16", "--backend", "emulate"]
@@ -140,10 +140,7 @@ CORRUPTIONS = {
     "contradicting scale": (lambda s, d: _rewrite(s, d, meta={"v_scale": "0.5"}), "contradicts"),
     "bad scale": (lambda s, d: _rewrite(s, d, meta={"k_scale": "nan"}), "finite number"),
     "no geometry": (lambda s, d: _rewrite(s, d, meta={"geometry": None}), "missing metadata 'geometry'"),
-    "no route outputs": (lambda s, d: _rewrite(s, d, drop=[f"out.{r}" for r in
-                                                          ("reference", "xqa", "grouped", "grouped+kernel_fix",
-                                                           "grouped+pad_fix", "grouped+both_fixes",
-                                                           "grouped+masked_load")]), "no route outputs"),
+    "no route outputs": (lambda s, d: _rewrite(s, d, drop=[f"out.{r}" for r in ROUTES]), "no route outputs"),
     "null block in the table": (lambda s, d: _rewrite(s, d, change={"block_table": torch.zeros(1, 2,
                                                                                              dtype=torch.int32)}),
                                 "null block"),

@@ -11,6 +11,13 @@ file by the change that introduces it, every recorded cell left as it is (the sc
 recorded cell's verdict, counts or leaking rows, heads and dims changed):
 
     .venv/bin/python tests/data/make_bitid_baseline.py --add-region other-requests
+
+A route added later likewise (the complete fixes of issue 37): its values (outputs, lse, its qsa:
+kernel's canary cells) are appended to every record, after each record was computed again and its
+recorded parts found as the test wants them (exact parts equal, values within its bounds); the
+recorded values are kept as they are:
+
+    .venv/bin/python tests/data/make_bitid_baseline.py --add-routes grouped+request_groups,grouped+finite_pv
 """
 from __future__ import annotations
 
@@ -20,8 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bitid_cases import (CANARY_KV, Baseline, canary_record, machine, report_record, save,  # noqa: E402
-                         small_record, small_specs)
+from bitid_cases import (CANARY_KV, Baseline, canary_record, first_difference, machine, record,  # noqa: E402
+                         report_record, save, small_record, small_specs, value_stats)
 
 REPORT, SMALL, CANARY = (HERE / f"bitid_{name}.npz" for name in ("report", "small", "canary"))
 
@@ -46,9 +53,60 @@ def add_region(region: str) -> None:
     save(CANARY, meta, records)
 
 
+def add_routes(routes: list[str]) -> None:
+    """Append the values of new routes to every record of the three files (refusing if a recorded
+    part moved beyond the test's bounds, or if anything but the new routes' values would be added)."""
+    from qsa_lab.routes.run import GROUPED
+    from test_bit_identity import ULPS
+
+    unknown = [r for r in routes if r not in GROUPED]
+    if unknown:
+        raise SystemExit(f"--add-routes: {unknown} are not grouped routes")
+    ours = {*routes, *(f"lse/{r}" for r in routes)}
+    for kind, path in (("report", REPORT), ("small", SMALL), ("canary", CANARY)):
+        old = Baseline(path)
+        records = {}
+        for name in old.names():
+            exact, values = record(kind, name, old.meta.get("specs"))
+            want, kept = old.exact(name), old.values(name)
+            for key, recorded in want.items():
+                got = exact[key]
+                if key == "poison":   # as the test: fields added later are not compared
+                    got = {k: got.get(k) for k in recorded}
+                if key == "cells":
+                    got = {k: c for k, c in got.items() if k in recorded}
+                if got != recorded:
+                    raise SystemExit(f"{kind} {name}: {key} is not as recorded: not appending")
+            for v, a in kept.items():
+                bound = ULPS["canary" if kind == "canary" else "lse" if v.startswith("lse/") else
+                             "reference64" if v == "reference64" else "outputs"]
+                s = value_stats(values[v], a)
+                if not (s["nan"] and s["inf"] and s["max_ulps"] <= bound):
+                    raise SystemExit(f"{kind} {name} {v}: {first_difference(values[v], a)}: not appending")
+            new = {v: a for v, a in values.items() if v not in kept}
+            cells = {}
+            if kind == "canary":
+                cells = {k: c for k, c in exact["cells"].items() if k not in want["cells"]}
+                ours = set(cells)
+                if any(k.split("/")[0].removeprefix("qsa:") not in routes for k in cells):
+                    raise SystemExit(f"canary {name}: new cells of other kernels: not appending")
+                want = {**want, "cells": {**want["cells"], **cells}}
+            if not set(new) <= ours:
+                raise SystemExit(f"{kind} {name}: new values {sorted(set(new) - ours)[:3]} not of {routes}: "
+                                 "not appending")
+            records[name] = (want, {**kept, **new})
+            print(kind, name, f"+{len(new)} values" + (f", +{len(cells)} cells" if kind == "canary" else ""),
+                  flush=True)
+        meta = {k: v for k, v in old.meta.items() if k != "records"}
+        meta["added_routes"] = meta.get("added_routes", []) + list(routes)
+        save(path, meta, records)
+
+
 def main():
     if sys.argv[1:2] == ["--add-region"]:
         return add_region(sys.argv[2])
+    if sys.argv[1:2] == ["--add-routes"]:
+        return add_routes(sys.argv[2].split(","))
     from qsa_lab.report.repro import REPRO_CASES
 
     meta = machine()

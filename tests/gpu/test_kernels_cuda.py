@@ -188,7 +188,7 @@ def grouped_args(case, plan):
             plan.masks, plan.seq_len)
 
 
-@pytest.mark.parametrize("variant", ["unfixed", "kernel_fix", "masked_load"])
+@pytest.mark.parametrize("variant", ["unfixed", "kernel_fix", "masked_load", "finite_pv"])
 def test_lse_and_repeat_bitwise(variant):
     case = case_for("e4m3", "random").to("cuda")
     plan = plan_groups(case)

@@ -199,13 +199,16 @@ def test_causal3_gives_the_reports_640_with_8_of_9_m_tiles_padded():
 
 # ---- beyond upstream ---------------------------------------------------------------------
 
+OURS = {"masked-load", "finite-pv"}   # what every run of all routes exercises: this project's own kernels
+
+
 @pytest.mark.parametrize("kw,want", [
-    (dict(), {"masked-load"}),
-    (dict(kv_dtype="e5m2"), {"masked-load", "e5m2-cache", "pad-fix-non-e4m3"}),
-    (dict(kv_dtype="fp16", group_rows="request"), {"masked-load", "pad-fix-non-e4m3"}),
-    (dict(group_rows="request"), {"masked-load", "request-grouping-fp8"}),
+    (dict(), OURS | {"request-grouping-fp8"}),          # grouped+request_groups on an E4M3 cache
+    (dict(kv_dtype="e5m2"), OURS | {"e5m2-cache", "pad-fix-non-e4m3", "request-grouping-fp8"}),
+    (dict(kv_dtype="fp16", group_rows="request"), OURS | {"pad-fix-non-e4m3"}),
+    (dict(group_rows="request"), OURS | {"request-grouping-fp8"}),
     (dict(q_heads=4, head_dim=128, topk=64, selection="random"),
-     {"masked-load", "q-heads", "head-dim", "topk", "random-selection"}),
+     OURS | {"request-grouping-fp8", "q-heads", "head-dim", "topk", "random-selection"}),
 ])
 def test_extensions_name_what_goes_beyond_upstream(kw, want):
     from qsa_lab.routes.extensions import EXTENSIONS, extensions_used
@@ -214,8 +217,8 @@ def test_extensions_name_what_goes_beyond_upstream(kw, want):
     used = extensions_used(Geometry(**kw), ROUTES)
     assert {e["id"] for e in used} == want
     assert all(e["description"] == EXTENSIONS[e["id"]] for e in used)
-    assert {e["id"] for e in extensions_used(Geometry(**kw), ["reference", "xqa", "grouped"])} \
-        == want - {"masked-load", "pad-fix-non-e4m3"}
+    only_geometry = want - OURS - {"pad-fix-non-e4m3"} - ({"request-grouping-fp8"} if "group_rows" not in kw else set())
+    assert {e["id"] for e in extensions_used(Geometry(**kw), ["reference", "xqa", "grouped"])} == only_geometry
 
 
 def test_diff_json_lists_extensions_and_keeps_its_fields(capsys):
@@ -227,7 +230,8 @@ def test_diff_json_lists_extensions_and_keeps_its_fields(capsys):
                  "--backend", "emulate", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {"schema", "backend", "geometry", "poison", "groups", "routes"} <= set(doc)
-    assert {e["id"] for e in doc["extensions"]} == {"masked-load", "e5m2-cache", "pad-fix-non-e4m3", "topk"}
+    assert {e["id"] for e in doc["extensions"]} == {"masked-load", "finite-pv", "request-grouping-fp8", "e5m2-cache",
+                                                    "pad-fix-non-e4m3", "topk"}
 
 
 # ---- beyond the report: non-finite codes in attended tokens -------------------------------

@@ -7,7 +7,8 @@ from qsa_lab.model.case import Geometry, build_case
 from qsa_lab.model.poison import REPORT_DIMS, apply_poison
 from qsa_lab.routes.run import GROUPED, run_routes
 
-FIXED = ["grouped+kernel_fix", "grouped+pad_fix", "grouped+both_fixes", "grouped+masked_load"]
+FIXED = ["grouped+kernel_fix", "grouped+pad_fix", "grouped+both_fixes", "grouped+masked_load", "grouped+request_groups",
+         "grouped+finite_pv"]
 
 
 def test_grouped_nan_exactly_on_the_poisoned_dims(report_result):
@@ -81,7 +82,8 @@ def test_stale_tail_leaks_through_unfixed_and_pad_fix_only():
     nan = {route: int(torch.isnan(o).sum()) for route, o in r.outputs.items()}
     assert nan["grouped"] > 0 and nan["grouped+pad_fix"] > 0
     assert analysis.nan_dims(r.outputs["grouped+pad_fix"]) == [7, 99]
-    for route in ("reference", "xqa", "grouped+kernel_fix", "grouped+masked_load", "grouped+both_fixes"):
+    for route in ("reference", "xqa", "grouped+kernel_fix", "grouped+masked_load", "grouped+both_fixes",
+                  "grouped+request_groups", "grouped+finite_pv"):
         assert nan[route] == 0, route
     att = analysis.attribute(r, "grouped+pad_fix")
     assert len(att) and not att.padding.any() and (att.page != 0).all()

@@ -208,7 +208,7 @@ def test_changes_during_a_redraw_coalesce_to_the_latest_value(monkeypatch):
     gate.set()
     assert pg.wait(120)
     assert pg.requests == 6 and pg.redraws == 3     # the first redraw, the blocked one, one coalesced
-    assert pg.last_data["params"].fixes == ("pad_fix", "both_fixes", "masked_load")
+    assert pg.last_data["params"].fixes == ("pad_fix", "both_fixes", "masked_load", "request_groups", "finite_pv")
     assert pg.last_data["params"].dims == (7,) and "dims 7 |" in pg.status.value
     assert "grouped+kernel_fix" not in pg.table.value
 
@@ -304,9 +304,10 @@ def test_poison_change_reruns_only_routes_that_read_the_changed_bytes():
     assert {k[3] for k in first} == set(ROUTES) | {D.REMAINDER}
     D.playground_data(D.Params(dims=(1, 2, 3)), cache)
     new = cache.computed[len(first):]
-    assert [k[3] for k in new] == ["grouped"]        # only the unfixed grouped route reads page 0
+    # only the routes that load page 0 rerun: the unfixed kernel and finite_pv (which loads every panel row)
+    assert [k[3] for k in new] == ["grouped", "grouped+finite_pv"]
     D.playground_data(D.Params(dims=(1, 2, 3), fixes=("kernel_fix",)), cache)
-    assert len(cache.computed) == len(first) + 1     # a fix toggled off and on again: nothing to run
+    assert len(cache.computed) == len(first) + 2     # a fix toggled off and on again: nothing to run
 
 
 @pytest.mark.parametrize("kv_dtype", ["e4m3", "fp16"])
@@ -407,13 +408,14 @@ def test_export_name_and_metadata_say_what_is_shown(pg, tmp_path):
     assert all(p.is_absolute() for p in paths) and all(str(p) in pg.message.value for p in paths)  # on hover
     stem = paths[0].stem
     assert "targeted-v" in stem and "d7-168-170" in stem and "_ps" not in stem and "ctx2048" in stem
-    assert "gs0" in stem and "_fixes-kernel_fix+pad_fix+both_fixes_" in stem and stem.endswith("emulate")
+    assert "gs0" in stem and "_fixes-kernel_fix+pad_fix+both_fixes+request_groups+finite_pv_" in stem
+    assert stem.endswith("emulate")
     meta = read_png_meta(paths[0])
     assert meta["backend"] == "emulate" and "rows 19" in meta["case"] and meta["qsa_lab_version"] and meta["gpu"]
     assert meta["dims"] == "7,168,170" and meta["poison_seed"] == "" and meta["site"] == "targeted"
     assert len(meta["git_commit"]) >= 40 and len(meta["csrc_sha256"]) == 16
     assert meta["plane"] == "v" and meta["geometry_seed"] == "0" and "context=2048" in meta["geometry"]
-    assert meta["fixes"] == "kernel_fix,pad_fix,both_fixes" and "torch" in meta["versions"]
+    assert meta["fixes"] == "kernel_fix,pad_fix,both_fixes,request_groups,finite_pv" and "torch" in meta["versions"]
     assert "7,168,170" in paths[1].read_text() and b"poison_seed" in paths[2].read_bytes()
     assert pg.export() == paths                    # the same figure again: the same files, no copy
     pg.set(dims="7,168")
@@ -446,7 +448,8 @@ def test_default_figures_dir_is_the_checkouts(monkeypatch):
 def test_widget_descriptions_are_stable(pg):
     labels = {w.description for w in list(pg.controls.values()) + list(pg.toggles.values())}
     assert labels == {"site", "plane", "dims", "seed", "kv_dtype", "geometry", "backend", "nan_map",
-                      "kernel_fix (A)", "pad_fix (B)", "both_fixes (A+B)", "masked_load (C)"}
+                      "kernel_fix (A)", "pad_fix (B)", "both_fixes (A+B)", "masked_load (C)", "request_groups (R)",
+                      "finite_pv (F)"}
     assert pg.export_button.description == "Export"
 
 

@@ -1,0 +1,178 @@
+"""Which rows of which request one request's non-finite V reaches, per route: the mixed-request
+case (issue 37). Data only, no drawing (qsa_lab.plotting.plots.plot_cross_request draws it).
+
+A batch can mix requests in one group of 8 consecutive rows (upstream's host route hands the
+grouped kernel the first rows // 8 * 8 rows as they come; its own regression test has rows 40-47
+holding requests 0, 1 and 2). Each request's attended V is poisoned in turn (every slot its rows
+attend, at `dims`, model.poison.poison_request) with NaN, Inf or a finite control ('max'), and every
+route's output is judged request by request:
+
+    own      the poisoned request's rows: non-finite where the reference is, or not
+             (`as_reference` False: e.g. NaN where the reference gives Inf)
+    leak     a row of ANOTHER request is non-finite (the reference never is: that request's
+             rows attend none of the poisoned slots)
+    clean    no row of that request is non-finite
+
+    records = cross_request(MIXES["upstream-mix"], payloads=("nan", "max"))
+    leaks(records)                     # the leaking (route, payload, poisoned, request, rows)
+"""
+from __future__ import annotations
+
+import torch
+
+from qsa_lab.analysis.leaks import CLEAN, NA
+from qsa_lab.model.case import Geometry, build_case
+from qsa_lab.model.geometry import PAYLOADS
+from qsa_lab.model.plan import plan_groups
+from qsa_lab.model.poison import PAYLOAD_BITS, poison_request
+from qsa_lab.routes.labels import COMPLETE_FIXES, ROUTES
+from qsa_lab.routes.run import check_routes, run_routes
+
+SCHEMA = "qsa_lab.cross_request/1"
+OWN, LEAK = "own", "leak"     # a record's verdict beside CLEAN (NA: a payload the cache dtype has no code for)
+DEFAULT_PAYLOADS = ("nan", "inf", "max")
+#: routes that must never give another request's rows a non-finite value
+MUST_BE_CLEAN = ("reference", "xqa") + COMPLETE_FIXES
+
+
+def nonfinite_rows(out: torch.Tensor) -> torch.Tensor:
+    """[rows, Hq, D] -> [rows] bool: the row holds a NaN or an Inf."""
+    return ~torch.isfinite(out.float()).flatten(1).all(dim=1)
+
+
+def judge(result, request: int, payload: str) -> list[dict]:
+    """One poisoned run (run_routes' result; `request`'s attended V poisoned with `payload`) judged
+    per route and request -> records (route, request, rows, elements, verdict, as_reference)."""
+    case = result.case
+    req = case.token_to_req.cpu().long()
+    ref = result.reference64
+    out = []
+    for route, o in result.outputs.items():
+        bad = nonfinite_rows(o)
+        for k in range(case.geometry.requests):
+            mine = req == k
+            rows = torch.nonzero(bad & mine).flatten().tolist()
+            rec = {"route": route, "payload": payload, "poisoned_request": request, "request": k, "rows": rows,
+                   "elements": int((~torch.isfinite(o.float()[mine])).sum())}
+            if k == request:
+                same = (torch.equal(torch.isnan(o[mine]), torch.isnan(ref[mine]))
+                        and torch.equal(torch.isinf(o[mine]), torch.isinf(ref[mine])))
+                rec.update(verdict=OWN, as_reference=same)
+            else:
+                rec.update(verdict=LEAK if rows else CLEAN, as_reference=not rows)
+            out.append(rec)
+    return out
+
+
+def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, routes=None,
+                  backend: str = "auto", dims=None, progress=None) -> list[dict]:
+    """Each request of `geometry`'s case (or of `requests`) poisoned in turn with each payload, every
+    route judged per request (judge). A payload the cache dtype has no code for (Inf in E4M3) gives
+    one record with verdict 'n/a'. Records carry q_heads and kv_dtype. progress: a callable
+    fn(text) told about each run."""
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry: expected a Geometry, got {type(geometry).__name__}")
+    payloads = (payloads,) if isinstance(payloads, str) else tuple(payloads)
+    bad = [p for p in payloads if p not in PAYLOADS]
+    if not payloads or bad:
+        raise ValueError(f"payloads: each one of {PAYLOADS}, got {list(payloads)}")
+    requests = range(geometry.requests) if requests is None else requests
+    bad = [r for r in requests if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < geometry.requests]
+    if bad:
+        raise ValueError(f"requests: each an int in [0, {geometry.requests}), got {bad}")
+    routes = check_routes(ROUTES if routes is None else routes)
+    if "reference" not in routes:
+        routes = ("reference",) + routes   # the judge compares a poisoned request's own rows with it
+    base = build_case(geometry)
+    meta = {"q_heads": geometry.q_heads, "kv_dtype": geometry.kv_dtype}
+    records = []
+    for payload in payloads:
+        if (geometry.kv_dtype, payload) not in PAYLOAD_BITS:
+            records.append({**meta, "route": None, "payload": payload, "poisoned_request": None, "request": None,
+                            "rows": [], "elements": 0, "verdict": NA, "as_reference": None,
+                            "note": f"{geometry.kv_dtype} has no {payload} code"})
+            continue
+        for r in requests:
+            if progress:
+                progress(f"q_heads {geometry.q_heads}, {payload} in request {r}")
+            result = run_routes(poison_request(base, r, payload, dims), routes, backend)
+            records += [{**meta, **rec} for rec in judge(result, r, payload)]
+    return records
+
+
+def leaks(records, routes=None) -> list[dict]:
+    """The records where a request other than the poisoned one got a non-finite row (of `routes`)."""
+    return [r for r in records if r["verdict"] == LEAK and (routes is None or r["route"] in routes)]
+
+
+def groups_of(geometry: Geometry) -> list[dict]:
+    """The consecutive groups of 8 rows upstream's host route forms, each with the requests it holds
+    and whether it mixes requests: [{"group", "rows", "requests", "mixed"}]."""
+    case = build_case(geometry.replace(group_rows="consecutive"))
+    plan = plan_groups(case, "consecutive")
+    req = case.token_to_req.cpu()
+    out = []
+    for g, rows in enumerate(plan.group_rows.cpu().tolist()):
+        held = sorted(set(req[rows].tolist()))
+        out.append({"group": g, "rows": [rows[0], rows[-1]], "requests": held, "mixed": len(held) > 1})
+    return out
+
+
+def row_map(records, geometry: Geometry, payload: str, poisoned_request: int) -> dict:
+    """What plot_cross_request draws for one poisoned run of `geometry` (its q_heads and kv_dtype):
+    {"routes", "nonfinite": {route: [row, ...]}, "request_of_row", "grouped_rows" (the rows upstream's
+    consecutive groups take), "payload", "poisoned_request", "q_heads"}."""
+    nonfinite, routes = {}, []
+    for r in records:
+        if (r["payload"], r["poisoned_request"], r["q_heads"], r["kv_dtype"]) != \
+                (payload, poisoned_request, geometry.q_heads, geometry.kv_dtype) or r["route"] is None:
+            continue
+        if r["route"] not in nonfinite:
+            routes.append(r["route"])
+            nonfinite[r["route"]] = []
+        nonfinite[r["route"]] += r["rows"]
+    if not routes:
+        raise ValueError(f"payload, poisoned_request: no run of {payload!r} in request {poisoned_request} at "
+                         f"q_heads {geometry.q_heads}, {geometry.kv_dtype}")
+    owner = [k for k, n in enumerate(geometry.rows_of_requests()) for _ in range(n)]
+    return {"routes": routes, "nonfinite": {k: sorted(v) for k, v in nonfinite.items()}, "request_of_row": owner,
+            "grouped_rows": geometry.rows // 8 * 8, "payload": payload, "poisoned_request": poisoned_request,
+            "q_heads": geometry.q_heads}
+
+
+def _ranges(rows) -> str:
+    """[40, 41, 42, 45] -> '40-42,45'."""
+    out, run = [], []
+    for r in sorted(rows):
+        if run and r != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(r)
+    if run:
+        out.append(run)
+    return ",".join(f"{x[0]}-{x[-1]}" if len(x) > 1 else str(x[0]) for x in out)
+
+
+def pivot_frame(records, q_heads: int):
+    """One q_heads as a table to read: a route per line, a column per (payload, poisoned request);
+    a cell lists the other requests' rows that went non-finite ('r1:46 r2:47'; '-' for none), with
+    '*' when the poisoned request's own rows are not non-finite exactly where the reference's are."""
+    import pandas as pd
+
+    cells, routes, cols = {}, [], []
+    for r in records:
+        if r["route"] is None or r["q_heads"] != q_heads:
+            continue
+        col = f"{r['payload']} in r{r['poisoned_request']}"
+        if r["route"] not in routes:
+            routes.append(r["route"])
+        if col not in cols:
+            cols.append(col)
+        cell = cells.setdefault((r["route"], col), {"leaks": [], "own": True})
+        if r["verdict"] == OWN:
+            cell["own"] = r["as_reference"]
+        elif r["rows"]:
+            cell["leaks"].append(f"r{r['request']}:{_ranges(r['rows'])}")
+    table = {route: {col: (" ".join(c["leaks"]) or "-") + ("" if c["own"] else " *")
+                     for col in cols if (c := cells.get((route, col)))} for route in routes}
+    return pd.DataFrame.from_dict(table, orient="index")

@@ -1,0 +1,156 @@
+"""`qsa-lab cross-request`: argv -> the mixed-request case (qsa_lab.analysis.cross_request): each
+request's attended V poisoned in turn, every route judged per request, per query-head count. No
+torch until the arguments are good.
+
+Exit codes: 0 no route that must stay clean (the reference, xqa and the complete fixes) gave another
+request's row a non-finite value; 1 one did; 2 bad input, one line `qsa-lab: error: <argument>:
+<problem>`; 3 any other failure (one line).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from qsa_lab.app.args import EXIT_DIFFERS, EXIT_OK, UsageError, blame, check_outputs, int_list, integer
+from qsa_lab.model.geometry import BACKENDS, KV_DTYPES, MIXES, PAYLOADS
+
+DEFAULT_Q_HEADS = (2, 6, 8)   # 16 score rows (one M-tile for the whole group), the report's 6, 8 (half an M-tile each)
+
+
+def add_parser(sub, parents=()):
+    p = sub.add_parser(
+        "cross-request", parents=list(parents),
+        help="the mixed-request case: one request's NaN/Inf in V, which rows of which request go non-finite",
+        description="Build a batch whose groups of 8 consecutive rows mix requests (upstream's host route forms "
+                    "them so), poison each request's attended V in turn (NaN, Inf, and a finite control: max) and "
+                    "judge every route per request: the poisoned request's own rows against the float64 "
+                    "reference, every other request's rows must stay finite. Exit 1 when the reference, xqa or a "
+                    "complete fix (grouped+request_groups, grouped+finite_pv) gives another request's row a "
+                    "non-finite value.")
+    p.add_argument("mix", nargs="?", choices=tuple(MIXES), default="upstream-mix",
+                   help="the batch: upstream-mix = upstream's regression test shape, 46 + 1 + 1 + 1 rows (rows 40-47 "
+                        "form one group of requests 0, 1, 2); prefill-mix = 20 + 13 + 7 rows; decode-mix = 4 + 19 x 3 "
+                        "rows (default upstream-mix)")
+    p.add_argument("--q-heads", type=int_list, default=list(DEFAULT_Q_HEADS), metavar="N,..",
+                   help="query heads per KV head, one run each (default 2,6,8)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="e4m3", help="KV cache element type (default e4m3)")
+    p.add_argument("--payloads", default="nan,inf,max", metavar="P,..",
+                   help=f"comma list of {', '.join(PAYLOADS)}; max is the finite control (default nan,inf,max; "
+                        "e4m3 has no inf: listed as n/a)")
+    p.add_argument("--requests", type=int_list, metavar="R,..", help="the requests poisoned, one at a time (default all)")
+    p.add_argument("--routes", metavar="ROUTE,..", help="routes to run (default all; the reference always runs)")
+    p.add_argument("--dims", type=int_list, metavar="D,..", help="head dims poisoned (default 102,152,168,170,230 "
+                                                                  "modulo --head-dim)")
+    g = p.add_argument_group("a smaller case (default: the preset's; context 2051, head dim 256, topk 512)")
+    g.add_argument("--context", type=integer, help="tokens of request 0 (default 2051, the preset's)")
+    g.add_argument("--head-dim", type=integer, help="head dimension, a multiple of 16 (default 256)")
+    g.add_argument("--topk", type=integer, help="selected 4-token blocks per row (default 512)")
+    g.add_argument("--seed", type=integer, help="seed of q, K/V and the selections (default 0)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="(default auto)")
+    p.add_argument("--json", metavar="PATH|-", help=f"write the records (schema qsa_lab.cross_request/1) to PATH, or - "
+                                                    "for stdout (default: none)")
+    p.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
+    p.set_defaults(func=run)
+    return p
+
+
+def check_args(args) -> dict:
+    """Torch-free checks -> the settings (geometries per q_heads, payloads, routes); UsageError naming
+    the argument."""
+    from qsa_lab.model import memory as resources
+    from qsa_lab.routes.labels import ROUTES, check_renamed
+
+    payloads = [x.strip() for x in args.payloads.split(",") if x.strip()]
+    bad = [x for x in payloads if x not in PAYLOADS]
+    if not payloads or bad:
+        raise UsageError(f"--payloads: each one of {', '.join(PAYLOADS)}, got {args.payloads!r}")
+    routes = None
+    if args.routes is not None:
+        routes = [x.strip() for x in args.routes.split(",") if x.strip()]
+        for r in routes:
+            with blame({}, "--routes"):
+                check_renamed(r, "--routes")
+        unknown = [r for r in routes if r not in ROUTES]
+        if not routes or unknown:
+            raise UsageError(f"--routes: each one of {', '.join(ROUTES)}, got {args.routes!r}")
+    over = {k: getattr(args, k) for k in ("context", "head_dim", "topk", "seed") if getattr(args, k) is not None}
+    geometries = []
+    for hq in args.q_heads:
+        with blame({"q_heads": "--q-heads", "context": "--context", "head_dim": "--head-dim", "topk": "--topk",
+                    "seed": "--seed"}, "--q-heads"):
+            geometries.append(MIXES[args.mix].replace(q_heads=hq, kv_dtype=args.kv_dtype, **over))
+    if not geometries:
+        raise UsageError("--q-heads: empty list")
+    requests = args.requests
+    if requests is not None:
+        bad = [r for r in requests if not 0 <= r < geometries[0].requests]
+        if bad:
+            raise UsageError(f"--requests: each in [0, {geometries[0].requests}), got {bad}")
+    if args.dims is not None:
+        bad = [d for d in args.dims if not 0 <= d < geometries[0].head_dim]
+        if bad:
+            raise UsageError(f"--dims: head dims must lie in [0, {geometries[0].head_dim}), got {bad}")
+    budget = resources.default_budget()
+    for g in geometries:
+        with blame({}, "--context"):
+            resources.require(g, budget)
+    outs = check_outputs(args, {"--json": None if args.json == "-" else args.json})
+    return {"geometries": geometries, "payloads": payloads, "routes": routes, "requests": requests,
+            "json": outs.get("--json")}
+
+
+def run(args) -> int:
+    s = check_args(args)
+    from qsa_lab.analysis.cross_request import MUST_BE_CLEAN, SCHEMA, cross_request, groups_of, leaks, pivot_frame
+    from qsa_lab.analysis.leaks import NA
+    from qsa_lab.routes.run import resolve_backend
+    from qsa_lab.support.outputs import write_text
+
+    with blame({}, "--backend"):
+        backend = resolve_backend(args.backend, s["geometries"][0])
+    quiet = args.json == "-"
+    records, runs = [], []
+    for g in s["geometries"]:
+        with blame({"dims": "--dims", "requests": "--requests"}, "--q-heads"):
+            got = cross_request(g, s["payloads"], s["requests"], s["routes"], backend, args.dims,
+                                progress=None if quiet else lambda t: print(f"# running {t}", file=sys.stderr))
+        records += got
+        runs.append({"geometry": {**g.to_dict(), "request_rows": list(g.request_rows)}, "groups": groups_of(g)})
+    bad = leaks(records, MUST_BE_CLEAN)
+    doc = {"schema": SCHEMA, "backend": backend, "mix": args.mix, "runs": runs, "records": records,
+           "must_be_clean": list(MUST_BE_CLEAN), "must_be_clean_leaks": len(bad)}
+    text = dump(doc)
+    if quiet:
+        sys.stdout.write(text)
+    else:
+        g0 = s["geometries"][0]
+        print(f"# {args.mix}: {g0.rows} rows of {g0.requests} requests {g0.rows_of_requests()}, ctx {g0.context}, "
+              f"topk {g0.topk}, D {g0.head_dim}, {g0.kv_dtype}  [backend: {backend}]")
+        mixed = [f"{x['rows'][0]}-{x['rows'][1]} (requests {','.join(map(str, x['requests']))})"
+                 for x in runs[0]["groups"] if x["mixed"]]
+        print(f"# groups of 8 consecutive rows that mix requests: {'; '.join(mixed) or 'none'}")
+        skipped = sorted({r["note"] for r in records if r["verdict"] == NA})
+        for note in skipped:
+            print(f"# n/a: {note}")
+        for g in s["geometries"]:
+            print(f"\n# {g.q_heads} query heads: other requests' rows that went non-finite, per poisoned request "
+                  "(* = the poisoned request's own rows are not non-finite exactly as the reference's)")
+            print(pivot_frame(records, g.q_heads).to_string())
+        print()
+        leaky = sorted({r["route"] for r in leaks(records)})
+        print(f"# routes that gave another request's row a non-finite value: {', '.join(leaky) or 'none'}")
+        print("# must stay clean (reference, xqa, the complete fixes): "
+              + ("none leaks" if not bad else f"LEAK in {', '.join(sorted({r['route'] for r in bad}))}"))
+    if s["json"] is not None:
+        with blame({}, "--json"):
+            write_text(s["json"], text, "--json", force=args.force)
+        if not quiet:
+            print(f"# wrote {s['json']}")
+    return EXIT_DIFFERS if bad else EXIT_OK
+
+
+def dump(doc: dict) -> str:
+    """The document as JSON, one record per line (a run of every route, request and payload is thousands)."""
+    head = json.dumps({k: v for k, v in doc.items() if k != "records"}, indent=1)
+    records = ",\n".join("  " + json.dumps(r, separators=(",", ":")) for r in doc["records"])
+    return head[:-2] + ',\n "records": [\n' + records + "\n ]\n}\n"

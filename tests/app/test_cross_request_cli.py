@@ -1,0 +1,49 @@
+"""`qsa-lab cross-request` (the mixed-request case) and the mixed presets on the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qsa_lab.app.cli import main
+
+SMALL = ["--head-dim", "32", "--context", "120", "--topk", "32", "--backend", "emulate"]
+
+
+def test_cross_request_table_and_exit(capsys):
+    assert main(["cross-request", "--q-heads", "6", "--requests", "1", "--payloads", "nan,max", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "groups of 8 consecutive rows that mix requests: 40-47 (requests 0,1,2)" in out
+    line = next(x for x in out.splitlines() if x.startswith("grouped+kernel_fix "))
+    assert line.split()[1:] == ["r0:45", "r2:47", "-"]          # nan in r1 reaches rows 45 and 47; max: nothing
+    assert next(x for x in out.splitlines() if x.startswith("grouped+finite_pv ")).split()[1:] == ["-", "-"]
+    assert "# must stay clean (reference, xqa, the complete fixes): none leaks" in out
+
+
+def test_cross_request_json(capsys, tmp_path):
+    assert main(["cross-request", "prefill-mix", "--q-heads", "2", "--requests", "0", "--payloads", "nan",
+                 "--routes", "grouped+both_fixes,grouped+request_groups", "--json", "-", *SMALL]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "qsa_lab.cross_request/1" and doc["mix"] == "prefill-mix" and doc["must_be_clean_leaks"] == 0
+    assert doc["runs"][0]["geometry"]["request_rows"] == [20, 13, 7]
+    assert [g["requests"] for g in doc["runs"][0]["groups"] if g["mixed"]] == [[0, 1], [1, 2]]
+    leak = [r for r in doc["records"] if r["verdict"] == "leak"]
+    assert {r["route"] for r in leak} == {"grouped+both_fixes"} and {r["request"] for r in leak} == {1}
+
+
+@pytest.mark.parametrize("argv, flag", [(["--payloads", "nan,zap"], "--payloads"), (["--requests", "4"], "--requests"),
+                                        (["--q-heads", "0"], "--q-heads"), (["--routes", "fixA"], "--routes"),
+                                        (["--dims", "999"], "--dims"), (["--head-dim", "20"], "--head-dim")])
+def test_cross_request_bad_input_names_the_argument(argv, flag, capsys):
+    assert main(["cross-request", *argv, "--backend", "emulate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"qsa-lab: error: {flag}: "), err
+
+
+def test_diff_mixed_preset_and_request_rows(capsys):
+    assert main(["diff", "upstream-mix", "--head-dim", "32", "--context", "120", "--topk", "32", "--poison",
+                 "attended-v", "--backend", "emulate", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["geometry"]["request_rows"] == [46, 1, 1, 1] and doc["geometry"]["rows"] == 49
+    assert main(["diff", "--rows", "5", "--requests", "2", "--request-rows", "4,2", "--backend", "emulate"]) == 2
+    assert capsys.readouterr().err.startswith("qsa-lab: error: --request-rows: ")
