@@ -21,7 +21,7 @@ from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer,
 from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
 from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS, CheckpointError
 from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
-from qsa_lab.scribble.vllm_env import NOT_ON_VLLM
+from qsa_lab.scribble.vllm_env import NOT_ON_VLLM, VLLM_ONLY_MODELS
 
 MODEL_NAMES = tuple(MODELS)
 DTYPES = ("float32", "float16", "bfloat16")                                  # scribble.isolated.build_engine
@@ -52,8 +52,8 @@ def add_parser(sub, parents=()):
                    help="transformers' continuous batching, or vLLM (in its own environment, .venv-vllm) "
                         "(default transformers)")
     p.add_argument("--model", default="llama-gqa",
-                   help=f"a tiny model built from a config ({', '.join(MODEL_NAMES)}) or a local checkpoint "
-                        "folder (default llama-gqa)")
+                   help=f"a tiny model built from a config ({', '.join(MODEL_NAMES)}; with --engine vllm also "
+                        f"{', '.join(VLLM_ONLY_MODELS)}) or a local checkpoint folder (default llama-gqa)")
     p.add_argument("--workload", default="chunked-prefill", type=_workload, choices=tuple(WORKLOADS),
                    help="named seeded workload (default chunked-prefill)")
     p.add_argument("--attn", default="paged|eager",
@@ -99,7 +99,7 @@ def _inputs(args) -> dict:
     """{what: path} of the files the run reads (a checkpoint folder's files, the --attn file), which no
     output may be."""
     out = {}
-    if args.model not in MODEL_NAMES:
+    if args.model not in MODEL_NAMES + VLLM_ONLY_MODELS:
         for f in sorted(Path(args.model).iterdir()):
             if f.is_file():
                 out[f"--model {f.name}"] = str(f)
@@ -118,7 +118,9 @@ def check_args(args) -> dict:
 
     if not args.model.strip():
         raise UsageError(f"--model: empty; a built-in tiny model ({', '.join(MODEL_NAMES)}) or a checkpoint folder")
-    if args.model not in MODEL_NAMES:
+    if args.model in VLLM_ONLY_MODELS and args.engine != "vllm":
+        raise UsageError(f"--model: {args.model}: built for --engine vllm only")
+    if args.model not in MODEL_NAMES + VLLM_ONLY_MODELS:
         if not Path(args.model).is_dir():
             raise UsageError(f"--model: {args.model!r} is neither a built-in tiny model ({', '.join(MODEL_NAMES)}) "
                              "nor a local folder")
@@ -237,7 +239,7 @@ def run_vllm(args, settings) -> int:
     from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload
     from qsa_lab.support.outputs import write_text
 
-    builtin = args.model in MODEL_NAMES
+    builtin = args.model in MODEL_NAMES + VLLM_ONLY_MODELS
     engine = None
     try:
         folder = vllm_model(args.model, seed=args.seed) if builtin else args.model

