@@ -50,11 +50,11 @@ void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
 }
 
 // kv_cache: [pages, 2, page_size, 1, head_dim], uint8 codes (fp8) or fp16.
-void check_kv_cache(const at::Tensor& kv, int kv_format, int head_dim, const at::Device& device) {
+void check_kv_cache(const at::Tensor& kv, int kv_dtype, int head_dim, const at::Device& device) {
   check_cuda_tensor(kv, "kv_cache", device);
-  TORCH_CHECK(kv_format >= qsa::kE4M3 && kv_format <= qsa::kFP16,
-              "kv_format: expected 0 (e4m3), 1 (e5m2) or 2 (fp16), got " + num(kv_format));
-  check_dtype(kv, "kv_cache", kv_format == qsa::kFP16 ? at::kHalf : at::kByte);
+  TORCH_CHECK(kv_dtype >= qsa::kE4M3 && kv_dtype <= qsa::kFP16,
+              "kv_dtype: expected 0 (e4m3), 1 (e5m2) or 2 (fp16), got " + num(kv_dtype));
+  check_dtype(kv, "kv_cache", kv_dtype == qsa::kFP16 ? at::kHalf : at::kByte);
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(3) == 1,
               "kv_cache: expected shape [pages, 2, page_size, 1, head_dim], got " + shape(kv));
   TORCH_CHECK(kv.size(0) > 0, "kv_cache: expected at least one page");
@@ -116,12 +116,12 @@ void dispatch_variant(int variant, const qsa::GroupedParams& p, int groups, unsi
 std::vector<at::Tensor> grouped_forward(const at::Tensor& q, const at::Tensor& kv_cache, double k_scale,
                                         double v_scale, const at::Tensor& group_rows_in,
                                         const at::Tensor& microblocks, const at::Tensor& masks,
-                                        const at::Tensor& seq_len, int64_t kv_format, double sm_scale,
+                                        const at::Tensor& seq_len, int64_t kv_dtype, double sm_scale,
                                         int64_t variant, bool return_lse) {
   check_q(q, "q");
   const at::Device device = q.device();
   const int q_heads = (int)q.size(1), head_dim = (int)q.size(2);
-  check_kv_cache(kv_cache, (int)kv_format, head_dim, device);
+  check_kv_cache(kv_cache, (int)kv_dtype, head_dim, device);
   TORCH_CHECK(variant >= qsa::kUnfixed && variant <= qsa::kFinitePv, "variant: expected 0..5, got " + num(variant));
   check_cuda_tensor(group_rows_in, "group_rows", device);
   TORCH_CHECK(group_rows_in.scalar_type() == at::kLong || group_rows_in.scalar_type() == at::kInt,
@@ -187,7 +187,7 @@ std::vector<at::Tensor> grouped_forward(const at::Tensor& q, const at::Tensor& k
   p.v_scale = (float)v_scale;
   const unsigned int smem = qsa::grouped::smem_layout(q_heads, head_dim).total;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (kv_format) {
+  switch (kv_dtype) {
     case qsa::kE4M3: dispatch_variant<qsa::kE4M3>((int)variant, p, (int)groups, smem, stream); break;
     case qsa::kE5M2: dispatch_variant<qsa::kE5M2>((int)variant, p, (int)groups, smem, stream); break;
     default: dispatch_variant<qsa::kFP16>((int)variant, p, (int)groups, smem, stream); break;
@@ -208,13 +208,13 @@ void launch_xqa(const qsa::XqaParams& p, int n, cudaStream_t stream) {
 
 // Returns out [n, q_heads, head_dim] fp16.
 at::Tensor xqa_forward(const at::Tensor& q_rows, const at::Tensor& kv_cache, double k_scale, double v_scale,
-                       const at::Tensor& token_index, const at::Tensor& token_count, int64_t kv_format,
+                       const at::Tensor& token_index, const at::Tensor& token_count, int64_t kv_dtype,
                        double sm_scale) {
   check_q(q_rows, "q_rows");
   const at::Device device = q_rows.device();
   const int64_t n = q_rows.size(0);
   const int q_heads = (int)q_rows.size(1), head_dim = (int)q_rows.size(2);
-  check_kv_cache(kv_cache, (int)kv_format, head_dim, device);
+  check_kv_cache(kv_cache, (int)kv_dtype, head_dim, device);
   check_cuda_tensor(token_index, "token_index", device);
   check_dtype(token_index, "token_index", at::kLong);
   TORCH_CHECK(token_index.dim() == 2 && token_index.size(0) == n,
@@ -241,10 +241,10 @@ at::Tensor xqa_forward(const at::Tensor& q_rows, const at::Tensor& kv_cache, dou
 
   const c10::cuda::CUDAGuard guard(device);
   // Upstream's split: 256-token partitions with fp32 partials (fp8), 1024 with fp16 (fp16 KV).
-  const int partition = qsa::xqa::partition_tokens((int)kv_format);
+  const int partition = qsa::xqa::partition_tokens((int)kv_dtype);
   const int parts = (int)((T + partition - 1) / partition);
   at::Tensor part_o = at::empty({n, parts, q_heads, head_dim},
-                                q_rows.options().dtype(qsa::xqa::partial_bytes((int)kv_format) == 2 ? at::kHalf : at::kFloat));
+                                q_rows.options().dtype(qsa::xqa::partial_bytes((int)kv_dtype) == 2 ? at::kHalf : at::kFloat));
   at::Tensor part_ml = at::empty({2, n, parts, q_heads}, q_rows.options().dtype(at::kFloat));
   qsa::XqaParams p;
   p.q = reinterpret_cast<const __half*>(q_rows.data_ptr<at::Half>());
@@ -264,7 +264,7 @@ at::Tensor xqa_forward(const at::Tensor& q_rows, const at::Tensor& kv_cache, dou
   p.qk_scale = (float)(sm_scale * k_scale);
   p.v_scale = (float)v_scale;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (kv_format) {
+  switch (kv_dtype) {
     case qsa::kE4M3: launch_xqa<qsa::kE4M3>(p, (int)n, stream); break;
     case qsa::kE5M2: launch_xqa<qsa::kE5M2>(p, (int)n, stream); break;
     default: launch_xqa<qsa::kFP16>(p, (int)n, stream); break;
@@ -274,11 +274,11 @@ at::Tensor xqa_forward(const at::Tensor& q_rows, const at::Tensor& kv_cache, dou
 
 // Returns [len(microblocks) * 4, head_dim] fp16: the tokens as the kernels decode them (no scale).
 at::Tensor decode_panel(const at::Tensor& kv_cache, const at::Tensor& microblocks, int64_t plane,
-                        int64_t kv_format) {
+                        int64_t kv_dtype) {
   TORCH_CHECK(kv_cache.dim() == 5, "kv_cache: expected shape [pages, 2, page_size, 1, head_dim], got " + shape(kv_cache));
   const int head_dim = (int)kv_cache.size(4);
   check_head_dim(head_dim, "kv_cache");
-  check_kv_cache(kv_cache, (int)kv_format, head_dim, kv_cache.device());
+  check_kv_cache(kv_cache, (int)kv_dtype, head_dim, kv_cache.device());
   check_cuda_tensor(microblocks, "microblocks", kv_cache.device());
   check_dtype(microblocks, "microblocks", at::kInt);
   TORCH_CHECK(microblocks.dim() == 1, "microblocks: expected shape [n], got " + shape(microblocks));
@@ -298,7 +298,7 @@ at::Tensor decode_panel(const at::Tensor& kv_cache, const at::Tensor& microblock
   const auto* kv = reinterpret_cast<const unsigned char*>(kv_cache.data_ptr());
   auto* o = reinterpret_cast<__half*>(out.data_ptr<at::Half>());
   const int page_size = (int)kv_cache.size(2);
-  switch (kv_format) {
+  switch (kv_dtype) {
     case qsa::kE4M3:
       qsa::decode_panel_kernel<qsa::kE4M3><<<blocks, threads, 0, stream>>>(
           kv, microblocks.data_ptr<int>(), (int)n, (int)plane, page_size, head_dim, o);

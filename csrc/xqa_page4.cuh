@@ -35,8 +35,8 @@ struct Partition {
   static constexpr int kTokens = FMT == kFP16 ? 1024 : 256;
   using Partial = typename PartialType<FMT == kFP16>::type;
 };
-__host__ __device__ constexpr int partition_tokens(int kv_format) { return kv_format == kFP16 ? 1024 : 256; }
-__host__ __device__ constexpr int partial_bytes(int kv_format) { return kv_format == kFP16 ? 2 : 4; }
+__host__ __device__ constexpr int partition_tokens(int kv_dtype) { return kv_dtype == kFP16 ? 1024 : 256; }
+__host__ __device__ constexpr int partial_bytes(int kv_dtype) { return kv_dtype == kFP16 ? 2 : 4; }
 static_assert(Partition<kFP16>::kTokens == partition_tokens(kFP16) &&
               Partition<kE4M3>::kTokens == partition_tokens(kE4M3), "one partition size per format");
 
@@ -64,8 +64,8 @@ struct XqaParams {
 };
 
 // Shared memory: token byte offsets [P] | q [heads][D] f32 | p [heads][P] f32.
-__host__ __device__ inline unsigned int xqa_smem_bytes(int q_heads, int head_dim, int kv_format) {
-  const int P = xqa::partition_tokens(kv_format);
+__host__ __device__ inline unsigned int xqa_smem_bytes(int q_heads, int head_dim, int kv_dtype) {
+  const int P = xqa::partition_tokens(kv_dtype);
   return (unsigned int)(P * 8 + q_heads * head_dim * 4 + q_heads * P * 4);
 }
 

@@ -83,7 +83,8 @@ def table_html(rows: list[dict]) -> str:
 
 def export_html(paths: list, kept: bool) -> str:
     """The export message: the folder once (relative to the notebook's folder when near it, the
-    absolute paths on hover) and the file names, whole; `kept`: a second click on an unchanged
+    absolute paths on hover) and the file names, whole, in a smaller font (a name with every fix
+    runs to 150 characters); `kept`: a second click on an unchanged
     figure, which finds its files already there and writes nothing."""
     import os
 
@@ -93,7 +94,7 @@ def export_html(paths: list, kept: bool) -> str:
     names = f"{stem}{paths[0].suffix}, " + ", ".join(p.suffix for p in paths[1:])
     what = "already exported, unchanged:" if kept else "exported:"
     return (f"<span style='color:#2b8a3e' title='{_esc(chr(10).join(map(str, paths)))}'>{what} "
-            f"<span style='overflow-wrap:anywhere'>{_esc(names)}</span> in {_esc(shown)}</span>")
+            f"<span style='overflow-wrap:anywhere;font-size:80%'>{_esc(names)}</span> in {_esc(shown)}</span>")
 
 
 def preset_label(name: str) -> str:

@@ -322,7 +322,7 @@ BINDING_LAUNCHES = (
     ("qsa::xqa_reduce_kernel<<<n, qsa::xqa::kThreads, 0, stream>>>(p)",
      "qsa::xqa_reduce_kernel<FMT><<<n, qsa::xqa::kThreads, 0, stream>>>(p)"),
     ("(T + qsa::xqa::kPartition - 1) / qsa::xqa::kPartition",
-     "partition = qsa::xqa::partition_tokens((int)kv_format); const int parts = (int)((T + partition - 1) / partition)"),
+     "partition = qsa::xqa::partition_tokens((int)kv_dtype); const int parts = (int)((T + partition - 1) / partition)"),
     ("at::empty({n, parts, q_heads, head_dim}",),
     ("at::empty({2, n, parts, q_heads}",),
 )

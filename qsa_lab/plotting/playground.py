@@ -274,7 +274,7 @@ def export_meta(data: dict) -> dict:
 
 def export_name(data: dict) -> str:
     """A file stem that says what the figure shows, e.g.
-    playground_targeted-v_d102-152-168-170-230_r19x1-ctx2048-k128-e4m3-gs0_fixes-kernel_fix+pad_fix+both_fixes+masked_load_emulate
+    playground_targeted-v_d102-152-168-170-230_r19x1-ctx2048-k128-e4m3-gs0_fixes-kernel_fix+pad_fix+both_fixes+masked_load+request_groups+finite_pv_emulate
     (a poison seed `_psN` only for the sites whose bytes depend on it: random, fp16-state)."""
     p, g = data["params"], data["geometry"]
     dims = ""

@@ -387,8 +387,6 @@ def plot_repro_table(table, ax=None):
     from qsa_lab.routes.labels import ROUTES, SHORT, heading, short_key, short_routes
 
     routes = [r for r in ROUTES if f"nan[{r}]" in table.columns]
-    ax = _ax(ax, (14 + 0.95 * max(0, len(routes) - 7), 0.32 * len(table) + 1.6))   # a column more per new route
-    ax.axis("off")
     cols = [f"nan[{r}]" for r in routes]
     diff_cols = [c for c in table.columns if c.startswith("max|grouped+")]
     header = (["case", "poisoned dims"] + [heading(r).replace(" ", "\n") for r in routes]
@@ -414,10 +412,19 @@ def plot_repro_table(table, ax=None):
         colors.append(["white", "white"] + route_colors
                       + ["white", "white" if ok is None else SAME_COLOR if ok else DIFF_COLOR, "white",
                          "white" if rep is None else SAME_COLOR if rep else DIFF_COLOR])
+    # each column as wide as its longest header line or cell ('request_groups', 'grp,A,B,A+B,C,R,F'), at least
+    # its usual width; the figure as wide as its columns (12.2 in per unit: 14 in for the seven routes)
+    def fit(j, least):
+        return max([least, 0.0062 * max(len(line) for line in header[j].split("\n"))]
+                   + [0.0062 * len(row[j]) for row in cells if j >= 2])
+    n = len(cols)
+    widths = ([0.245, 0.135] + [fit(2 + k, 0.066) for k in range(n)]
+              + [fit(2 + n, 0.086), 0.056, 0.105, 0.058])
+    ax = _ax(ax, (12.2 * sum(widths), 0.32 * len(table) + 1.6))
+    ax.axis("off")
     tab = ax.table(cellText=cells, colLabels=header, cellColours=colors, bbox=[0, 0, 1, 1], cellLoc="center")
     tab.auto_set_font_size(False)
     tab.set_fontsize(8.5)
-    widths = [0.245, 0.135] + [0.066] * len(cols) + [0.086, 0.056, 0.105, 0.058]
     for (i, j), cell in tab.get_celld().items():
         cell.set_width(widths[j] / sum(widths))
     for j in range(len(header)):

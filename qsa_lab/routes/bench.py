@@ -125,7 +125,8 @@ def _sm_clock_mhz():
 
 def capture_graph(fn):
     """fn() captured in a CUDA graph (run once eagerly first, on a side stream: the binding's range checks
-    synchronise and must not run inside the capture) -> the graph."""
+    synchronise and must not run inside the capture) -> the graph. The graph holds fn: a replay reads the
+    tensors fn's closure holds, whose memory must not be freed and reused while the graph lives."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -134,6 +135,7 @@ def capture_graph(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    graph.reads = fn
     return graph
 
 

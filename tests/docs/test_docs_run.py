@@ -46,6 +46,7 @@ NOT_RUN = [
     (r"flashinfer:|vllm:|--vllm-src|sdpa-(efficient|cudnn|flash)\b", "a GPU and FlashInfer or vLLM", "GPU"),
     (r"^python (repro/\S+\.py|tools/ptx70_check\.py check)\b", "a GPU", "GPU"),
     (r"^bash benchmarks/", "a GPU machine's whole check", "GPU"),
+    (r"^python scripts/upstream/", "a GPU and the op under test", "GPU"),
     (r"^qsa-lab lab\b", "JupyterLab, interactive (tests/e2e opens it)", None),
     (r"benchmarks/bench_cpu\.py", "minutes of timed whole processes beside a base commit", None),
     (r"benchmarks/bench_playground\.py", "minutes of timed redraws", None),

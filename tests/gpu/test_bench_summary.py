@@ -1,5 +1,7 @@
 """The bench JSON's per-tile summary (no GPU needed): kernel_fix (A) beside the report's V100 figure
 and the performance targets, computed from a bench point's numbers."""
+import pytest
+
 from qsa_lab.routes.compiled import BARRIERS_PER_TILE, VARIANTS
 from qsa_lab.routes.bench import KERNEL_OF, REPORT_KERNEL_FIX_MS, kernel_fix_vs_report, targets
 
@@ -38,3 +40,27 @@ def test_targets_pass_and_fail():
     assert t["grouped_le_xqa_rows_256"] == {"8192": True}
     slow = targets(point(16, 8192, 0.21, 0.2, tiles=100, masked_load=1.05), sweep)
     assert not slow["unfixed_us_per_tile_le_2"] and not slow["masked_load_ratio_le_1.03"]
+
+
+@pytest.mark.gpu
+def test_a_captured_graph_keeps_alive_what_it_reads():
+    """A replay after the captured function's own tensors went out of scope and their memory was
+    handed out again still reads the captured inputs (the graph holds the function)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from qsa_lab.routes.bench import capture_graph
+
+    out = torch.zeros(4096, device="cuda")
+
+    def make():
+        x = torch.full((4096,), 3.0, device="cuda")
+        return lambda: out.copy_(x * 2)
+
+    graph = capture_graph(make())
+    junk = [torch.full((4096,), 7.0, device="cuda") for _ in range(16)]   # would take a freed x's block
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(out, 6.0)), out[:4]
+    del junk
