@@ -161,7 +161,7 @@ if [ "$MODE" = all ] && [ "$(left)" -lt ${FI_NEEDS:-170} ]; then
 elif ! $PY -c "import flashinfer" 2>/dev/null && ls "$FLASHINFER_WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
   # with its dependencies from the same folder where they are there, else without (the image's packages)
   { $PY -m pip install --no-index --find-links "$FLASHINFER_WHEELS" flashinfer-python \
-      || $PY -m pip install --no-index --no-deps "$FLASHINFER_WHEELS"/flashinfer_python-*.whl; } \
+      || $PY -m pip install --no-index --no-deps "$FLASHINFER_WHEELS"/*.whl; } \
     >"$OUTDIR/logs/flashinfer_install.log" 2>&1 \
     && echo "installed flashinfer from $FLASHINFER_WHEELS" || { echo "flashinfer install failed:"; tail -3 "$OUTDIR/logs/flashinfer_install.log"; }
 fi
@@ -173,6 +173,7 @@ if [ "$FI_RUN" = 1 ] && $PY -c "import flashinfer; print('flashinfer', flashinfe
   [ "$MODE" = flashinfer ] && check "flashinfer matrix ran to its end (its leaks are findings, not failures)" 0 $(( rc == 124 ))
 elif [ "$FI_RUN" = 1 ]; then
   echo "flashinfer not importable here (put flashinfer_python-0.6.18*.whl in .whl/ or FLASHINFER_WHEELS=DIR and carry it):"
+  $PY -c "import flashinfer" 2>&1 | tail -1
   echo "the FlashInfer matrix was not run"
   [ "$MODE" = flashinfer ] && check "flashinfer importable" yes no
 fi

@@ -63,6 +63,9 @@ def test_api_errors_are_one_line_naming_the_argument(name, call, kind, arg, monk
 
 SIGNAL_AT = textwrap.dedent('''
     import os, signal, sys
+    # as at a terminal: a test run started in the background (`make test &`) hands its children
+    # SIGINT ignored, and qsa-lab rightly keeps an ignored signal ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from qsa_lab.app import case_file
     from qsa_lab.support import outputs
 

@@ -241,12 +241,19 @@ def test_fix_cost_figure_says_what_it_asks_and_labels_do_not_overlap():
     assert overlapping_texts(fig) == []
     per_tile, ratio, upstream = fig.axes[:3]
     labels = [t.get_text() for t in per_tile.get_yticklabels()]
-    assert labels == ["unfixed", "kernel_fix (A)", "pad_fix (B)", "both_fixes (A+B)", "masked_load (C)"]
+    cost = figdata.fix_cost(figdata.bench_doc(False), figdata.load_upstream())
+    v = cost["variants"]
+    assert labels[:5] == ["unfixed", "kernel_fix (A)", "pad_fix (B)", "both_fixes (A+B)", "masked_load (C)"]
+    assert labels == [x["label"] for x in v.values()]      # every variant the committed bench measured
     texts = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
-    assert "×1.055" in texts and "(+0.19)" in texts and "3.49 µs" in texts         # ratio and µs per tile
+    a = v["kernel_fix"]                                     # ratio and µs per tile, as the data has them
+    assert f"×{a['ratio']:.3f}" in texts and f"({a['extra_us']:+.2f})" in texts
+    assert f"{v['unfixed']['us_per_tile']:.2f} µs" in texts
     assert any(abs(line.get_xdata()[0] - 1.246) < 1e-9 for line in ratio.lines)    # the report's V100 ratio
     assert "×1.25" in texts and "V100" in texts
-    assert "×1.040 (+0.32 µs)" in texts and "×1.073 (+0.25 µs)" in texts            # upstream beside ours
+    for r in cost["upstream"]["rows"]:                      # upstream beside ours
+        k = r["upstream_kernel_fix_ratio"]
+        assert f"×{k:.3f} (+{r['upstream_unfixed_us_per_tile'] * (k - 1):.2f} µs)" in texts
     assert "committed NVIDIA H200 run" in fig._suptitle.get_text() and "H200" in meta["timings_from"]
     for ax in fig.axes:                          # horizontal bars: no rotated label anywhere
         assert all(t.get_rotation() == 0 for t in ax.get_xticklabels() + ax.get_yticklabels() + ax.texts)
@@ -596,11 +603,14 @@ def test_fix_cost_table_is_rounded():
     from qsa_lab.analysis.bench_data import fix_cost_frame
 
     t = fix_cost_frame(cost)
-    assert list(t.index)[:2] == ["unfixed", "kernel_fix (A)"] and t.loc["unfixed", "µs per tile"] == 3.49
+    raw = cost["variants"]["unfixed"]["us_per_tile"]
+    assert raw != round(raw, 2)                        # the committed figure has more digits than shown
+    assert list(t.index)[:2] == ["unfixed", "kernel_fix (A)"] and t.loc["unfixed", "µs per tile"] == round(raw, 2)
     for col, places in (("µs per tile", 2), ("extra µs", 2), ("× unfixed", 3)):
         assert t[col].dtype == float and (t[col] == t[col].round(places)).all(), t[col]
-    assert t.loc["kernel_fix (A)", "× over the sweep"] == "1.056–1.076"
-    assert "3.488375" not in t.to_string() and "3.4883" not in t.to_string()
+    lo, hi = cost["variants"]["kernel_fix"]["sweep_ratio"]
+    assert t.loc["kernel_fix (A)", "× over the sweep"] == f"{lo:.3f}–{hi:.3f}"
+    assert repr(raw) not in t.to_string() and f"{raw:.4f}" not in t.to_string()
 
 
 def test_leak_matrix_tick_labels_are_readable():
