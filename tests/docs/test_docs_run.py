@@ -54,19 +54,17 @@ NOT_RUN = [
     (r"benchmarks/tile_rig\.py (build|run)\b", "a GPU", "GPU"),
     (r"^python3? -m venv\b", "set-up: a new environment", None),
     (r"^VLLM_PYTHON=\S*gpu", "vLLM's CUDA wheel and a GPU", "GPU"),
-    (r"--engine vllm\b", "vLLM's own environment (make vllm-env, which `make test` builds)", None),
     (r"tools/compare_commits\.py\b", "a git checkout holding both commits, and minutes per commit", None),
 ]
 
 
-#: `make vllm-env` has built vLLM's environment here: the `--engine vllm` commands run
-VLLM_ENV = (REPO / ".venv-vllm" / ".qsa_lab-vllm").exists()
+#: `make vllm-env` has built vLLM's environment here (`make test` does): the `--engine vllm` commands run
+if not (REPO / ".venv-vllm" / ".qsa_lab-vllm").exists():
+    NOT_RUN.append((r"--engine vllm\b", "vLLM's own environment (make vllm-env, which `make test` builds)", None))
 
 
 def not_run(cmd: Command) -> tuple[str, str | None] | None:
     for pattern, why, word in NOT_RUN:
-        if why.startswith("vLLM's own environment") and VLLM_ENV:
-            continue
         if re.search(pattern, cmd.line):
             return why, word
     return None
