@@ -12,15 +12,15 @@
 #   6. `qsa-lab cross-request --backend cuda` (e4m3 and fp16, query heads 2, 6, 8)
 #   7. the canary's per-row rule (other-rows) on the qsa routes, and over the FlashInfer matrix when
 #      flashinfer imports or a wheel of it lies in FLASHINFER_WHEELS (default .whl: carry that folder;
-#      installed with pip --no-index --find-links DIR flashinfer-python, nothing downloaded)
+#      installed with pip --no-index --no-deps DIR/*.whl, nothing downloaded: carry apache-tvm-ffi beside it)
 #
 #   bash benchmarks/complete_fix_gpu.sh [OUTDIR] [all|flashinfer]   (OUTDIR default: $OUT, else results/complete_fix)
 #
 # Time: every step's timeout is cut to what is left of BUDGET_S (default 520 s, the build included),
-# so one call ends with its summary in under 9 minutes. Stage 7's FlashInfer matrix (about 150 s with
-# FlashInfer's JIT) starts in `all` only with FI_NEEDS (default 170) seconds left; otherwise the log
+# so one call ends with its summary in under 9 minutes. Stage 7's FlashInfer matrix (about 230 s with
+# FlashInfer's JIT) starts in `all` only with FI_NEEDS (default 250) seconds left; otherwise the log
 # says so, and `... OUTDIR flashinfer` runs that stage alone in a second call (no kernel build:
-# about 3 minutes).
+# about 4 minutes).
 #
 # OUTDIR gets: complete_fix_h200.json (the cost: commit it as data/complete_fix_h200.json; notebook 05
 # and the docs' tables read it there), and for evidence/: complete_fix_gpu_h200.log (this log),
@@ -154,27 +154,37 @@ fi  # MODE all
 stage "canary: the per-row rule over the FlashInfer matrix"
 FLASHINFER_WHEELS=${FLASHINFER_WHEELS:-.whl}
 FI_RUN=1
-if [ "$MODE" = all ] && [ "$(left)" -lt ${FI_NEEDS:-170} ]; then
+if [ "$MODE" = all ] && [ "$(left)" -lt ${FI_NEEDS:-250} ]; then
   FI_RUN=0
-  echo "skipped: $(left) s left of this run's ${BUDGET_S} s (the FlashInfer matrix needs about ${FI_NEEDS:-170} s);"
+  echo "skipped: $(left) s left of this run's ${BUDGET_S} s (the FlashInfer matrix needs about ${FI_NEEDS:-250} s);"
   echo "run it alone: bash benchmarks/complete_fix_gpu.sh OUTDIR flashinfer"
 elif ! $PY -c "import flashinfer" 2>/dev/null && ls "$FLASHINFER_WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
-  # with its dependencies from the same folder where they are there, else without (the image's packages)
-  { $PY -m pip install --no-index --find-links "$FLASHINFER_WHEELS" flashinfer-python \
-      || $PY -m pip install --no-index --no-deps "$FLASHINFER_WHEELS"/*.whl; } \
-    >"$OUTDIR/logs/flashinfer_install.log" 2>&1 \
-    && echo "installed flashinfer from $FLASHINFER_WHEELS" || { echo "flashinfer install failed:"; tail -3 "$OUTDIR/logs/flashinfer_install.log"; }
+  # without pip's dependency resolution: FlashInfer names packages it needs only for other kernels
+  # (cuda-tile, nccl4py, cutlass-dsl), and nothing can be downloaded there
+  $PY -m pip install --no-index --no-deps --no-compile "$FLASHINFER_WHEELS"/*.whl >"$OUTDIR/logs/flashinfer_install.log" 2>&1 \
+    && echo "installed from $FLASHINFER_WHEELS: $(cd "$FLASHINFER_WHEELS" && ls *.whl | cut -d- -f1-2 | paste -sd' ')" \
+    || { echo "flashinfer install failed:"; tail -3 "$OUTDIR/logs/flashinfer_install.log"; }
 fi
-if [ "$FI_RUN" = 1 ] && $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null; then
-  timeout $(tmo ${FI_TIMEOUT:-200}) $PY benchmarks/canary_thirdparty.py --kernels flashinfer:decode,flashinfer:decode-tc,flashinfer:prefill,flashinfer:prefill-fa2 \
+# a first import may build helpers of its own (apache-tvm-ffi's torch bridge): try twice, and show
+# the first failure whole, so a library that does not load says why
+FI_OK=0
+for try in 1 2; do
+  [ "$FI_RUN" = 1 ] || break
+  timeout $(tmo 240) $PY -X faulthandler -c "import flashinfer; print('flashinfer', flashinfer.__version__, 'imported')" \
+    >"$OUTDIR/logs/flashinfer_import_$try.log" 2>&1
+  rc=$?
+  if [ $rc = 0 ]; then FI_OK=1; cat "$OUTDIR/logs/flashinfer_import_$try.log"; break; fi
+  echo "import flashinfer (try $try) exit $rc:"; tail -25 "$OUTDIR/logs/flashinfer_import_$try.log"
+done
+if [ "$FI_OK" = 1 ]; then
+  timeout $(tmo ${FI_TIMEOUT:-400}) $PY benchmarks/canary_thirdparty.py --kernels flashinfer:decode,flashinfer:decode-tc,flashinfer:prefill,flashinfer:prefill-fa2 \
     --regions other-rows,other-requests --label issue37-other-rows --json "$OUTDIR/canary_other_rows_flashinfer_h200.json" \
     >"$OUTDIR/logs/canary_flashinfer.log" 2>&1
   rc=$?; echo "flashinfer matrix exit $rc"; tail -25 "$OUTDIR/logs/canary_flashinfer.log"
   [ "$MODE" = flashinfer ] && check "flashinfer matrix ran to its end (its leaks are findings, not failures)" 0 $(( rc == 124 ))
 elif [ "$FI_RUN" = 1 ]; then
-  echo "flashinfer not importable here (put flashinfer_python-0.6.18*.whl in .whl/ or FLASHINFER_WHEELS=DIR and carry it):"
-  $PY -c "import flashinfer" 2>&1 | tail -1
-  echo "the FlashInfer matrix was not run"
+  echo "flashinfer not importable here (put flashinfer_python-0.6.18*.whl and apache_tvm_ffi in .whl/, or"
+  echo "FLASHINFER_WHEELS=DIR, and carry it); the FlashInfer matrix was not run"
   [ "$MODE" = flashinfer ] && check "flashinfer importable" yes no
 fi
 

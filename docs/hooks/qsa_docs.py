@@ -464,6 +464,16 @@ def cross_request(names=("cross_request_h200.json", "cross_request_cpu.json")) -
     return out
 
 
+def _matrix_rows(runs) -> list:
+    """One row per kernel, query rows and summary, naming the pools and specs that gave it."""
+    grouped: dict = {}
+    for r in runs:
+        cell = grouped.setdefault((f"`{r['kernel']}`", r["query_len"], r["summary"]), {})
+        cell.setdefault(r["kv_dtype"], []).append(f"`{r['attend']}`")
+    return [(k, q, summary, "; ".join(f"{kv}: {', '.join(specs)}" for kv, specs in pools.items()))
+            for (k, q, summary), pools in grouped.items()]
+
+
 def other_rows(names=("canary_other_rows_cpu.json", "canary_other_rows_h200.json",
                       "canary_other_rows_flashinfer_h200.json")) -> str:
     """The per-row rule (other-rows) beside other-requests, per kernel, from each committed run."""
@@ -472,9 +482,10 @@ def other_rows(names=("canary_other_rows_cpu.json", "canary_other_rows_h200.json
     for name in found:
         doc = json.loads(evidence(name).read_text())
         if "runs" in doc:   # the third-party matrix: one canary run per kernel, dtype, spec and query rows
-            rows = [(f"`{r['kernel']}`", r["kv_dtype"], r["attend"], r["query_len"], r["summary"]) for r in doc["runs"]]
-            out.append(f"FlashInfer over the third-party matrix, regions {doc.get('regions_asked')} (committed "
-                       f"{_committed(name)}, `{_where(name)}`):\n\n" + table(("kernel", "pool", "spec", "query rows", "non-clean"), rows))
+            out.append(f"FlashInfer {doc['machine'].get('flashinfer')} over the third-party matrix on the "
+                       f"{doc['machine'].get('gpu')}, regions {doc.get('regions_asked')} (committed {_committed(name)}, "
+                       f"`{_where(name)}`; each row gathers the pools and specs that gave one summary):\n\n"
+                       + table(("kernel", "query rows", "summary", "pool: specs"), _matrix_rows(doc["runs"])))
             continue
         rows = [(f"`{k}`", v) for k, v in _kernel_summary(doc).items()]
         where = ("the CPU, qsa routes on the emulation" if doc.get("device") == "cpu" else

@@ -241,6 +241,11 @@ def test_generated_tables_come_from_the_committed_evidence():
     assert f"{ms:.3f}" in q.perf_h200()                 # the number on the page is the file's
     assert "LEAK REPRODUCED" in q.log_section(
         'canary_thirdparty_h200.log "== python scripts/flashinfer_decode_window_nan.py --kv-dtype fp16"')
+    fi = json.loads(q.evidence("canary_other_rows_flashinfer_h200.json").read_text())
+    rows = q._matrix_rows(fi["runs"])                    # the per-row FlashInfer table: each run once, as filed
+    assert sum(len(r[3].split(", ")) + r[3].count(";") for r in rows) == len(fi["runs"])
+    assert {r[2] for r in rows} == {r["summary"] for r in fi["runs"]}
+    assert all(f"| {r[0]} | {r[1]} | {r[2]} |" in q.other_rows() for r in rows)
     for page in pages():                                 # every marker expands (an unknown one raises)
         q.expand(page.read_text())
 
