@@ -15,7 +15,7 @@ import math
 import torch
 
 from .engines.base import StepView
-from .regions import OTHER, PAYLOADS, POOL_REGIONS, REGIONS, UNOWNED
+from .regions import OTHER, OWNED, PAYLOADS, POOL_REGIONS, REGIONS, TRASH, UNOWNED
 
 
 def payload_value(dtype: torch.dtype, payload: str) -> float:
@@ -167,7 +167,7 @@ def layer_text(region: str, layer: int) -> str:
     """The layer a stray row belongs to, or why it has none."""
     if layer >= 0:
         return f"layer {layer}"
-    return "no layer: trash sector" if region in ("read-trash", "write-trash") else "no layer: unassigned sector"
+    return "no layer: trash sector" if region in TRASH else "no layer: unassigned sector"
 
 
 def describe_strays(view: StepView, stray: torch.Tensor, when: str, call: str = "") -> list:
@@ -179,7 +179,7 @@ def describe_strays(view: StepView, stray: torch.Tensor, when: str, call: str = 
     owned = set(view.owned[torch.isin(view.owned.cpu(), stray)].tolist())
     groups = {}
     for r in stray.tolist():
-        region = names.get(r) or ("owned" if r in owned else "read-trash" if view.step == "warmup" else "unlabelled")
+        region = names.get(r) or (OWNED if r in owned else "read-trash" if view.step == "warmup" else "unlabelled")
         groups.setdefault((region, int(view.row_layer[r])), []).append(r)
     return [{"step": view.step, "when": when, "call": call, "region": reg, "layer": layer,
              "where": layer_text(reg, layer), "rows": rows[:8], "count": len(rows)}

@@ -39,8 +39,10 @@ REGION_TEXT = {
 #: at a time; the write guard watches them), then the other-requests check
 POOL_REGIONS = tuple(r for r in REGION_TEXT if r != OTHER)
 REGIONS = POOL_REGIONS + (OTHER,)
+#: the engine's deliberate slots: padded rows read the one (with weight 0) and write the other
+TRASH = ("read-trash", "write-trash")
 #: regions whose rows lie in no live request's block (a row the engine moves there is never its own move)
-UNOWNED = ("free-blocks", "prefix-cache", "read-trash", "write-trash")
+UNOWNED = ("free-blocks", "prefix-cache") + TRASH
 #: payloads the read check writes (a whole element of the pool's dtype); zero is the canary's negative
 #: control and changes nothing in a pool that starts zeroed, so it is not a read check here
 PAYLOADS = tuple(p for p in _CANARY_PAYLOADS if p != "zero")
@@ -55,7 +57,7 @@ def precedence(reads_before_write: bool) -> tuple:
     and then overwritten in one step stays owned); the trash slots are the engine's own, never relabelled.
     """
     top = ("step-writes", OWNED) if reads_before_write else (OWNED, "step-writes")
-    return ("free-blocks", "prefix-cache", "unwritten-tail", "out-of-window") + top + ("read-trash", "write-trash")
+    return ("free-blocks", "prefix-cache", "unwritten-tail", "out-of-window") + top + TRASH
 
 
 class RowLabels:

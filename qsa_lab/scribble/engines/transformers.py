@@ -43,7 +43,7 @@ import traceback
 
 import torch
 
-from ..patching import patched
+from .. import patching
 from ..regions import OWNED, RowLabels, precedence
 from ..versions import TRANSFORMERS
 from .base import Generation, NoHooks, StepView
@@ -193,7 +193,7 @@ class _Run:
         proc_cls, mgr_cls = api.ContinuousBatchProcessor, api.ContinuousBatchingManager
         run = self
 
-        def create(orig_create):
+        def with_settings(orig_create):
             def create(manager):
                 bp = orig_create(manager)
                 if run.engine.pad:
@@ -204,15 +204,15 @@ class _Run:
                 return bp
             return create
 
-        def search_prefix_match(orig_prefix):
+        def counting_hits(orig_prefix):
             def search(cache, *args, **kwargs):
                 matched = orig_prefix(cache, *args, **kwargs)
                 run.events["prefix_hits"] += bool(matched)
                 return matched
             return search
 
-        with patched() as patch:
-            patch.wrap(mgr_cls, "_create_batch_processor", create)
+        with patching.patched() as patch:
+            patch.wrap(mgr_cls, "_create_batch_processor", with_settings)
             patch.wrap(proc_cls, "_generation_step",
                        lambda orig: lambda bp, model: run._guarded(bp, lambda: orig(bp, model), False))
             patch.wrap(proc_cls, "warmup", lambda orig: lambda bp, model: run._guarded(bp, lambda: orig(bp, model), True))
@@ -224,7 +224,7 @@ class _Run:
                     (cache_mod.PagedAttentionCache, "perform_cache_copy", True, self._count_forked)):
                 patch.wrap(owner, attr, lambda orig, attr=attr, moves=moves, count=count:
                            self._engine_call(orig, attr, moves, count))
-            patch.wrap(cache_mod.PagedAttentionCache, "search_prefix_match", search_prefix_match)
+            patch.wrap(cache_mod.PagedAttentionCache, "search_prefix_match", counting_hits)
             if self.engine.model.device.type == "cpu" and not torch.cuda.is_available():
                 patch.set(offload_mod, "torch", _TorchWithoutPinning())
             if self.engine.user_attention is not None:

@@ -46,7 +46,7 @@ from dataclasses import replace
 import torch
 
 from ...models import RENAMED_WORKLOADS, Workload
-from ...patching import patched
+from ... import patching
 from ..base import Generation
 from .env import NOT_ON_VLLM, VLLM
 from .pool import Families, layer_number
@@ -238,7 +238,7 @@ class _Run:
             yield
             return
         from vllm.v1.worker import gpu_model_runner as module
-        with patched() as patch:
+        with patching.patched() as patch:
             for where, attr, moves in BETWEEN_STEPS:
                 owner = runner if where == "runner" else module
                 name = f"{type(runner).__name__}.{attr}" if where == "runner" else f"{module.__name__}.{attr}"
