@@ -251,3 +251,22 @@ def test_the_canary_and_the_attn_option_read_one_grammar(text):
     assert is_user_attention(text) == (user_function_kind(text) is not None)
     if parsed is not None or not problem.shape_ok:     # a name of the right form, or not a function name at all
         assert is_user_attention(text) == (parsed is not None)
+
+
+# -- machine facts, once -------------------------------------------------------------------------------
+
+def test_a_report_states_the_machine_facts_once_and_its_json_reads_back_whole():
+    pytest.importorskip("torch")
+    from qsa_lab.scribble.report import Cell, ScribbleReport
+    from qsa_lab.support.machine import host_facts
+
+    report = ScribbleReport(engine="transformers:paged|eager", reads_pool="gather", graphs=False, model="tiny",
+                            workload={"name": "reuse"}, cells=[Cell("read", "free-blocks", "nan", "clean", slots=3)],
+                            facts=host_facts("transformers") | {"threads": 1})
+    doc = report.to_dict()
+    header = {k for k in doc if k not in ("engine", "reads_pool", "graphs", "model", "workload", "control_seconds",
+                                          "facts", "events", "moved_rows", "counts", "results")}
+    assert {"schema", "torch", "python", "date"} <= header and not header & set(doc["facts"])
+    assert {"transformers", "machine", "processor", "threads"} == set(doc["facts"])
+    again = ScribbleReport.from_dict({**doc, "date": "2000-01-01T00:00:00Z"})   # as another machine wrote it
+    assert again.to_dict() == {**doc, "date": "2000-01-01T00:00:00Z"}
