@@ -157,10 +157,7 @@ def run(args) -> int:
         return run_vllm(args, settings)
     from qsa_lab.scribble.versions import TRANSFORMERS
 
-    line = TRANSFORMERS.refusal()
-    if line is not None:
-        raise Failure(line)
-
+    _require(TRANSFORMERS)
     import torch
 
     from qsa_lab.scribble.check import scribble
@@ -191,6 +188,13 @@ def run(args) -> int:
     return _publish(report, args, settings)
 
 
+def _require(gate) -> None:
+    """An engine version its adapter was not written for: one line, exit 3, never a verdict."""
+    line = gate.refusal()
+    if line is not None:
+        raise Failure(line)
+
+
 def _vllm_argv(args, settings) -> list:
     """The checked arguments, as the same command in vLLM's environment gets them."""
     argv = ["scribble", "--engine", "vllm", "--model", str(args.model), "--workload", args.workload,
@@ -216,9 +220,7 @@ def run_vllm(args, settings) -> int:
         from qsa_lab.support.processes import spawn
 
         return spawn("qsa_lab", *_vllm_argv(args, settings), python=python, pipes=False).wait()
-    line = VLLM.refusal()
-    if line is not None:
-        raise Failure(line)
+    _require(VLLM)
     import os
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")     # the table, not vLLM's start-up log
 
