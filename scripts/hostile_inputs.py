@@ -833,7 +833,7 @@ def iv_probes(d: Path) -> list[Probe]:
 
     def scribble_api(**kw):
         from qsa_lab.scribble.check import scribble
-        from qsa_lab.scribble.hf_engine import TransformersEngine
+        from qsa_lab.scribble.engines.transformers import TransformersEngine
         from qsa_lab.scribble.models import workload
         return scribble(TransformersEngine(tiny_model("llama-gqa"), workload("chunked-prefill")), **kw)
     P.append(iv_api("scribble(engine, regions=[])", lambda: scribble_api(regions=[]) and None, "regions"))
@@ -845,7 +845,7 @@ def iv_probes(d: Path) -> list[Probe]:
         from transformers.integrations.eager_paged import eager_paged_attention_forward
 
         from qsa_lab.scribble.check import scribble
-        from qsa_lab.scribble.hf_engine import TransformersEngine
+        from qsa_lab.scribble.engines.transformers import TransformersEngine
         from qsa_lab.scribble.models import workload
         eng = TransformersEngine(tiny_model("llama-gqa"), workload("chunked-prefill"))
 

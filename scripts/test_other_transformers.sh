@@ -11,8 +11,8 @@ PY="${1:-python}"
 ENV_DIR="${2:-.venv}"
 WORKERS="${3:-auto}"
 cd "$(dirname "$0")/.."
-OTHERS=$("$PY" -c "from qsa_lab.scribble.versions import SUPPORTED_TRANSFORMERS as S, transformers_version as v
-print(' '.join(x for x in S if x != v()))")
+OTHERS=$("$PY" -c "from qsa_lab.scribble.versions import TRANSFORMERS as T
+print(' '.join(x for x in T.supported if x != T.installed()))")
 for V in $OTHERS; do
   TARGET="$ENV_DIR/qsa_lab-transformers/$V"
   if [ ! -f "$TARGET/.installed" ]; then

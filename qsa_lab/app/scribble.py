@@ -6,7 +6,7 @@ Exit codes (the canary's): 0 every check ran and none leaked; 1 a leak or a stra
 input, one line `qsa-lab: error: <argument>: <problem>`; 3 an error, an unstable control, or an
 engine version the adapter was not written for (one line, never a verdict).
 
-`--engine vllm` runs in vLLM's own environment (qsa_lab.scribble.vllm_env): from any other
+`--engine vllm` runs in vLLM's own environment (qsa_lab.scribble.engines.vllm.env): from any other
 environment this command starts itself again in that environment's Python, with the same
 (checked) arguments, and answers with its output and exit code.
 """
@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer, seconds
+from qsa_lab.scribble.engines.vllm.env import NOT_ON_VLLM, VLLM, VLLM_ONLY_MODELS
 from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
 from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS, CheckpointError
-from qsa_lab.scribble.verdicts import PAYLOADS, REGIONS
-from qsa_lab.scribble.vllm_env import NOT_ON_VLLM, VLLM_ONLY_MODELS
+from qsa_lab.scribble.regions import PAYLOADS, REGIONS
+from qsa_lab.support.loading import FILE, user_function_kind
 
 MODEL_NAMES = tuple(MODELS)
 DTYPES = ("float32", "float16", "bfloat16")                                  # scribble.isolated.build_engine
@@ -103,9 +104,8 @@ def _inputs(args) -> dict:
         for f in sorted(Path(args.model).iterdir()):
             if f.is_file():
                 out[f"--model {f.name}"] = str(f)
-    source = args.attn.rpartition(":")[0] if is_user_attention(args.attn) else ""
-    if source.endswith(".py"):
-        out["--attn"] = source
+    if user_function_kind(args.attn) == FILE:
+        out["--attn"] = args.attn.strip().rpartition(":")[0]
     return out
 
 
@@ -155,19 +155,14 @@ def run(args) -> int:
     settings = check_args(args)
     if args.engine == "vllm":
         return run_vllm(args, settings)
-    from qsa_lab.scribble.versions import refusal
+    from qsa_lab.scribble.versions import TRANSFORMERS
 
-    line = refusal()
-    if line is not None:
-        raise Failure(line)
-
+    _require(TRANSFORMERS)
     import torch
 
     from qsa_lab.scribble.check import scribble
-    from qsa_lab.scribble.hf_engine import AttentionNameError
+    from qsa_lab.scribble.engines.transformers import AttentionNameError
     from qsa_lab.scribble.isolated import build_engine, scribble_attention
-    from qsa_lab.scribble.versions import machine_facts
-    from qsa_lab.support.outputs import write_text
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -190,17 +185,14 @@ def run(args) -> int:
         raise UsageError(f"--model: {str(e).removeprefix('model: ')}") from None
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
         raise Failure(f"scribble: {type(e).__name__}: {e}") from e
-    report.facts = machine_facts()
-    text = json.dumps(report.to_dict(), indent=1) + "\n"
-    if args.json == "-":
-        sys.stdout.write(text)
-    else:
-        print(report.table())
-        if settings["json"] is not None:
-            with blame({}, "--json"):
-                write_text(settings["json"], text, "--json", force=args.force)
-            print(f"# wrote {settings['json']}")
-    return _exit_code(report)
+    return _publish(report, args, settings)
+
+
+def _require(gate) -> None:
+    """An engine version its adapter was not written for: one line, exit 3, never a verdict."""
+    line = gate.refusal()
+    if line is not None:
+        raise Failure(line)
 
 
 def _vllm_argv(args, settings) -> list:
@@ -219,25 +211,21 @@ def run_vllm(args, settings) -> int:
     """--engine vllm: here when this Python has vLLM, else the same command in vLLM's environment."""
     from importlib import util
 
-    from qsa_lab.scribble.vllm_env import refusal, vllm_python
+    from qsa_lab.scribble.engines.vllm.env import vllm_python
 
     python = vllm_python()
     if python is None:
-        raise Failure(refusal())
+        raise Failure(VLLM.refusal())
     if util.find_spec("vllm") is None:
         from qsa_lab.support.processes import spawn
 
         return spawn("qsa_lab", *_vllm_argv(args, settings), python=python, pipes=False).wait()
-    line = refusal()
-    if line is not None:
-        raise Failure(line)
+    _require(VLLM)
     import os
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")     # the table, not vLLM's start-up log
 
     from qsa_lab.scribble.check import scribble
-    from qsa_lab.scribble.versions import machine_facts
-    from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload
-    from qsa_lab.support.outputs import write_text
+    from qsa_lab.scribble.engines.vllm.engine import VllmEngine, vllm_model, vllm_workload
 
     builtin = args.model in MODEL_NAMES + VLLM_ONLY_MODELS
     engine = None
@@ -251,7 +239,16 @@ def run_vllm(args, settings) -> int:
     finally:
         if engine is not None:
             engine.close()
-    report.facts = machine_facts() | engine.facts
+    return _publish(report, args, settings, engine.facts)
+
+
+def _publish(report, args, settings, engine_facts=None) -> int:
+    """The report's facts (what the engine adds to the header's machine facts), then its table and JSON
+    where asked for; -> the exit code."""
+    from qsa_lab.support.machine import host_facts
+    from qsa_lab.support.outputs import write_text
+
+    report.facts = host_facts("transformers") | (engine_facts or {})
     text = json.dumps(report.to_dict(), indent=1) + "\n"
     if args.json == "-":
         sys.stdout.write(text)

@@ -8,6 +8,8 @@ a call file, the pytest marker) into a `KernelName` that every later step takes.
     <library>:<kernel>     a name another module registered (canary.kernels.register_kernel)
     path/to/file.py:fn     a user's file, imported in a worker process
     package.module:fn      a user's module, imported in a worker process
+                           (these two forms: qsa_lab.support.loading's grammar, which the
+                           scribble's --attn reads too)
 
 A name whose prefix is a built-in or third-party one is looked up, never imported: only the
 user forms name code to import, and a name read from a file (a call file) runs only when the
@@ -20,9 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qsa_lab.routes.labels import ROUTES, was_renamed
+from qsa_lab.support.loading import FILE, MODULE  # noqa: F401 - a user's function's two kinds, kinds of a name here
+from qsa_lab.support.loading import FunctionNameError, parse_function_name
 
-#: the kinds of a name
-BUILTIN, ADAPTER, FILE, MODULE = "built-in", "adapter", "file", "module"
+#: the kinds of a name (FILE and MODULE: a user's function, support.loading's two forms)
+BUILTIN, ADAPTER = "built-in", "adapter"
 #: the prefixes of the kernels qsa_lab runs itself, listed once, with their kind
 PREFIXES = {"qsa": BUILTIN, "torch": BUILTIN, "flashinfer": ADAPTER, "vllm": ADAPTER}
 #: names other modules add (canary.kernels.register_kernel): name -> fn(PagedCall)
@@ -79,16 +83,12 @@ def parse_kernel(text, option: str = "kernels", registering: bool = False) -> Ke
         _check_route(rest, option)
     if kind:
         return KernelName(text, kind, prefix, rest, option)
-    source, _, function = text.rpartition(":")
-    if not source or not function:
-        raise KernelNameError(option, f"{text!r} is not a known kernel nor module:function / file.py:function")
-    if not function.isidentifier():
-        raise KernelNameError(option, f"{text!r}: {function!r} is not a function name")
-    if source.endswith(".py"):
-        return KernelName(text, FILE, source, function, option)
-    if not all(p.isidentifier() for p in source.split(".")):
-        raise KernelNameError(option, f"{text!r}: {source!r} is neither a module (package.module) nor a file.py")
-    return KernelName(text, MODULE, source, function, option)
+    try:
+        form, source, function = parse_function_name(text)
+    except FunctionNameError as e:
+        raise KernelNameError(option, str(e) if e.shape_ok else
+                              f"{text!r} is not a known kernel nor module:function / file.py:function") from None
+    return KernelName(text, form, source, function, option)
 
 
 def _check_route(route: str, option: str) -> None:

@@ -15,22 +15,36 @@ leak confirmed by a re-run; and guard every row a step, or the engine between st
 
 vLLM (in its own environment, `make vllm-env`): VllmEngine(vllm_model("llama-gqa"), vllm_workload("reuse")).
 
-The contract an engine adapter implements: qsa_lab.scribble.contract (StepView, EngineAdapter).
+The floor plan (the canary's pattern):
+
+    check.py        the run loop: scribble(), every region x payload, each leak confirmed
+    guard.py        the hooks that fill a region and guard every row (Scribbler, row_digest)
+    compare.py      what changed between two generations, and where it first shows
+    report.py       ScribbleReport: cells, table, legend, JSON (on analysis.leaks' report base)
+    regions.py      the regions, what each holds and which wins a row two claim, once; the payloads
+    engines/        one adapter per engine on one protocol (engines/base.py: StepView, Generation,
+                    EngineAdapter): transformers.py, vllm/; how to add one: engines/__init__.py
+    patching.py     the one patch-and-restore helper the adapters use
+    versions.py     the one version gate (VersionGate; transformers' own)
+    models.py       the tiny models and named workloads; isolated.py + worker.py: a user's --attn
+                    function in a process of its own; figures.py: the verdict grid
+
 Names load on first use, so `qsa-lab scribble --help` needs neither torch nor transformers.
 """
 from qsa_lab.support.lazy import lazy
 
 _NAMES = {
-    "REGIONS": ".verdicts", "POOL_REGIONS": ".verdicts", "OTHER": ".verdicts", "REGION_TEXT": ".verdicts",
-    "PAYLOADS": ".verdicts", "SCHEMA": ".verdicts", "STRAY": ".verdicts",
-    "SUPPORTED_TRANSFORMERS": ".versions", "refusal": ".versions",
-    "StepView": ".contract", "Generation": ".contract", "EngineAdapter": ".contract",
-    "TransformersEngine": ".hf_engine", "VllmEngine": ".vllm_engine", "vllm_model": ".vllm_engine",
-    "vllm_workload": ".vllm_engine", "SUPPORTED_VLLM": ".vllm_env",
+    "REGIONS": ".regions", "POOL_REGIONS": ".regions", "OTHER": ".regions", "REGION_TEXT": ".regions",
+    "PAYLOADS": ".regions", "SCHEMA": ".report", "STRAY": ".report",
+    "SUPPORTED_TRANSFORMERS": ".versions", "refusal": ".versions", "VersionGate": ".versions",
+    "StepView": ".engines.base", "Generation": ".engines.base", "EngineAdapter": ".engines.base",
+    "TransformersEngine": ".engines.transformers", "VllmEngine": ".engines.vllm.engine",
+    "vllm_model": ".engines.vllm.engine", "vllm_workload": ".engines.vllm.engine",
+    "SUPPORTED_VLLM": ".engines.vllm.env",
     "tiny_model": ".models", "local_model": ".models", "workload": ".models", "WORKLOADS": ".models",
     "MODELS": ".models",
-    "scribble": ".check", "Scribbler": ".check", "ScribbleReport": ".check", "compare": ".check",
-    "localise": ".check", "verdict_grid": ".figures", "scribble_attention": ".isolated",
+    "scribble": ".check", "Scribbler": ".guard", "ScribbleReport": ".report", "compare": ".compare",
+    "localise": ".compare", "verdict_grid": ".figures", "scribble_attention": ".isolated",
     "per_request_attention": ".examples",
 }
 __all__ = list(_NAMES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from qsa_lab.analysis.leaks import NOT_RUN
 from qsa_lab.plotting.verdicts import verdict_cells, verdict_legend
 
-from .verdicts import PAYLOADS, REGIONS
+from .regions import PAYLOADS, REGIONS
 
 
 def verdict_grid(report, ax=None):

@@ -12,14 +12,15 @@ A function that cannot be imported is bad input: AttentionLoadError (a ValueErro
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
+from qsa_lab.analysis.leaks import ERROR
+from qsa_lab.support.loading import FILE, FunctionNameError, parse_function_name, user_function_kind
 from qsa_lab.support.processes import end, read_reply, send, spawn
 
-from .verdicts import PAYLOADS, POOL_REGIONS, REGIONS
+from .regions import PAYLOADS, POOL_REGIONS, REGIONS
 
 DEFAULT_TIMEOUT = 1800.0
 #: what builds an engine, with its defaults (build_engine's keywords)
@@ -29,9 +30,8 @@ SETTINGS = {"model": "llama-gqa", "workload": "chunked-prefill", "pad": False, "
 
 def is_user_attention(attn) -> bool:
     """'file.py:function' or 'package.module:function' (not an implementation name such as paged|eager, nor a
-    hub kernel 'org/repo:kernel')."""
-    head, sep, fn = attn.rpartition(":") if isinstance(attn, str) else ("", "", "")
-    return bool(sep and fn) and (head.endswith(".py") or re.fullmatch(r"[A-Za-z_][\w.]*", head) is not None)
+    hub kernel 'org/repo:kernel'): qsa_lab.support.loading's grammar, the canary's kernel names' too."""
+    return user_function_kind(attn) is not None
 
 
 class AttentionLoadError(ValueError):
@@ -43,7 +43,7 @@ def build_engine(attn="paged|eager", attn_name: str | None = None, **settings):
     checkpoint folder, a named workload, the dtype by name."""
     import torch
 
-    from .hf_engine import TransformersEngine
+    from .engines.transformers import TransformersEngine
     from .models import MODELS, local_model, tiny_model, workload
 
     s = SETTINGS | settings
@@ -61,10 +61,11 @@ def scribble_attention(attn: str, regions=REGIONS, payloads=PAYLOADS, localise_l
     unknown = set(settings) - set(SETTINGS)
     if unknown:
         raise TypeError(f"scribble_attention: unknown settings {sorted(unknown)}; choose from {sorted(SETTINGS)}")
-    if not is_user_attention(attn):
-        raise AttentionLoadError(f"{argument}: {attn!r} is not file.py:function nor module:function")
-    path = attn.rpartition(":")[0]
-    if path.endswith(".py") and not Path(path).is_file():        # told at once, before a worker starts
+    try:
+        kind, path, _ = parse_function_name(attn)
+    except FunctionNameError as e:
+        raise AttentionLoadError(f"{argument}: {e}") from None
+    if kind == FILE and not Path(path).is_file():        # told at once, before a worker starts
         raise AttentionLoadError(f"{argument}: {attn!r}: no file {path}")
     proc, kind = spawn("qsa_lab.scribble.worker"), None
     try:
@@ -92,12 +93,12 @@ def _send(proc, msg):
 
 def _failed_report(attn: str, settings: dict, regions, payloads, problem: str):
     """Every read check `error`, with the problem: what a run that never answered can report."""
-    from .check import Cell, ScribbleReport
     from .models import workload
+    from .report import Cell, ScribbleReport
 
     padded = settings["pad"] or settings["cuda_graph"]
-    cells = [Cell("read", r, p, "error", error=problem) for r in regions for p in payloads]
-    cells += [Cell("write", r, "-", "error", error=problem) for r in regions if r in POOL_REGIONS]
+    cells = [Cell("read", r, p, ERROR, error=problem) for r in regions for p in payloads]
+    cells += [Cell("write", r, "-", ERROR, error=problem) for r in regions if r in POOL_REGIONS]
     return ScribbleReport(engine=f"transformers:{attn} (in the paged|eager slot)",
                           reads_pool="padded-gather" if padded else "gather", graphs=settings["cuda_graph"],
                           model=settings["model"], workload=workload(settings["workload"]).to_dict(), cells=cells)

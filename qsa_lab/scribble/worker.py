@@ -45,7 +45,7 @@ def main() -> int:
             engine = build_engine(attn=fn, attn_name=spec, **settings)
             reply = ("ok", scribble(engine, regions, payloads, localise_leaks=localise))
         except BaseException as e:  # noqa: BLE001 - the run's failure is its reply, whatever it was
-            reply = ("error", f"{type(e).__name__}: {e}".splitlines()[0] + "\n" + traceback.format_exc(limit=4))
+            reply = ("failed", f"{type(e).__name__}: {e}".splitlines()[0] + "\n" + traceback.format_exc(limit=4))
     sys.stdout.flush()
     send(proto_out, reply)
     recv(proto_in)              # the parent closes the pipe when it has the reply

@@ -8,8 +8,10 @@ check a torch's arch list before any torch is importable.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -128,6 +130,24 @@ def describe_smi(smi: dict | None) -> str | None:
     cuda = f" (CUDA {smi['driver_cuda']})" if smi.get("driver_cuda") else ""
     hidden = "; hidden by CUDA_VISIBLE_DEVICES" if smi.get("hidden") else ""
     return f"{g['name']} ({g['capability']}), driver {g['driver']}{cuda}{more}{hidden}"
+
+
+# ---------------------------------------------------------------- what a report says about the machine
+
+def package_version(distribution: str) -> str | None:
+    """The installed version of a distribution, None when it is not installed (read from its metadata:
+    nothing is imported)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def host_facts(*distributions: str) -> dict:
+    """The facts a report adds to its header's (qsa_lab.analysis.leaks.machine_facts: qsa_lab, Python,
+    torch, CUDA, GPU, date): each named distribution's version, the machine and the processor. Torch-free."""
+    return {**{d: package_version(d) for d in distributions}, "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine()}
 
 
 # ---------------------------------------------------------------- CUDA 12 NVRTC wheels (no torch needed)

@@ -18,14 +18,14 @@ PACKAGE = Path(leaks.__file__).resolve().parents[1]
 def test_canary_and_scribble_use_the_one_table_and_the_one_comparison():
     from qsa_lab import canary
     from qsa_lab.canary import pytest_plugin, runner
-    from qsa_lab.scribble import check, verdicts as scribble_names
+    from qsa_lab.scribble import check, compare, report
 
     assert canary.VERDICTS is leaks.VERDICTS and canary.LEAKS is runner.LEAKS is leaks.LEAKS
     assert canary.compare is runner.compare is leaks.compare and runner.control_problem is leaks.control_problem
-    assert check.verdict_of is leaks.verdict_of and check.compare_generation is leaks.compare_generation
-    assert check.LEAKS is pytest_plugin.LEAKS is leaks.LEAKS and scribble_names.STRAY is leaks.STRAY_WRITE
-    assert issubclass(runner.CanaryReport, leaks.LeakReport) and issubclass(check.ScribbleReport, leaks.LeakReport)
-    assert runner.CanaryReport.summary is check.ScribbleReport.summary is leaks.LeakReport.summary
+    assert check.verdict_of is leaks.verdict_of and compare.compare_generation is leaks.compare_generation
+    assert report.LEAKS is pytest_plugin.LEAKS is leaks.LEAKS and report.STRAY is leaks.STRAY_WRITE
+    assert issubclass(runner.CanaryReport, leaks.LeakReport) and issubclass(report.ScribbleReport, leaks.LeakReport)
+    assert runner.CanaryReport.summary is report.ScribbleReport.summary is leaks.LeakReport.summary
 
 
 def _string_constants(path: Path) -> list:
@@ -45,7 +45,7 @@ def test_each_verdict_name_is_written_once_in_the_package():
                 found.setdefault(s, []).append(rel)
     assert found == {}
     assert not (PACKAGE / "canary" / "verdicts.py").exists()
-    assert not hasattr(__import__("qsa_lab.scribble.verdicts", fromlist=["x"]), "CHECKS")
+    assert not hasattr(__import__("qsa_lab.scribble.regions", fromlist=["x"]), "CHECKS")
 
 
 def test_order_category_and_exit_code():

@@ -404,7 +404,7 @@ def test_07_scribble_finds_the_read_trash_dependency(tmp_path):
     assert r["per_request_verdicts"] == ["clean"] and r["figures"] == 3
     # the vLLM part: run in the vLLM environment where `make vllm-env` built one, else said to be skipped
     shown = next(_shown(c) for c in nb.cells if c.cell_type == "code" and "scribble_in_vllm_env(" in c.source)
-    from qsa_lab.scribble.vllm_env import vllm_python
+    from qsa_lab.scribble.engines.vllm.env import vllm_python
 
     if vllm_python() is not None:
         assert "nan → nan-leak" in shown, shown

@@ -40,9 +40,9 @@ def test_every_verdict_has_one_distinct_colour_and_mark_in_the_verdicts_order():
 def test_the_canary_grid_and_the_scribble_grid_give_a_verdict_the_same_colour_mark_and_legend():
     pytest.importorskip("torch")
     from qsa_lab.canary.figures import leak_matrix, plot_leak_matrix
-    from qsa_lab.scribble.check import Cell, ScribbleReport
     from qsa_lab.scribble.figures import verdict_grid
-    from qsa_lab.scribble.verdicts import REGIONS as regions
+    from qsa_lab.scribble.regions import REGIONS as regions
+    from qsa_lab.scribble.report import Cell, ScribbleReport
 
     doc = {"kernels": ["k"], "backend": None, "results": [
         {"kernel": "k", "region": f"r{i}", "plane": "v", "payload": "nan", "verdict": v} for i, v in enumerate(SHARED)]}

@@ -8,10 +8,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from qsa_lab.scribble import versions  # noqa: E402
-from qsa_lab.scribble.check import Scribbler, scribble  # noqa: E402
-from qsa_lab.scribble.verdicts import PAYLOADS, POOL_REGIONS, REGION_TEXT  # noqa: E402
-from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
+from qsa_lab.scribble.check import scribble  # noqa: E402
+from qsa_lab.scribble.engines.transformers import TransformersEngine  # noqa: E402
+from qsa_lab.scribble.guard import Scribbler  # noqa: E402
 from qsa_lab.scribble.models import tiny_model, workload  # noqa: E402
+from qsa_lab.scribble.regions import PAYLOADS, POOL_REGIONS, REGION_TEXT  # noqa: E402
 
 # regions the chunked-prefill workload fills at some step; out-of-window needs a sliding-window model
 HELD = ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "write-trash", "prefix-cache")
@@ -133,7 +134,7 @@ def test_unsupported_transformers_version_is_one_line_and_no_verdict(monkeypatch
     from qsa_lab.app.cli import main
     line = versions.refusal("5.17.0")
     assert line is not None and "\n" not in line and "5.17.0" in line and "5.24.0" in line
-    monkeypatch.setattr(versions, "transformers_version", lambda: "5.17.0")
+    monkeypatch.setattr(versions.TRANSFORMERS, "installed", lambda: "5.17.0")
     with pytest.raises(versions.UnsupportedVersion, match="5.17.0"):
         TransformersEngine(tiny_model(), workload("chunked-prefill"))
     assert main(["scribble", "--regions", "read-trash", "--payloads", "nan"]) == 3
@@ -164,7 +165,7 @@ def test_sliding_window_ring_leaves_no_out_of_window_slot_and_reads_nothing_unow
 def test_verdict_grid_draws_every_region_and_column():
     import matplotlib
     matplotlib.use("Agg")
-    from qsa_lab.scribble.check import Cell, ScribbleReport
+    from qsa_lab.scribble.report import Cell, ScribbleReport
     from qsa_lab.scribble.figures import verdict_grid
     report = ScribbleReport("e", "gather", False, "m", {}, [
         Cell("read", "read-trash", "nan", "nan-leak"), Cell("read", "free-blocks", "nan", "clean"),
@@ -198,7 +199,7 @@ def test_an_mla_models_latent_rows_are_the_pool_on_525_and_refused_on_524():
     """transformers 5.25 caches an MLA layer's two latents in one row per token (its MLA allocator); 5.24
     has no MLA allocator and fails in continuous batching, so the adapter refuses the model there."""
     model = tiny_model("deepseek-mla")
-    if versions.transformers_version() == "5.24.0":
+    if versions.TRANSFORMERS.installed() == "5.24.0":
         with pytest.raises(ValueError, match="^model: an MLA model"):
             TransformersEngine(model, workload("chunked-prefill"))
         return

@@ -7,7 +7,7 @@ import pytest
 
 from qsa_lab.app.cli import main
 from qsa_lab.scribble.isolated import AttentionLoadError, is_user_attention, scribble_attention
-from qsa_lab.scribble.verdicts import OTHER
+from qsa_lab.scribble.regions import OTHER
 
 pytest.importorskip("transformers")
 

@@ -4,13 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from qsa_lab.scribble.check import scribble
-from qsa_lab.scribble.contract import NoHooks
 from qsa_lab.analysis.leaks import READ_LEAKS
+from qsa_lab.scribble.check import scribble
+from qsa_lab.scribble.engines.base import NoHooks
 
 pytest.importorskip("transformers")
 
-from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
+from qsa_lab.scribble.engines.transformers import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.models import WORKLOADS, tiny_model, workload  # noqa: E402
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "scribble.md"

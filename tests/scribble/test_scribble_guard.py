@@ -7,13 +7,14 @@ write between steps that is not such a move is a stray write, named by when and 
 import pytest
 import torch
 
-from qsa_lab.scribble.check import Scribbler, row_digest, scribble
-from qsa_lab.scribble.contract import NoHooks, StepView
-from qsa_lab.scribble.verdicts import POOL_REGIONS
+from qsa_lab.scribble.check import scribble
+from qsa_lab.scribble.engines.base import NoHooks, StepView
+from qsa_lab.scribble.guard import Scribbler, row_digest
+from qsa_lab.scribble.regions import POOL_REGIONS
 
 transformers = pytest.importorskip("transformers")
 
-from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
+from qsa_lab.scribble.engines.transformers import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.models import tiny_model, workload  # noqa: E402
 
 

@@ -4,14 +4,14 @@ import random
 import pytest
 import torch
 
-from qsa_lab.scribble.check import scribble
 from qsa_lab.analysis.leaks import LEAKS
-from qsa_lab.scribble.verdicts import OTHER
+from qsa_lab.scribble.check import scribble
+from qsa_lab.scribble.regions import OTHER
 
 transformers = pytest.importorskip("transformers")
 
+from qsa_lab.scribble.engines.transformers import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.examples import per_request_attention  # noqa: E402
-from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.models import tiny_model, workload  # noqa: E402
 from user_attention import one_more_key  # noqa: E402
 

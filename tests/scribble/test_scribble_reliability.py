@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from qsa_lab.app.cli import main  # noqa: E402
 from qsa_lab.scribble.check import scribble  # noqa: E402
-from qsa_lab.scribble.hf_engine import TransformersEngine  # noqa: E402
+from qsa_lab.scribble.engines.transformers import TransformersEngine  # noqa: E402
 from qsa_lab.scribble.models import tiny_model, workload  # noqa: E402
 
 

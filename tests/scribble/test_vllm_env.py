@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from qsa_lab.scribble import vllm_env
+from qsa_lab.scribble.engines.vllm import env as vllm_env
+from qsa_lab.scribble.versions import UnsupportedVersion
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_vllm_version_the_adapter_was_not_written_for_is_one_line():
     for version in ("0.31.0", "0.33.0"):
-        line = vllm_env.refusal(version)
+        line = vllm_env.VLLM.refusal(version)
         assert line is not None and "\n" not in line and version in line and "0.32.0" in line
-    assert vllm_env.refusal("0.32.0") is None
-    with pytest.raises(vllm_env.UnsupportedVllm, match="0.31.0"):
-        vllm_env.require_supported_vllm("0.31.0")
+    assert vllm_env.VLLM.refusal("0.32.0") is None
+    with pytest.raises(UnsupportedVersion, match="0.31.0"):
+        vllm_env.VLLM.require("0.31.0")
 
 
 def test_transformers_only_options_with_the_vllm_engine_are_bad_input_without_torch():
@@ -65,9 +66,9 @@ def test_the_vllm_adapter_tests_pass_in_the_vllm_environment():
 
 
 def test_the_vllm_workloads_are_the_named_workloads_sized_for_blocks_of_32():
+    from qsa_lab.scribble.engines.vllm.engine import VLLM_WORKLOADS, vllm_workload
+    from qsa_lab.scribble.engines.vllm.env import NOT_ON_VLLM
     from qsa_lab.scribble.models import WORKLOADS
-    from qsa_lab.scribble.vllm_engine import VLLM_WORKLOADS, vllm_workload
-    from qsa_lab.scribble.vllm_env import NOT_ON_VLLM
     assert set(VLLM_WORKLOADS) == set(WORKLOADS) - set(NOT_ON_VLLM)
     for name, w in VLLM_WORKLOADS.items():
         assert w.name == name and w.page_size % 32 == 0

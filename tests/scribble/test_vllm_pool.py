@@ -3,7 +3,7 @@ tokens, one layer, one head, K and V of a token side by side (4 elements a token
 block. Each element's label is checked against what the regions mean."""
 import torch
 
-from qsa_lab.scribble.vllm_pool import PoolMap, RequestMeta, StepMeta
+from qsa_lab.scribble.engines.vllm.pool import PoolMap, RequestMeta, StepMeta
 
 BS, BLOCKS, PER_TOKEN = 4, 4, 4
 
@@ -90,7 +90,7 @@ def test_slots_two_requests_read_are_nobodys_alone_unless_they_are_one_family():
 
 
 def test_a_prefix_hit_on_a_block_another_request_wrote_joins_its_family_a_fresh_block_does_not():
-    from qsa_lab.scribble.vllm_pool import Families
+    from qsa_lab.scribble.engines.vllm.pool import Families
     fam = Families(BS)
     fam.update(step([RequestMeta("a", ([1, 2],), computed=0, scheduled=6)]))    # a writes blocks 1 and 2
     fam.update(step([RequestMeta("c", ([2],), computed=0, scheduled=3)]))       # a gone; c gets block 2 fresh

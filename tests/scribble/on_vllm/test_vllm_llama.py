@@ -6,33 +6,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-
-from qsa_lab.scribble import vllm_env  # noqa: E402
-from qsa_lab.scribble.check import Scribbler, same, scribble  # noqa: E402
-from qsa_lab.scribble.verdicts import OTHER, REGIONS  # noqa: E402
-from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload  # noqa: E402
-
-if vllm_env.refusal() is not None:
-    pytest.skip(vllm_env.refusal(), allow_module_level=True)
-
-#: regions the chunked-prefill workload fills at some step on vLLM (no sliding window, no write trash)
-HELD = ("free-blocks", "unwritten-tail", "step-writes", "read-trash", "prefix-cache")
+from qsa_lab.scribble.check import scribble
+from qsa_lab.scribble.compare import same
+from qsa_lab.scribble.engines.vllm.engine import VllmEngine, vllm_workload
+from qsa_lab.scribble.engines.vllm.env import VLLM
+from qsa_lab.scribble.guard import Scribbler
+from qsa_lab.scribble.regions import OTHER, REGIONS
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return vllm_model("llama-gqa", folder=str(tmp_path_factory.mktemp("llama-gqa")))
+def engine(vllm_engine):
+    return vllm_engine("llama-gqa", "chunked-prefill")
 
 
 @pytest.fixture(scope="module")
-def engine(folder):
-    eng = VllmEngine(folder, vllm_workload("chunked-prefill"))
-    yield eng
-    eng.close()
+def folder(engine):
+    return engine.model_dir
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +35,7 @@ def cells(report, check="read"):
     return {(c.region, c.payload): c for c in report.cells if c.check == check}
 
 
-def test_the_stock_cpu_engine_is_clean_everywhere_but_the_unwritten_tails_it_reads_with_weight_zero(stock):
+def test_the_stock_cpu_engine_is_clean_everywhere_but_the_unwritten_tails_it_reads_with_weight_zero(stock, held):
     """vLLM's CPU attention walks a request's KV in tiles of 32 tokens: the slots of the last block past
     the request's length are loaded and multiplied by probability 0. NaN or Inf there (stale bytes of a
     block's earlier owner) turns every logprob NaN; the dtype's max changes nothing (0 * max = 0). This
@@ -56,21 +47,21 @@ def test_the_stock_cpu_engine_is_clean_everywhere_but_the_unwritten_tails_it_rea
         if region == "unwritten-tail" and payload == "nan":
             assert c.verdict == "nan-leak" and c.slots > 0, c
             assert c.where["step"] == 0 and c.where["layer"] == 0, c.where
-        elif region in HELD or region == OTHER:
+        elif region in held or region == OTHER:
             assert c.verdict == "clean" and c.slots > 0, (region, payload, c)
         else:
             assert c.verdict == "n/a", (region, payload, c)
     write = cells(stock, "write")
-    assert {r for (r, _), c in write.items() if c.verdict == "clean"} == set(HELD)
+    assert {r for (r, _), c in write.items() if c.verdict == "clean"} == set(held)
     assert {r for (r, _), c in write.items() if c.verdict != "clean"} == {"write-trash", "out-of-window"}
-    assert all(c.verdict == "n/a" for (r, _), c in write.items() if r not in HELD)
+    assert all(c.verdict == "n/a" for (r, _), c in write.items() if r not in held)
     assert stock.moved_rows == 0 and stock.events["chunked_prefill"] >= 1 and stock.events["blocks_reused"] == 0
     assert stock.exit_code() == 1
 
 
 PLAIN = """
 import json, sys, torch
-from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_workload
+from qsa_lab.scribble.engines.vllm.engine import VllmEngine, vllm_workload
 gen = VllmEngine(sys.argv[1], vllm_workload("chunked-prefill"), scribble=False).generate()
 torch.save({"tokens": gen.tokens, "logprobs": gen.logprobs, "logits": gen.logits}, sys.argv[2])
 """
@@ -137,7 +128,7 @@ def test_a_write_into_a_free_block_between_steps_is_a_stray_write_naming_the_ste
     step 2 of every generation."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from qsa_lab.scribble.vllm_connector import ACTIVE
+    from qsa_lab.scribble.engines.vllm.connector import ACTIVE
     update = GPUModelRunner._update_states
 
     def stray(self, scheduler_output):
@@ -187,7 +178,7 @@ def test_an_attention_that_reads_another_live_requests_kv_with_weight_zero_is_a_
 def test_a_write_into_the_null_block_during_warm_up_is_a_stray_write_at_warm_up(engine):
     """The pool as allocated against the pool when the first generation starts: what warm-up and
     graph capture wrote. Here the record of the allocated pool is made to differ by one element."""
-    from qsa_lab.scribble.vllm_connector import ACTIVE
+    from qsa_lab.scribble.engines.vllm.connector import ACTIVE
     worker = ACTIVE["worker"]
     saved = worker.at_allocation.clone()
     worker.at_allocation[7] = 1.0          # element 7 lies in block 0 (every layer's block 0 is the null block)
@@ -201,8 +192,9 @@ def test_a_write_into_the_null_block_during_warm_up_is_a_stray_write_at_warm_up(
 
 def test_an_unsupported_vllm_version_is_refused_in_one_line(engine, monkeypatch, capsys):
     from qsa_lab.app.cli import main
-    monkeypatch.setattr(vllm_env, "vllm_version", lambda: "0.31.0")
-    with pytest.raises(vllm_env.UnsupportedVllm, match="0.31.0"):
+    from qsa_lab.scribble.versions import UnsupportedVersion
+    monkeypatch.setattr(VLLM, "installed", lambda: "0.31.0")
+    with pytest.raises(UnsupportedVersion, match="0.31.0"):
         VllmEngine(engine.model_dir, vllm_workload("chunked-prefill"))
     assert main(["scribble", "--engine", "vllm", "--regions", "read-trash", "--payloads", "nan"]) == 3
     out, err = capsys.readouterr()

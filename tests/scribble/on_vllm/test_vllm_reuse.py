@@ -2,21 +2,12 @@
 7 usable blocks, prefix caching on. One engine for the module. Runs in the vLLM environment."""
 import pytest
 
-pytest.importorskip("vllm")
-
-from qsa_lab.scribble import vllm_env  # noqa: E402
-from qsa_lab.scribble.check import scribble  # noqa: E402
-from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload  # noqa: E402
-
-if vllm_env.refusal() is not None:
-    pytest.skip(vllm_env.refusal(), allow_module_level=True)
+from qsa_lab.scribble.check import scribble
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    eng = VllmEngine(vllm_model("llama-gqa", folder=str(tmp_path_factory.mktemp("llama"))), vllm_workload("reuse"))
-    yield eng
-    eng.close()
+def engine(vllm_engine):
+    return vllm_engine("llama-gqa", "reuse")
 
 
 def test_the_reuse_workload_forces_chunked_prefill_prefix_hits_block_reuse_and_preemption(engine):

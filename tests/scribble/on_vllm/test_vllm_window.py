@@ -3,21 +3,12 @@ the out-of-window region holds the slots of a request's blocks that its window h
 blocks the window gave back. One engine for the module. Runs in the vLLM environment."""
 import pytest
 
-pytest.importorskip("vllm")
-
-from qsa_lab.scribble import vllm_env  # noqa: E402
-from qsa_lab.scribble.check import scribble  # noqa: E402
-from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload  # noqa: E402
-
-if vllm_env.refusal() is not None:
-    pytest.skip(vllm_env.refusal(), allow_module_level=True)
+from qsa_lab.scribble.check import scribble
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    eng = VllmEngine(vllm_model("mistral-swa", folder=str(tmp_path_factory.mktemp("mistral"))), vllm_workload("reuse"))
-    yield eng
-    eng.close()
+def engine(vllm_engine):
+    return vllm_engine("mistral-swa", "reuse")
 
 
 def test_out_of_window_slots_are_read_with_weight_zero_and_never_written(engine):

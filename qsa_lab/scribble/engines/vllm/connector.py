@@ -1,6 +1,7 @@
 """The scribble's KV connector for vLLM: the engine's own extension point for code that reads and
 writes the KV pool around every forward step. vLLM loads this module by path
-(`kv_connector_module_path`), so it imports vLLM at the top; nothing else in qsa_lab imports it.
+(`kv_connector_module_path`: engine.CONNECTOR_MODULE), so it imports vLLM at the top; nothing else in
+qsa_lab imports it.
 
 Scheduler side (`build_connector_meta`, once a step, after scheduling): the block pool handed over
 by `bind_gpu_block_pool` (block 0 the null block; free blocks with and without a prefix-cache
@@ -24,7 +25,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole, SupportsHMA)
 
-from .vllm_pool import PoolMap, RequestMeta, StepMeta, layer_number
+from .pool import PoolMap, RequestMeta, StepMeta, layer_number
 
 #: the connectors of the running engine and the generation being scribbled (None between them)
 ACTIVE = {"scheduler": None, "worker": None, "run": None}

@@ -3,13 +3,13 @@
     engine = VllmEngine(vllm_model("llama-gqa"), vllm_workload("reuse"))
     report = scribble(engine)
 
-What it relies on, read in vLLM 0.32.0 (the versions in `vllm_env.SUPPORTED_VLLM`; another is
-refused with one line):
+What it relies on, read in vLLM 0.32.0 (the versions in `env.SUPPORTED_VLLM`; another is
+refused with one line: env.VLLM):
 - The KV connector API (`KVConnectorBase_V1`, loaded from `kv_connector_module_path`): the
   scheduler side sees the block pool (`bind_gpu_block_pool`), new requests (`on_new_request`) and
   builds one metadata object per step after scheduling; the worker side gets the KV views
   (`register_kv_caches`) and runs `start_load_kv` before the forward when the step has a
-  synchronous load, `wait_for_save` after it. That is where the hooks run (`vllm_connector`).
+  synchronous load, `wait_for_save` after it. That is where the hooks run (connector.py).
 - Attributes the API hands over without documenting them: `BlockPool.blocks[i].ref_cnt`,
   `.block_hash`, `.is_null`, `BlockPool.null_block`, `Request.num_computed_tokens` and
   `.num_prompt_tokens`, the attention layers' `kv_cache` and `impl.do_kv_cache_update` (the cache
@@ -45,10 +45,14 @@ from dataclasses import replace
 
 import torch
 
-from .contract import Generation
-from .models import RENAMED_WORKLOADS, Workload
-from .vllm_env import NOT_ON_VLLM, require_supported_vllm, vllm_version
-from .vllm_pool import Families, layer_number
+from ...models import RENAMED_WORKLOADS, Workload
+from ... import patching
+from ..base import Generation
+from .env import NOT_ON_VLLM, VLLM
+from .pool import Families, layer_number
+
+#: where vLLM imports the KV connector from (kv_connector_module_path): this package's connector.py
+CONNECTOR_MODULE = "qsa_lab.scribble.engines.vllm.connector"
 
 #: the tiny models vLLM's CPU backend runs: its attention needs head_dim 32, 64, 80, ... (not 16)
 VLLM_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -111,7 +115,7 @@ class VllmEngine:
                  scribble: bool = True, check_version: bool = True, remove_model_dir: bool = False,
                  label: str | None = None, threads: int | None = 1):
         if check_version:
-            require_supported_vllm()
+            VLLM.require()
         if workload.page_size % 32:
             raise ValueError(f"workload: vLLM's CPU attention needs blocks of a multiple of 32 tokens, "
                              f"got {workload.page_size}")
@@ -124,7 +128,7 @@ class VllmEngine:
         self.model_dir, self.workload, self.prefix_caching = model_dir, workload, prefix_caching
         self._remove_model_dir = remove_model_dir
         self.model = _ModelName(label or model_dir)
-        connector = {"kv_connector": "ScribbleConnector", "kv_connector_module_path": "qsa_lab.scribble.vllm_connector",
+        connector = {"kv_connector": "ScribbleConnector", "kv_connector_module_path": CONNECTOR_MODULE,
                      "kv_role": "kv_producer"}
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, seed=workload.seed,
                        block_size=workload.page_size, num_gpu_blocks_override=workload.num_blocks,
@@ -138,7 +142,7 @@ class VllmEngine:
         self.prompts = workload.prompts(self.vocab)
         self.name = "vllm" + ("" if prefix_caching else "+no-prefix-caching") + ("" if device == "cpu" else f"+{device}")
         self.scribbled = scribble
-        from .vllm_connector import ACTIVE
+        from .connector import ACTIVE
         # this engine's connectors (the last engine built in this process owns ACTIVE's)
         self._worker, self._scheduler = (ACTIVE["worker"], ACTIVE["scheduler"]) if scribble else (None, None)
         # the model runner, for the calls between steps (in-process: the object itself comes back)
@@ -148,7 +152,7 @@ class VllmEngine:
 
     def close(self) -> None:
         """Free the engine (and the model folder it was given to remove)."""
-        from .vllm_connector import ACTIVE
+        from .connector import ACTIVE
         self.llm = None
         ACTIVE.update(scheduler=None, worker=None, run=None)
         if self._remove_model_dir:
@@ -159,7 +163,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from .vllm_connector import ACTIVE
+        from .connector import ACTIVE
         top = self.vocab if self.vocab <= 1024 else 20
         params = SamplingParams(max_tokens=self.workload.new_tokens, temperature=0.0, ignore_eos=True,
                                 logprobs=top, detokenize=False)
@@ -189,7 +193,7 @@ class VllmEngine:
             tokens[f"req_{i}"] = list(completion.token_ids)
             logprobs[f"req_{i}"] = [float(lp[t].logprob) for t, lp in zip(completion.token_ids, completion.logprobs)]
             logits.append(torch.tensor([[float(lp[k].logprob) for k in sorted(lp)] for lp in completion.logprobs]))
-        self.facts = {"vllm": vllm_version(), "prefix_caching": self.prefix_caching, "threads": torch.get_num_threads()}
+        self.facts = {"vllm": VLLM.installed(), "prefix_caching": self.prefix_caching, "threads": torch.get_num_threads()}
         if worker is not None:
             self.facts |= worker.attention
         return Generation(tokens, logprobs, logits=logits, attention=run.attention if record_attention else None,
@@ -211,7 +215,6 @@ class _ModelName:
 #: the model runner's calls between steps the write guard names: (where, attribute, the engine's own KV move)
 BETWEEN_STEPS = (("runner", "_update_states", False), ("runner", "_zero_block_ids", True),
                  ("module", "copy_kv_cache_blocks_inplace", True))
-_MISSING = object()
 
 
 class _Run:
@@ -235,20 +238,12 @@ class _Run:
             yield
             return
         from vllm.v1.worker import gpu_model_runner as module
-        saved = []
-        for where, attr, moves in BETWEEN_STEPS:
-            owner = runner if where == "runner" else module
-            name = f"{type(runner).__name__}.{attr}" if where == "runner" else f"{module.__name__}.{attr}"
-            saved.append((owner, attr, vars(owner).get(attr, _MISSING)))
-            setattr(owner, attr, self._engine_call(getattr(owner, attr), name, moves))
-        try:
+        with patching.patched() as patch:
+            for where, attr, moves in BETWEEN_STEPS:
+                owner = runner if where == "runner" else module
+                name = f"{type(runner).__name__}.{attr}" if where == "runner" else f"{module.__name__}.{attr}"
+                patch.wrap(owner, attr, lambda orig, name=name, moves=moves: self._engine_call(orig, name, moves))
             yield
-        finally:
-            for owner, attr, value in reversed(saved):
-                if value is _MISSING:
-                    delattr(owner, attr)
-                else:
-                    setattr(owner, attr, value)
 
     def _engine_call(self, orig, name: str, moves: bool):
         def call(*args, **kwargs):

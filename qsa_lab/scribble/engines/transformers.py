@@ -43,12 +43,16 @@ import traceback
 
 import torch
 
-from .contract import Generation, NoHooks, StepView
-from .versions import require_supported, transformers_version
+from .. import patching
+from ..regions import OWNED, RowLabels, precedence
+from ..versions import TRANSFORMERS
+from .base import Generation, NoHooks, StepView
 
 _PATCH_LOCK = threading.Lock()   # the hooks patch classes: one scribbled generation at a time
 USER_SLOT = "paged|eager"        # the attention slot a user's function takes for the run
-_INHERITED = object()            # a patched attribute the class did not define itself
+#: full-attention layers write the step's rows before they read, sliding layers read the ring's old slot
+#: first: a slot both read and written in one step is read before it is written, so it stays owned
+READS_BEFORE_WRITE = True
 
 
 class AttentionNameError(ValueError):
@@ -77,10 +81,10 @@ class TransformersEngine:
     def __init__(self, model, workload, attn="paged|eager", pad: bool = False, cuda_graph: bool = False,
                  check_version: bool = True, attn_name: str | None = None):
         if check_version:
-            require_supported()
+            TRANSFORMERS.require()
         if cuda_graph and model.device.type != "cuda":
             raise ValueError("cuda_graph: CUDA graphs need a model on a CUDA device")
-        if getattr(model.config.get_text_config(), "kv_lora_rank", None) and transformers_version() == "5.24.0":
+        if getattr(model.config.get_text_config(), "kv_lora_rank", None) and TRANSFORMERS.installed() == "5.24.0":
             raise ValueError("model: an MLA model (kv_lora_rank) needs transformers 5.25: the continuous batching "
                              "of 5.24 caches expanded heads in slots sized for the latents and fails")
         self.model, self.workload = model, workload
@@ -106,7 +110,7 @@ class TransformersEngine:
             if self.user_attention is not None:
                 raise
             raise AttentionNameError(
-                f"attn: transformers {transformers_version()} cannot use {self.attn!r} ({type(e).__name__}); give "
+                f"attn: transformers {TRANSFORMERS.installed()} cannot use {self.attn!r} ({type(e).__name__}); give "
                 "paged|eager, eager, sdpa, a flash implementation installed here, or your own function as "
                 "file.py:function or module:function") from None
 
@@ -187,58 +191,52 @@ class _Run:
         from transformers.generation.continuous_batching import continuous_api as api
         from transformers.generation.continuous_batching import offloading_manager as offload_mod
         proc_cls, mgr_cls = api.ContinuousBatchProcessor, api.ContinuousBatchingManager
-        run, saved = self, []
+        run = self
 
-        def patch(owner, attr, new):
-            saved.append((owner, attr, vars(owner).get(attr, _INHERITED)))
-            setattr(owner, attr, new)
+        def with_settings(orig_create):
+            def create(manager):
+                bp = orig_create(manager)
+                if run.engine.pad:
+                    bp.model_runner.pad_inputs = True
+                if run.engine.workload.samples > 1:
+                    bp.model_runner.do_sample = False      # forks, greedy: every sample comparable bit for bit
+                run.engine.cache = bp.cache
+                return bp
+            return create
 
-        orig_create = mgr_cls._create_batch_processor
+        def counting_hits(orig_prefix):
+            def search(cache, *args, **kwargs):
+                matched = orig_prefix(cache, *args, **kwargs)
+                run.events["prefix_hits"] += bool(matched)
+                return matched
+            return search
 
-        def create(manager):
-            bp = orig_create(manager)
-            if run.engine.pad:
-                bp.model_runner.pad_inputs = True
-            if run.engine.workload.samples > 1:
-                bp.model_runner.do_sample = False      # forks, greedy: every sample comparable bit for bit
-            run.engine.cache = bp.cache
-            return bp
-
-        orig_step, orig_warmup = proc_cls._generation_step, proc_cls.warmup
-        patch(mgr_cls, "_create_batch_processor", create)
-        patch(proc_cls, "_generation_step", lambda bp, model: run._guarded(bp, lambda: orig_step(bp, model), False))
-        patch(proc_cls, "warmup", lambda bp, model: run._guarded(bp, lambda: orig_warmup(bp, model), True))
-        # the engine's entry points between steps: the guard names them; the last two are its own KV moves
-        for owner, attr, moves, count in (
-                (proc_cls, "update_batch", False, None), (proc_cls, "prepare_next_batch", False, None),
-                (offload_mod.OffloadingManager, "offload_requests", False, self._count_preempted),
-                (offload_mod.OffloadingManager, "restore_scheduled_requests", True, self._count_restored),
-                (cache_mod.PagedAttentionCache, "perform_cache_copy", True, self._count_forked)):
-            patch(owner, attr, self._engine_call(getattr(owner, attr), attr, moves, count))
-        orig_prefix = cache_mod.PagedAttentionCache.search_prefix_match
-
-        def search_prefix_match(cache, *args, **kwargs):
-            matched = orig_prefix(cache, *args, **kwargs)
-            run.events["prefix_hits"] += bool(matched)
-            return matched
-        patch(cache_mod.PagedAttentionCache, "search_prefix_match", search_prefix_match)
-        if self.engine.model.device.type == "cpu" and not torch.cuda.is_available():
-            patch(offload_mod, "torch", _TorchWithoutPinning())
-        if self.engine.user_attention is not None:
-            patch(AttentionInterface, "_global_mapping",
-                  {**AttentionInterface._global_mapping, USER_SLOT: self.engine.user_attention})
-        handles = self._register_model_hooks()
-        try:
-            yield
-        finally:
-            for owner, attr, value in reversed(saved):
-                if value is _INHERITED:
-                    delattr(owner, attr)
-                else:
-                    setattr(owner, attr, value)
-            for h in handles:
-                h.remove()
-            self.engine.cache = None
+        with patching.patched() as patch:
+            patch.wrap(mgr_cls, "_create_batch_processor", with_settings)
+            patch.wrap(proc_cls, "_generation_step",
+                       lambda orig: lambda bp, model: run._guarded(bp, lambda: orig(bp, model), False))
+            patch.wrap(proc_cls, "warmup", lambda orig: lambda bp, model: run._guarded(bp, lambda: orig(bp, model), True))
+            # the engine's entry points between steps: the guard names them; the last two are its own KV moves
+            for owner, attr, moves, count in (
+                    (proc_cls, "update_batch", False, None), (proc_cls, "prepare_next_batch", False, None),
+                    (offload_mod.OffloadingManager, "offload_requests", False, self._count_preempted),
+                    (offload_mod.OffloadingManager, "restore_scheduled_requests", True, self._count_restored),
+                    (cache_mod.PagedAttentionCache, "perform_cache_copy", True, self._count_forked)):
+                patch.wrap(owner, attr, lambda orig, attr=attr, moves=moves, count=count:
+                           self._engine_call(orig, attr, moves, count))
+            patch.wrap(cache_mod.PagedAttentionCache, "search_prefix_match", counting_hits)
+            if self.engine.model.device.type == "cpu" and not torch.cuda.is_available():
+                patch.set(offload_mod, "torch", _TorchWithoutPinning())
+            if self.engine.user_attention is not None:
+                patch.set(AttentionInterface, "_global_mapping",
+                          {**AttentionInterface._global_mapping, USER_SLOT: self.engine.user_attention})
+            handles = self._register_model_hooks()
+            try:
+                yield
+            finally:
+                for h in handles:
+                    h.remove()
+                self.engine.cache = None
 
     def _engine_call(self, orig, name: str, moves: bool, count):
         run = self
@@ -338,11 +336,6 @@ class _Run:
 
 
 # ---------------------------------------------------------------------- the pool, sorted into regions
-_OWNED, _TAIL, _OOW, _STEP, _FREE, _READ_TRASH, _WRITE_TRASH, _PREFIX = range(8)
-_LABELS = {_TAIL: "unwritten-tail", _OOW: "out-of-window", _STEP: "step-writes", _FREE: "free-blocks",
-           _READ_TRASH: "read-trash", _WRITE_TRASH: "write-trash", _PREFIX: "prefix-cache"}
-
-
 def _row_elems(allocator) -> int:
     """Elements of one row: a token's K (or V) of one layer, or an MLA layer's two latents."""
     numel = getattr(allocator, "row_numel", None)
@@ -365,9 +358,9 @@ def pool_view(bp, step) -> StepView:
     pool = _pool_rows(cache)
     n_rows = pool.shape[0]
     rows_per_sector = cache.bytes_per_sector // (pool.shape[1] * cache.dtype.itemsize)
-    label = torch.full((n_rows,), _FREE, dtype=torch.int8)
-    label[:rows_per_sector] = _READ_TRASH
-    label[rows_per_sector: 2 * rows_per_sector] = _WRITE_TRASH
+    label = RowLabels(torch.zeros(n_rows, dtype=torch.int8), precedence(READS_BEFORE_WRITE))   # free blocks
+    label.mark(slice(0, rows_per_sector), "read-trash")
+    label.mark(slice(rows_per_sector, 2 * rows_per_sector), "write-trash")
     row_layer = torch.full((n_rows,), -1, dtype=torch.int64)
     io = bp.inputs_and_outputs
     padded = bool(bp.model_runner.pad_inputs)
@@ -414,9 +407,9 @@ def pool_view(bp, step) -> StepView:
             rows = rows_of_blocks(known)
             row_layer[rows] = layer_of_offset.repeat(len(known))
         if a.ledger.cached_blocks:
-            label[rows_of_blocks(set(a.ledger.cached_blocks) - owned_blocks)] = _PREFIX
+            label.mark(rows_of_blocks(set(a.ledger.cached_blocks) - owned_blocks), "prefix-cache")
         if owned_blocks:
-            label[rows_of_blocks(owned_blocks)] = _TAIL
+            label.mark(rows_of_blocks(owned_blocks), "unwritten-tail")
 
         window = getattr(a, "sliding_window", None)
         visible, held, writes = [], [], []
@@ -436,24 +429,22 @@ def pool_view(bp, step) -> StepView:
                                   if i != a.write_trash_index)
             visible.extend(mine)
             readable.setdefault(family(rid), []).append(rows_of_slots(mine))
-        # precedence: an owned block's other rows < out of window < this step's writes < what may be read
-        # (a sliding ring's chunked prefill reads a slot before it overwrites it: that slot stays owned)
         if held:
-            label[rows_of_slots(held)] = _OOW
+            label.mark(rows_of_slots(held), "out-of-window")
         if writes:
             w = rows_of_slots(writes)
-            label[w] = _STEP
+            label.mark(w, "step-writes")
             may_write.append(w)
         if visible:
-            label[rows_of_slots(visible)] = _OWNED
-    regions = {name: torch.nonzero(label == code).reshape(-1) for code, name in _LABELS.items()}
+            label.mark(rows_of_slots(visible), OWNED)
+    regions = label.regions()
     readable = {f: torch.cat(rows).unique() for f, rows in sorted(readable.items())}
     every = torch.cat(list(readable.values())) if readable else torch.zeros(0, dtype=torch.int64)
     rows, count = every.unique(return_counts=True)
     shared = rows[count > 1]                # rows two requests read (a common prefix) are nobody's alone
     request_rows = {f: r[~torch.isin(r, shared)] for f, r in readable.items()}
     requests = [fs.state.request_id for fs in io.requests_in_batch]
-    return StepView(step, pool, regions, torch.nonzero(label == _OWNED).reshape(-1), torch.cat(may_write).unique(),
+    return StepView(step, pool, regions, label.rows(OWNED), torch.cat(may_write).unique(),
                     row_layer, requests, [fs.query_length for fs in io.requests_in_batch], padded, request_rows)
 
 

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .contract import StepView
+from ...regions import OWNED, RowLabels, precedence
+from ..base import StepView
 
-# labels, from the least to the most protected (an owned row is never poisoned)
-_FREE, _PREFIX, _OOW, _TAIL, _STEP, _READ_TRASH, _OWNED = range(7)
-_LABELS = {_FREE: "free-blocks", _PREFIX: "prefix-cache", _OOW: "out-of-window", _TAIL: "unwritten-tail",
-           _STEP: "step-writes", _READ_TRASH: "read-trash"}
+#: each layer writes the step's KV before its attention reads it: a slot both written and read in one step
+#: (a prefix-cache hit on a block another request is still filling) is a step write, filled in vain
+READS_BEFORE_WRITE = False
+ORDER = precedence(READS_BEFORE_WRITE)
 
 
 @dataclass
@@ -99,17 +100,17 @@ class PoolMap:
         self._cell = torch.where(self.block >= 0, cell, num_blocks * (block_size + 1))
         self._block_of = self.block.clamp(min=0).long()
 
-    def labels(self, meta: StepMeta, family: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(label of every element, group of every element's block, owner of every element: the number in
+    def labels(self, meta: StepMeta, family: list | None = None) -> tuple[RowLabels, torch.Tensor, torch.Tensor]:
+        """(label of every element (regions.RowLabels), group of every element's block, owner of every element: the number in
         `family` (one per request of meta.requests; default its place there) of the family whose own
         readable slot it is, -1 none, -2 a slot two families read)."""
         nb, bs = self.num_blocks, self.block_size
-        table = torch.full((nb, bs + 1), _FREE, dtype=torch.int8)   # column bs: elements of no token slot
+        table = RowLabels(torch.zeros((nb, bs + 1), dtype=torch.int8), ORDER)   # column bs: elements of no token slot
         owner = torch.full((nb, bs + 1), -1, dtype=torch.int64)
         group = torch.zeros(nb, dtype=torch.int64)
-        table[meta.cached_free] = _PREFIX
+        table.mark(meta.cached_free, "prefix-cache")
         for g, blocks in meta.window_freed.items():
-            table[blocks] = _OOW
+            table.mark(blocks, "out-of-window")
             group[blocks] = g
         spans = []      # (block, group, visible from, written up to, written this step up to (token slots), family)
         for k, r in enumerate(meta.requests):
@@ -123,28 +124,20 @@ class PoolMap:
                     spans.append((b, g, *(min(max(p - lo, 0), bs) for p in
                                           (first_visible, r.computed, r.computed + r.scheduled)),
                                   k if family is None else family[k]))
-        for b, g, *_ in spans:
-            table[b] = _TAIL
+        for b, g, vis, done, step, f in spans:
+            table.mark(b, "unwritten-tail")
+            table.mark((b, slice(0, min(vis, done))), "out-of-window")
+            table.mark((b, slice(vis, done)), OWNED)
+            # a block another request is still filling can be a prefix-cache hit in the same step (vLLM
+            # registers a block's hash when its tokens are scheduled): those slots are step writes for both
+            table.mark((b, slice(done, step)), "step-writes")
             group[b] = g
-        for b, _, vis, done, _, f in spans:
             mine = owner[b, vis:done]
             owner[b, vis:done] = torch.where((mine == -1) | (mine == f), f, -2)
-        # precedence: out of window < what attention may read < this step's writes. A block another
-        # request is still filling can be a prefix-cache hit in the same step (vLLM registers a block's
-        # hash when its tokens are scheduled): each layer writes the step's KV before its attention reads
-        # it, so those slots are step writes, also for the request that hit them
-        for b, _, vis, done, _, _ in spans:
-            part = table[b, :min(vis, done)]
-            part[part == _TAIL] = _OOW
-        for b, _, vis, done, _, _ in spans:
-            table[b, vis:done] = _OWNED
-        for b, _, _, done, step, _ in spans:
-            table[b, done:step] = _STEP
-        table[meta.null_block] = _READ_TRASH
-        cells = torch.cat([table.reshape(-1), torch.tensor([_FREE], dtype=torch.int8)])
+        table.mark(meta.null_block, "read-trash")
+        cells = RowLabels(torch.cat([table.codes.reshape(-1), torch.zeros(1, dtype=torch.int8)])[self._cell], ORDER)
         owners = torch.cat([owner.reshape(-1), torch.tensor([-1])])
-        label = cells[self._cell]
-        return label, group[self._block_of], torch.where(label == _OWNED, owners[self._cell], -1)
+        return cells, group[self._block_of], torch.where(cells.is_(OWNED), owners[self._cell], -1)
 
     def view(self, step, meta: StepMeta, family=None) -> StepView:
         """The StepView of a step; `family(request name) -> family name` keys each request's own rows
@@ -152,19 +145,19 @@ class PoolMap:
         names = [family(r.name) if family else r.name for r in meta.requests]
         order = list(dict.fromkeys(names))
         label, group, owner = self.labels(meta, [order.index(n) for n in names])
-        regions = {name: torch.nonzero(label == code).reshape(-1) for code, name in _LABELS.items()}
+        regions = label.regions()
         row_layer = self.layer[0] if self.layer.shape[0] == 1 else self.layer.gather(0, group.reshape(1, -1)).reshape(-1)
         request_rows = {name: torch.nonzero(owner == k).reshape(-1) for k, name in enumerate(order)}
-        return StepView(step, self.pool, regions, torch.nonzero(label == _OWNED).reshape(-1),
+        return StepView(step, self.pool, regions, label.rows(OWNED),
                         regions["step-writes"], row_layer, [n for n, _ in meta.batch], [q for _, q in meta.batch],
                         request_rows=request_rows)
 
     def warmup_view(self, pool: torch.Tensor) -> StepView:
         """Warm-up (and graph capture): no request owns anything and no row may change; the null
         block is the read trash, every other row a free block. `pool`: the rows to show ([elements, 1])."""
-        label = torch.where(self.block == 0, _READ_TRASH, _FREE)
-        regions = {"free-blocks": torch.nonzero(label == _FREE).reshape(-1),
-                   "read-trash": torch.nonzero(label == _READ_TRASH).reshape(-1)}
+        label = RowLabels(torch.zeros(self.block.shape, dtype=torch.int8), ORDER)
+        label.mark(self.block == 0, "read-trash")
+        regions = {name: label.rows(name) for name in ("free-blocks", "read-trash")}
         none = torch.zeros(0, dtype=torch.int64)
         return StepView("warmup", pool, regions, none, none, self.layer[0].clone())
 

@@ -1,10 +1,12 @@
-"""The engine adapter contract: what an inference engine shows the scribble before each forward step.
+"""The engine adapter contract, the one protocol every engine adapter implements (engines/ holds one
+module or folder per engine): what an inference engine shows the scribble before each forward step.
 
 A kernel shows the canary one `PagedCall`; an engine shows the scribble a stream of steps. Before
 each forward step the adapter hands over a `StepView`: the KV pool as rows (transformers: one row =
 one token of one layer's K or V, or of an MLA layer's latents; vLLM: one element; in the pool's
 dtype), which rows the live requests have written (attention may read those), and every other row
-sorted into the regions of `verdicts.REGIONS`, the engine's deliberate slots (read trash / null
+sorted into the regions of `regions.REGIONS` (sorted by `regions.RowLabels`, which settles a row two
+regions claim), the engine's deliberate slots (read trash / null
 block, write trash) among them.
 After the step it hands the same view back, so the write guard can check what changed.
 `generate(hooks)` runs a whole, seeded, greedy generation and returns tokens, logprobs and, where no
@@ -27,11 +29,8 @@ How the built-in adapter reads the pool (`reads_pool`):
   "padded-gather" the same, padded to a static size with the read-trash index (CUDA graphs, compile)
   "block-table"   the kernel walks a block table itself (flash decode fast path)
 
-Adapters: transformers' continuous batching (hf_engine) and vLLM through its KV connector API
-(vllm_engine, vllm_connector, vllm_pool). The next one, SGLang: an `sglang.srt.plugins` entry point
-with an AROUND hook on `ModelRunner.forward`; the `ForwardBatch` carries `req_to_token_pool` /
-`token_to_kv_pool`, `out_cache_loc` (this step's writes) and the allocator's free list; padding for
-CUDA graphs reads slot 0. Each is one module importing its engine lazily.
+Adapters: transformers' continuous batching (engines/transformers.py) and vLLM through its KV
+connector API (engines/vllm/). How to add one: engines/__init__.py.
 """
 from __future__ import annotations
 
@@ -98,6 +97,8 @@ class EngineAdapter(Protocol):
     name: str          # e.g. "transformers:paged|eager"
     reads_pool: str    # "gather" | "padded-gather" | "block-table"
     graphs: bool       # outputs come from captured graphs (logits and attention outputs unseen)
+    model: object      # what the report names the model by (its `name_or_path`, or its config's)
+    workload: object   # the workload it generates (models.Workload: `to_dict()` for the report)
 
     def generate(self, hooks: StepHooks | None = None, record_attention: bool = False) -> Generation: ...
 
