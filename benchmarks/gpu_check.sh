@@ -301,6 +301,13 @@ stage_canary() {
   $PY tools/compare_verdicts.py data/canary_h200.json "$OUTDIR/canary_$GPU.json" | tail -20
   check "canary verdicts and counts as in data/canary_h200.json" 0 "${PIPESTATUS[0]}"
 
+  step "the README's own-kernel command on this GPU, from a folder holding only the user's file"
+  local w; w=$(mktemp -d); cp examples/mykernels.py "$w/"
+  (cd "$w" && timeout "$(tmo 120)" $PY -m qsa_lab canary --kernel mykernels.py:paged_decode --attend dense --q-heads 32 \
+    --kv-heads 8 --head-dim 128 >"$L/canary_readme.log" 2>&1)
+  rc=$?; tail -2 "$L/canary_readme.log"; rm -rf "$w"
+  check "README's kernel at 32 / 8 / 128 (exit 1: it leaks from the null block and the stale tail)" 1 $rc
+
   step "real models' geometries: SDPA (math, efficient, cuDNN, flash) and FlexAttention; qsa:grouped skipped past its limits"
   local sdpa="qsa:grouped,torch:sdpa-math,torch:sdpa-efficient,torch:sdpa-cudnn,torch:sdpa-flash" g name opts
   for g in "llama3-8b|--q-heads 32 --kv-heads 8 --head-dim 128 --kernels $sdpa,torch:flex" \
