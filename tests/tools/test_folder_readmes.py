@@ -1,5 +1,5 @@
-"""benchmarks/, scripts/ and tools/ each have a README that lists every file in the folder, one line
-each (a table row naming it), and names no file that is not there."""
+"""benchmarks/, scripts/, tools/ and examples/ each have a README that lists every file in the folder,
+one line each (a table row naming it), and names no file that is not there."""
 from __future__ import annotations
 
 import re
@@ -21,7 +21,7 @@ def files(folder: Path) -> list[str]:
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
-@pytest.mark.parametrize("name", ["benchmarks", "scripts", "tools"])
+@pytest.mark.parametrize("name", ["benchmarks", "scripts", "tools", "examples"])
 def test_the_readme_lists_every_file_once(name):
     folder = REPO / name
     rows = listed(folder)
