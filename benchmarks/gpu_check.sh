@@ -23,6 +23,7 @@
 #   build tests sanitize bench | canary ptx | docs | complete-fix | thirdparty | reports | scribble | wheel
 # each part with its own --log (or the same one with --append).
 set -uo pipefail
+HERE=$PWD                      # relative --out and --log are the caller's
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
@@ -59,6 +60,8 @@ while (( $# )); do
   shift
 done
 RUN=("${STAGES[@]}"); (( ${#ASKED[@]} )) && RUN=("${ASKED[@]}")
+case "$OUTDIR" in /*) ;; *) OUTDIR=$HERE/$OUTDIR;; esac
+case "$LOG" in /*|"") ;; *) LOG=$HERE/$LOG;; esac
 
 PY=${PYTHON:-python3}
 case "$PY" in /*) ;; */*) PY=$PWD/$PY;; esac
