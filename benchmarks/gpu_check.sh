@@ -234,6 +234,12 @@ stage_tests() {
     tests/app/test_reliability4.py tests/scribble >"$L/pytest_torch.log" 2>&1
   rc=$?; tail -1 "$L/pytest_torch.log"; grep -E "^(FAILED|ERROR)|^E  " "$L/pytest_torch.log" | head -30
   check "tests on this torch" 0 $rc
+  step "every other test marked gpu (the docs' GPU commands have their own stage)"
+  timeout "$(tmo ${TEST_TIMEOUT:-300})" $PY -m pytest -q -p no:cacheprovider -rfE -m gpu tests --ignore=tests/gpu \
+    --ignore=tests/docs/test_docs_run.py >"$L/pytest_marked.log" 2>&1
+  rc=$?; tail -1 "$L/pytest_marked.log"; grep -E "^(FAILED|ERROR)|^E  " "$L/pytest_marked.log" | head -30
+  (( rc == 5 )) && rc=0   # 5: no other test carries the mark
+  check "tests marked gpu" 0 $rc
 }
 
 stage_docs() {
