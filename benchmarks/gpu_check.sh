@@ -399,7 +399,7 @@ stage_thirdparty() {
   [ -z "${VLLM_SRC:-}" ] && echo "vllm:*: skipped: no VLLM_SRC (a vLLM checkout) given"
   step "the third-party matrix ($fi), a leak report and a replay of every saved leaking call"
   timeout "$(tmo ${FI_TIMEOUT:-420})" $PY benchmarks/canary_thirdparty.py --kernels "$fi" "${vllm[@]}" \
-    --json "$OUTDIR/canary_thirdparty_$GPU.json" --report "$OUTDIR/thirdparty_reports" >"$L/canary_thirdparty.log" 2>&1
+    --json "$OUTDIR/canary_thirdparty_$GPU.json" --report "$L/thirdparty_reports" >"$L/canary_thirdparty.log" 2>&1
   rc=$?; grep -v "^|" "$L/canary_thirdparty.log" | grep -v "^  replay" | tail -25
   check "third-party matrix ran to its end (its leaks are findings, not failures)" no "$( ((rc == 124)) && echo yes || echo no)"
   ran=$($PY -c "import json, sys; print(sum(not r['summary'].startswith('not run') for r in json.load(open(sys.argv[1]))['runs']))" \
@@ -419,13 +419,13 @@ stage_thirdparty() {
   check "pytest plugin: the CUDA-core decode's tests fail, the tensor-core decode's pass" "yes 0" \
     "$(grep -qE '^FAILED .*::test_flashinfer_decode([[ ]|$)' "$L/pytest_plugin.log" && echo yes || echo no) $(grep -c '^FAILED .*::test_flashinfer_decode_tc' "$L/pytest_plugin.log")"
   step "qsa-lab canary --report through the CLI, and the replay of each saved call"
-  rm -rf "$OUTDIR/cli_report"
+  rm -rf "$L/cli_report"
   timeout "$(tmo 180)" $PY -m qsa_lab canary --kernels flashinfer:prefill-fa2 --attend sparse --q-heads 8 --kv-heads 2 \
     --head-dim 128 --page-size 16 --requests 3 --context 40 --query-len 4 --topk 4 --payloads nan \
-    --report "$OUTDIR/cli_report" >"$L/cli_report.log" 2>&1
+    --report "$L/cli_report" >"$L/cli_report.log" 2>&1
   rc=$?; grep -v "^#" "$L/cli_report.log" | tail -4; check "canary --report (FA2 custom mask leaks: exit 1)" 1 $rc
   local f
-  for f in "$OUTDIR"/cli_report/calls/*.safetensors; do
+  for f in "$L"/cli_report/calls/*.safetensors; do
     [ -f "$f" ] || { check "a leaking call saved" yes no; break; }
     timeout "$(tmo 120)" $PY -m qsa_lab.canary.replay "$f" >>"$L/cli_report.log" 2>&1
     check "replay $(basename "$f") (leak reproduced)" 1 $?
