@@ -16,11 +16,13 @@
 #   --quick     the short benchmarks (bench.py --quick, complete_fix_cost.py --quick)
 #   BUDGET_S=N  every step's timeout is cut to what is left of N seconds from the start, so a run ends with
 #               its summary inside a machine's time limit (a step cut short exits 124); unset: no budget
-#   FLASHINFER_WHEELS (default .whl), VLLM_SRC (a vLLM checkout for vllm:*), PTX_DIR (default build/ptx70),
-#   WHEEL (a built qsa_lab wheel; default: built here), PYTHON (default python3)
+#   FLASHINFER_WHEELS and TRANSFORMERS_WHEELS (folders of carried wheels, default .whl), VLLM_SRC (a vLLM
+#   checkout for vllm:*), VLLM_PYTHON (vLLM's environment, default .venv-vllm), PTX_DIR (default build/ptx70),
+#   WHEEL (a built qsa_lab wheel; default: built here), PYTHON (default python3); each step's timeout: the
+#   *_TIMEOUT variables of its line below
 #
 # On a machine that gives one command 10 minutes, run it in parts, e.g.
-#   build tests sanitize bench | canary ptx | docs | complete-fix | thirdparty | reports | scribble | wheel
+#   build tests sanitize | bench canary ptx | docs | complete-fix | thirdparty | reports | scribble | wheel
 # each part with its own --log (or the same one with --append).
 set -uo pipefail
 HERE=$PWD                      # relative --out and --log are the caller's
@@ -52,7 +54,7 @@ while (( $# )); do
     --log) LOG=${2:?--log needs a file}; shift;;
     --append) APPEND=1;;
     --quick) QUICK=1;;
-    -h|--help) usage; sed -n '2,25p' "$0" | cut -c3-; exit 0;;
+    -h|--help) usage; awk 'NR > 1 && !/^#/ {exit} NR > 1 {print substr($0, 3)}' "$0"; exit 0;;
     -*) echo "gpu_check.sh: error: unknown option $1" >&2; usage >&2; exit 2;;
     *) [ -n "${ABOUT[$1]+x}" ] || { echo "gpu_check.sh: error: unknown stage '$1' (stages: ${STAGES[*]})" >&2; exit 2; }
        ASKED+=("$1");;
