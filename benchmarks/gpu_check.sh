@@ -18,8 +18,8 @@
 #               its summary inside a machine's time limit (a step cut short exits 124); unset: no budget
 #   FLASHINFER_WHEELS and TRANSFORMERS_WHEELS (folders of carried wheels, default .whl), VLLM_SRC (a vLLM
 #   checkout for vllm:*), VLLM_PYTHON (vLLM's environment, default .venv-vllm), PTX_DIR (default build/ptx70),
-#   WHEEL (a built qsa_lab wheel; default: built here), PYTHON (default python3); each step's timeout: the
-#   *_TIMEOUT variables of its line below
+#   WHEEL (a built qsa_lab wheel; default: built here), PYTHON (default python3); a step's timeout: the
+#   *_TIMEOUT variable on its line in the code below, where it has one
 #
 # On a machine that gives one command 10 minutes, run it in parts, e.g.
 #   build tests sanitize | bench canary ptx | docs | complete-fix | thirdparty | reports | scribble | wheel
