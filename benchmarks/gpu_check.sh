@@ -336,8 +336,7 @@ stage_canary() {
   done
   step "MLA 576/512 at 128 heads, from Python"
   timeout "$(tmo 90)" $PY - <<'EOF' 2>&1 | tail -4
-from qsa_lab.canary import run_canary
-from qsa_lab.canary.case import canary_case
+from qsa_lab.canary import canary_case, run_canary
 case = canary_case(mla=True, head_dim=576, v_head_dim=512, q_heads=128, attend="dense", free_pages=0)
 r = run_canary(["torch:sdpa-math", "torch:sdpa-efficient", "torch:sdpa-flash"], case=case,
                regions=["stale-tail", "null-block"], payloads=["nan"], planes=["v"], backend="cuda")
