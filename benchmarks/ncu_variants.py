@@ -4,7 +4,7 @@ E4M3, default selections): where each variant's cycles per tile go.
     python benchmarks/ncu_variants.py                      launch each variant once (run under ncu)
     python benchmarks/ncu_variants.py --summarize RAW.csv  per-tile table from ncu's --csv output
 
-benchmarks/ncu_variants.sh runs both and writes evidence/ncu_variants_h200.txt.
+The bench stage of benchmarks/gpu_check.sh runs both (evidence/ncu_variants_h200.txt).
 """
 import argparse
 import csv

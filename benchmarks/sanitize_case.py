@@ -1,6 +1,8 @@
-"""A small poisoned case through the compiled kernels, for compute-sanitizer (sanitize.sh).
+"""A small poisoned case through the compiled kernels, for compute-sanitizer (the sanitize stage of
+benchmarks/gpu_check.sh).
 
     python benchmarks/sanitize_case.py --variants unfixed,kernel_fix --kv e4m3 [--trials N] [--mixed]
+    python benchmarks/sanitize_case.py --list-variants     # every variant routes.compiled builds, comma-separated
 
 Runs each grouped variant once (plus XQA and decode_panel), prints NaN counts. With
 --trials N it also reruns each variant N times and counts runs whose output has a NaN
@@ -21,13 +23,17 @@ from qsa_lab.model.plan import plan_groups, xqa_tokens
 from qsa_lab.model.poison import apply_poison, poison_request
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--variants", default="unfixed,kernel_fix,masked_load,kernel_fix_no_leading_barrier,early_v")
+# the variants come from routes.compiled, so a new one is sanitized without editing a script
+ap.add_argument("--variants", default=",".join(kernels.VARIANTS), help="comma list (default: every variant)")
+ap.add_argument("--list-variants", action="store_true", help="print every variant routes.compiled builds and exit")
 ap.add_argument("--kv", default="e4m3")
 ap.add_argument("--site", default="random")
 ap.add_argument("--context", type=int, default=1030)
 ap.add_argument("--trials", type=int, default=0)
 ap.add_argument("--mixed", action="store_true")
 a = ap.parse_args()
+if a.list_variants:
+    raise SystemExit(print(",".join(kernels.VARIANTS)))
 
 if a.mixed:
     g = MIXES["upstream-mix"].replace(context=a.context, topk=64, kv_dtype=a.kv)

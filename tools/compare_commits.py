@@ -1,6 +1,6 @@
 """Two commits' outputs on this machine, bit for bit (a developer tool; it does not ship).
 
-    python tools/compare_commits.py BASE HEAD [--quick] [--repo PATH]
+    python tools/compare_commits.py BASE HEAD [--quick] [--repo PATH] [--verdict-map OLD=NEW,..]
 
 Each commit of the repository (default: the one the current folder is in) is exported with `git
 archive` into a temporary folder and run there by this Python (its torch, its thread count),
@@ -11,13 +11,20 @@ one commit after the other, through the same cases:
   and q;
 - canary: `qsa-lab canary --backend emulate --json` (the default canary);
 - diff: `qsa-lab diff ... --backend emulate --json --save` for each of the report's cases;
-- repro: `qsa-lab repro --backend emulate --no-figures`, its table (stdout, CSV and JSON).
+- repro: `qsa-lab repro --backend emulate --no-figures`, its table (stdout, CSV and JSON);
+- scribble: `qsa-lab scribble --json` (transformers' engine, the default model and workload; where
+  transformers is installed), and `qsa-lab scribble --engine vllm --json` where vLLM's environment is
+  (VLLM_PYTHON, else .venv-vllm beside the repository or this tool);
+- cross-request: `qsa-lab cross-request --backend emulate --json`.
 
 Every output must be the same bits (the exit codes too; not a report's date); the first
-differences are printed.
+differences are printed. The scribble and cross-request are compared by their verdicts and counts
+(tools/compare_verdicts.py) and exit codes, not their timings, machine facts or wording;
+--verdict-map renames BASE's verdicts there first (for a change that renames them on purpose).
 Exit 0 identical, 1 they differ, 2 bad input (an unknown commit, a commit whose package this tool
 cannot drive). --quick runs a subset (eight small cases, the canary of two routes, one diff, no
-repro): a check while you work, not before a merge.
+repro, the scribble on two regions with NaN, a small cross-request at 2 query heads with NaN, no
+vLLM): a check while you work, not before a merge.
 
 The bit-identity test allows each finite value a few ulps (other CPUs sum in other orders), so a
 refactor that moves one value by one ulp passes it; run this where every bit must stay.
@@ -34,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+import compare_verdicts
+
 CHECKOUT = Path(__file__).resolve().parents[1]     # this tool's own checkout: its tests/bitid_cases.py
 
 #: the report's cases as `qsa-lab diff` lines (the first is --quick's)
@@ -46,6 +55,11 @@ DIFF_CASES = [
 QUICK_SMALL = 8
 QUICK_CANARY = "qsa:grouped,qsa:xqa"
 SHOWN = 3           # differences shown per part or file
+QUICK_SCRIBBLE = ["--regions", "read-trash,other-requests", "--payloads", "nan"]
+QUICK_CROSS_REQUEST = ["--q-heads", "2", "--payloads", "nan", "--context", "403", "--head-dim", "64"]
+#: the probes compared by verdicts and counts (their JSON), and their exit codes
+VERDICT_PARTS = ("scribble", "cross-request")
+VERDICT_FILES = ("scribble.json", "scribble_vllm.json", "cross_request.json")
 
 
 class BadInput(Exception):
@@ -72,14 +86,25 @@ def export(repo: Path, sha: str, into: Path) -> Path:
     return tree
 
 
-def run_commit(tree: Path, sha: str, out: Path, quick: bool) -> dict:
+def engines(repo: Path, quick: bool) -> dict:
+    """The scribble's engines this machine can run: {"transformers": bool, "vllm": its Python or None}."""
+    from importlib.util import find_spec
+
+    given = os.environ.get("VLLM_PYTHON")
+    found = [Path(given)] if given else [repo / ".venv-vllm" / "bin" / "python", CHECKOUT / ".venv-vllm" / "bin" / "python"]
+    vllm = next((str(p) for p in found if p.exists()), None)
+    return {"transformers": find_spec("transformers") is not None, "vllm": None if quick else vllm}
+
+
+def run_commit(tree: Path, sha: str, out: Path, quick: bool, engine: dict | None = None) -> dict:
     """Every part for the commit exported at `tree`, its files under `out`. -> part -> what ran
     ({"argv", "exit", "stdout", "stderr"} and the files it wrote)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
            "PYTHONDONTWRITEBYTECODE": "1", "QSA_LAB_FIGURES": str(out / "figures")}
+    engine = engine or {}
 
-    def run(name: str, argv: list[str]) -> dict:
-        p = subprocess.run([sys.executable, *argv], cwd=out, env=env, capture_output=True, text=True)
+    def run(name: str, argv: list[str], **more_env) -> dict:
+        p = subprocess.run([sys.executable, *argv], cwd=out, env={**env, **more_env}, capture_output=True, text=True)
         return {"argv": " ".join(argv), "exit": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
 
     out.mkdir()
@@ -100,6 +125,14 @@ def run_commit(tree: Path, sha: str, out: Path, quick: bool) -> dict:
     if not quick:
         parts["repro"] = run("repro", ["-m", "qsa_lab", "repro", "--backend", "emulate", "--no-figures",
                                        "--quiet", "--out", "repro"])
+    scribble = ["-m", "qsa_lab", "scribble", *(QUICK_SCRIBBLE if quick else [])]
+    if engine.get("transformers"):
+        parts["scribble"] = run("scribble", [*scribble, "--json", "scribble.json"])
+    if engine.get("vllm"):
+        parts["scribble vllm"] = run("scribble", [*scribble, "--engine", "vllm", "--json", "scribble_vllm.json"],
+                                     VLLM_PYTHON=engine["vllm"])
+    parts["cross-request"] = run("cross-request", ["-m", "qsa_lab", "cross-request", "--backend", "emulate",
+                                                   *(QUICK_CROSS_REQUEST if quick else []), "--json", "cross_request.json"])
     return parts
 
 
@@ -160,7 +193,7 @@ def drive(out: Path, quick: bool) -> int:
 # --------------------------------------------------------------------------- comparing
 
 #: the exit codes of a part that ran (the canary's 1: it found a leak, which the default matrix has)
-RAN = {"bitid": (0,), "canary": (0, 1), "diff": (0,), "repro": (0,)}
+RAN = {"bitid": (0,), "canary": (0, 1), "diff": (0,), "repro": (0,), "scribble": (0, 1), "cross-request": (0, 1)}
 
 
 def failed_in_both(parts_base: dict, parts_head: dict) -> list[str]:
@@ -170,16 +203,17 @@ def failed_in_both(parts_base: dict, parts_head: dict) -> list[str]:
             and parts_head[part]["exit"] not in RAN[part.split()[0]]]
 
 
-def differences(base: Path, head: Path, parts_base: dict, parts_head: dict) -> dict:
-    """source (a part or a file it wrote) -> the differences found there, one line each."""
+def differences(base: Path, head: Path, parts_base: dict, parts_head: dict, verdict_map: dict | None = None) -> dict:
+    """source (a part or a file it wrote) -> the differences found there, one line each; the
+    scribble's and cross-request's by exit code and their JSON's verdicts and counts only."""
     found = {}
     for part in sorted(set(parts_base) | set(parts_head)):
         a, b = parts_base.get(part), parts_head.get(part)
         if a is None or b is None:
             found[part] = [f"ran only for {'HEAD' if a is None else 'BASE'}"]
             continue
-        lines = [f"{k} differs: {first_line_difference(str(a[k]), str(b[k]))}" for k in ("exit", "stdout")
-                 if a[k] != b[k]]
+        compared = ("exit",) if part.split()[0] in VERDICT_PARTS else ("exit", "stdout")
+        lines = [f"{k} differs: {first_line_difference(str(a[k]), str(b[k]))}" for k in compared if a[k] != b[k]]
         if a["exit"] != b["exit"]:
             lines += [f"BASE stderr: {a['stderr'].strip()[-400:]}", f"HEAD stderr: {b['stderr'].strip()[-400:]}"]
         found[part] = lines
@@ -189,6 +223,10 @@ def differences(base: Path, head: Path, parts_base: dict, parts_head: dict) -> d
         a, b = base / f, head / f
         if not a.exists() or not b.exists():
             found[str(f)] = [f"written only by {'HEAD' if not a.exists() else 'BASE'}"]
+        elif f.name in VERDICT_FILES:
+            docs = [json.loads(x.read_text()) for x in (a, b)]
+            found[str(f)] = [] if not compare_verdicts.differences(*docs, verdict_map) else \
+                compare_verdicts.report(*docs, verdict_map)
         elif f.suffix == ".json":
             found[str(f)] = json_differences(*(without_volatile(json.loads(x.read_text())) for x in (a, b)))
         elif f.suffix in (".npz", ".safetensors"):
@@ -280,6 +318,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("head", metavar="HEAD", nargs="?", help="the commit checked (e.g. HEAD)")
     ap.add_argument("--quick", action="store_true", help="a subset of the cases (default: all)")
     ap.add_argument("--repo", type=Path, help="the git repository (default: the one the current folder is in)")
+    ap.add_argument("--verdict-map", type=compare_verdicts.parse_map, metavar="OLD=NEW,..",
+                    help="the scribble's and cross-request's verdicts of BASE renamed first (default: none)")
     ap.add_argument("--drive", type=Path, help=argparse.SUPPRESS)
     return ap
 
@@ -299,6 +339,12 @@ def main(argv=None) -> int:
     repo = Path(top.stdout.strip())
     try:
         shas = [resolve(repo, args.base, "BASE"), resolve(repo, args.head, "HEAD")]
+        engine = engines(repo, args.quick)
+        if not engine["transformers"]:
+            print("scribble: not compared (transformers is not installed here)")
+        if not engine["vllm"]:
+            print("scribble on vLLM: not compared " + ("(--quick)" if args.quick else
+                  "(no vLLM environment: make vllm-env builds .venv-vllm, or set VLLM_PYTHON)"))
         with tempfile.TemporaryDirectory(prefix="compare_commits-") as tmp:
             tmp = Path(tmp)
             outs, parts = [], []
@@ -306,12 +352,12 @@ def main(argv=None) -> int:
                 print(f"{label} {sha[:12]}: running{' (quick)' if args.quick else ''}", flush=True)
                 tree = export(repo, sha, tmp)
                 outs.append(tmp / f"out-{label}")
-                parts.append(run_commit(tree, sha, outs[-1], args.quick))
+                parts.append(run_commit(tree, sha, outs[-1], args.quick, engine))
             failed = failed_in_both(*parts)
             if failed:
                 raise BadInput(f"{failed[0]}: failed for both commits (exit {parts[0][failed[0]]['exit']}): "
                                f"{parts[0][failed[0]]['stderr'].strip()[-300:]}")
-            diffs = differences(*outs, *parts)
+            diffs = differences(*outs, *parts, args.verdict_map)
             arrays = sum(len(load_arrays(p)) for p in outs[0].rglob("*") if p.suffix in (".npz", ".safetensors"))
     except BadInput as e:
         ap.error(str(e))
@@ -323,7 +369,9 @@ def main(argv=None) -> int:
             print(f"  {source}:{more}\n" + "\n".join(f"    {line}" for line in lines[:SHOWN]))
         return 1
     print(f"IDENTICAL: {args.base} ({shas[0][:12]}) and {args.head} ({shas[1][:12]}): every part "
-          f"({', '.join(parts[0])}) gave the same exit code, output and {arrays} arrays, bit for bit")
+          f"({', '.join(p for p in parts[0] if p.split()[0] not in VERDICT_PARTS)}) gave the same exit code, "
+          f"output and {arrays} arrays, bit for bit; "
+          f"{', '.join(p for p in parts[0] if p.split()[0] in VERDICT_PARTS)}: the same exit codes, verdicts and counts")
     return 0
 
 

@@ -389,8 +389,8 @@ def _first_committed(*names: str) -> str | None:
 def complete_fix(name: str = "complete_fix_h200.json") -> str:
     """The complete fixes' cost beside kernel_fix (A) and the unfixed route, per shape."""
     if _first_committed(name) is None:
-        return ("The complete fixes' cost on a GPU is not measured yet: `bash benchmarks/complete_fix_gpu.sh` on a GPU "
-                f"writes it, to be committed as `data/{name}`.")
+        return ("The complete fixes' cost on a GPU is not measured yet: `bash benchmarks/gpu_check.sh complete-fix` "
+                f"on a GPU writes it, to be committed as `data/{name}`.")
     doc = json.loads(evidence(name).read_text())
     heads = ("grouped+masked_load", "grouped+request_groups", "grouped+finite_pv", "grouped+finite_pv, NaN in V", "xqa")
     rows = []
@@ -495,7 +495,7 @@ def other_rows(names=("canary_other_rows_cpu.json", "canary_other_rows_h200.json
     missing = [n for n in names if n not in found]
     if missing:
         out.append("Not committed yet: " + ", ".join(f"`evidence/{n}`" for n in missing)
-                   + " (`bash benchmarks/complete_fix_gpu.sh` on a GPU writes them).")
+                   + " (`bash benchmarks/gpu_check.sh` on a GPU writes them).")
     return "\n\n".join(out)
 
 

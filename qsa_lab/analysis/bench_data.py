@@ -13,7 +13,7 @@ from qsa_lab.support.package_data import locate
 
 BENCH_JSON = locate("data") / "bench_h200.json"
 UPSTREAM_JSON = BENCH_JSON.with_name("upstream_fix_cost_h200.json")
-#: the complete fixes' cost (benchmarks/complete_fix_gpu.sh); absent until a GPU run is committed
+#: the complete fixes' cost (benchmarks/gpu_check.sh complete-fix); absent until a GPU run is committed
 COMPLETE_FIX_JSON = BENCH_JSON.with_name("complete_fix_h200.json")
 #: the routes the complete-fix cost compares, in the order its tables and figure show them
 COST_ROUTES = ("grouped", "grouped+kernel_fix", "grouped+masked_load", "grouped+request_groups", "grouped+finite_pv",

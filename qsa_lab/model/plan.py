@@ -27,7 +27,7 @@ EMPTY_ROW = -1           # a query slot of a padded group that holds no row (ups
 #: request-aligned groups: a request's remainder of at least this many rows (fewer than 8) runs as one
 #: padded group (its empty query slots EMPTY_ROW), a shorter one through XQA. GROUP = never: every
 #: remainder goes to XQA, as upstream's request-aligned split does. Chosen by measured cost
-#: (benchmarks/complete_fix_gpu.sh, `remainder` in its JSON: XQA or a padded group per remainder size).
+#: (the complete-fix stage of benchmarks/gpu_check.sh, `remainder` in its JSON: XQA or a padded group per remainder size).
 REMAINDER_GROUP_MIN = GROUP
 
 

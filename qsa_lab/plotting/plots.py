@@ -634,7 +634,7 @@ def plot_complete_fix_cost(data: dict | None, ax=None):
     kernel_fix. None (no GPU run committed yet) draws that note instead."""
     ax = _ax(ax, (9.5, 6.5))
     if data is None:
-        ax.text(0.5, 0.5, "the complete fixes' cost is not measured yet:\nbash benchmarks/complete_fix_gpu.sh on a GPU "
+        ax.text(0.5, 0.5, "the complete fixes' cost is not measured yet:\nbash benchmarks/gpu_check.sh complete-fix on a GPU "
                 "writes data/complete_fix_h200.json", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         return ax

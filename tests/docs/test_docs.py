@@ -142,6 +142,7 @@ OTHER_PROGRAMS = {
     "--evidence": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
     "--index-url": "pip",
     "--tensor-cores": "a leak report's generated FlashInfer decode script (repro/*.py)",
+    "--verdict-map": "tools/compare_commits.py and tools/compare_verdicts.py",
 }
 
 

@@ -5,6 +5,7 @@ input exits 2 with one line naming the argument."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 import shutil
 import subprocess
@@ -88,6 +89,7 @@ def test_a_commit_and_itself_are_identical(repo):
     out = run(repo, shown()[1])                       # on main: main against HEAD = main
     assert out.returncode == 0, out.stdout + out.stderr
     assert "IDENTICAL" in out.stdout and " arrays, bit for bit" in out.stdout
+    assert "cross-request: the same exit codes, verdicts and counts" in out.stdout, out.stdout
 
 
 def test_one_ulp_in_the_emulation_differs(repo):
@@ -132,3 +134,60 @@ def test_a_folder_outside_git_exits_2(tmp_path):
     out = subprocess.run([sys.executable, str(TOOL), "main", "HEAD", "--repo", str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("compare_commits.py: error: --repo: ")
+
+
+# ------------------------------------------------------------------ the scribble and cross-request parts
+
+SCRIBBLE = {"schema": "qsa_lab.scribble/1", "date": "2026-12-01T00:00:00Z", "control_seconds": 0.3,
+            "facts": {"torch": "2.13.0", "gpu": "none (CPU)"}, "counts": {"cells": 1, "checks": 1, "leaking": 1},
+            "results": [{"check": "read", "region": "other-requests", "payload": "nan", "verdict": "nan-leak",
+                         "nan": 63, "inf": 0, "finite_changed": 0, "tokens_changed": 63, "seconds": 0.1}]}
+CROSS = {"schema": "qsa_lab.cross_request/1", "backend": "emulate", "must_be_clean_leaks": 0, "runs": [],
+         "records": [{"q_heads": 2, "kv_dtype": "e4m3", "route": "grouped", "payload": "nan", "poisoned_request": 0,
+                      "request": 1, "rows": [46], "elements": 256, "verdict": "leak", "as_reference": False}]}
+
+
+def outputs(tmp_path, label: str, scribble: dict, cross: dict, exits=(1, 0), stdout="table") -> tuple:
+    """A commit's out folder holding the two probes' JSON, and its parts as run_commit returns them."""
+    out = tmp_path / f"out-{label}"
+    out.mkdir()
+    (out / "scribble.json").write_text(json.dumps(scribble))
+    (out / "cross_request.json").write_text(json.dumps(cross))
+    parts = {name: {"argv": name, "exit": code, "stdout": stdout, "stderr": ""}
+             for name, code in zip(("scribble", "cross-request"), exits)}
+    return out, parts
+
+
+def changed(doc: dict, **fields) -> dict:
+    doc = json.loads(json.dumps(doc))
+    doc[next(k for k in ("results", "records") if k in doc)][0].update(fields)
+    return doc
+
+
+def test_the_probes_compare_verdicts_and_counts_not_timings_facts_or_wording(tmp_path):
+    later = {**SCRIBBLE, "date": "2027-01-01T00:00:00Z", "control_seconds": 9.9, "facts": {"torch": "2.14.0"}}
+    later = changed(later, seconds=5.0)
+    base = outputs(tmp_path, "BASE", SCRIBBLE, CROSS)
+    head = outputs(tmp_path, "HEAD", later, CROSS, stdout="the same verdicts, another table")
+    assert tool().differences(base[0], head[0], base[1], head[1]) == {}
+
+
+def test_a_changed_verdict_or_count_or_exit_is_a_difference(tmp_path):
+    base = outputs(tmp_path, "BASE", SCRIBBLE, CROSS)
+    head = outputs(tmp_path, "HEAD", changed(SCRIBBLE, tokens_changed=62), changed(CROSS, verdict="own"), exits=(1, 1))
+    found = tool().differences(base[0], head[0], base[1], head[1])
+    assert found["scribble.json"][0] == ("read/other-requests/nan: ('nan-leak', 63, 0, 0, 63) -> "
+                                         "('nan-leak', 63, 0, 0, 62)")
+    assert found["cross_request.json"][:2] == ["2/e4m3/grouped/nan/0/1: ('leak', 256, '[46]', False) -> "
+                                               "('own', 256, '[46]', False)", "verdict changes: leak -> own (1)"]
+    assert found["cross-request"][0].startswith("exit differs: ")
+    assert "scribble" not in found                  # same exit: its table's wording is not compared
+
+
+def test_a_verdict_map_renames_base_s_verdicts_first(tmp_path):
+    base = outputs(tmp_path, "BASE", SCRIBBLE, CROSS)
+    head = outputs(tmp_path, "HEAD", SCRIBBLE, changed(CROSS, verdict="nan-leak"))
+    assert tool().differences(base[0], head[0], base[1], head[1], {"leak": "nan-leak"}) == {}
+    assert list(tool().differences(base[0], head[0], base[1], head[1])) == ["cross_request.json"]
+    args = tool().parser().parse_args(["main", "HEAD", "--verdict-map", "leak=nan-leak,own=clean"])
+    assert args.verdict_map == {"leak": "nan-leak", "own": "clean"}

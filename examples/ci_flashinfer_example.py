@@ -1,7 +1,7 @@
 """The canary's pytest plugin on real FlashInfer kernels, as a kernel library's CI would run it
 (needs flashinfer-python and a CUDA GPU; every test skips with the reason otherwise):
 
-    pytest -p qsa_lab.canary.pytest_plugin benchmarks/ci_flashinfer_example.py -q -rf
+    pytest -p qsa_lab.canary.pytest_plugin examples/ci_flashinfer_example.py -q -rf
 
 One test per region x plane x payload of each marker: CUDA-core decode and tensor-core decode
 under a window of 8 tokens, head_dim 128, 8 query heads over 2 KV heads, 16-token pages.
