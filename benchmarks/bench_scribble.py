@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def time_modes(engine, repeats: int) -> dict:
-    from qsa_lab.scribble.check import Scribbler
+    from qsa_lab.scribble.guard import Scribbler
     modes = {"plain": lambda: None, "guard": lambda: Scribbler(), "scribble": lambda: Scribbler("read-trash", "nan")}
     out = {}
     for name, hooks in modes.items():
@@ -63,16 +63,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.engine == "vllm":
-        from qsa_lab.scribble.vllm_env import refusal
+        from qsa_lab.scribble.engines.vllm.env import VLLM as gate
     else:
-        from qsa_lab.scribble.versions import refusal
-    if refusal():
-        print(f"bench_scribble: {refusal()}", file=sys.stderr)
+        from qsa_lab.scribble.versions import TRANSFORMERS as gate
+    if gate.refusal():
+        print(f"bench_scribble: {gate.refusal()}", file=sys.stderr)
         return 3
     import torch
 
-    from qsa_lab.scribble.versions import machine_facts
-    from qsa_lab.scribble.hf_engine import TransformersEngine
+    from qsa_lab.scribble import TransformersEngine
+    from qsa_lab.support.machine import machine_facts
     from qsa_lab.scribble.models import tiny_model, workload
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     configs = [("eager-loop", False)] + ([("cuda-graph", True)] if args.cuda_graph and device == "cuda" else [])
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     results = {}
     for label, graphs in configs:
         if args.engine == "vllm":
-            from qsa_lab.scribble.vllm_engine import VllmEngine, vllm_model, vllm_workload
+            from qsa_lab.scribble import VllmEngine, vllm_model, vllm_workload
             wl = vllm_workload(args.workload)
             engine = VllmEngine(vllm_model(args.model), wl, remove_model_dir=True)
         else:
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         results[label] = time_modes(engine, args.repeats)
         r = results[label]
         if args.matrix:
-            from qsa_lab.scribble.check import scribble
+            from qsa_lab.scribble import scribble
             start = time.perf_counter()
             report = scribble(engine)
             r["matrix"] = {"seconds": time.perf_counter() - start, "cells": len(report.cells)}
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
            "load_avg_1min": {"start": LOAD_START, "end": os.getloadavg()[0]},
            "model": args.model, "workload": wl.to_dict(), "engine": args.engine,
            "attn": args.attn if args.engine == "transformers" else "vLLM's own", "device": device,
-           "repeats": args.repeats, "threads": torch.get_num_threads(), "facts": machine_facts() | getattr(engine, "facts", {}), "results": results}
+           "repeats": args.repeats, "threads": torch.get_num_threads(), "facts": machine_facts("transformers") | getattr(engine, "facts", {}), "results": results}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")

@@ -70,15 +70,15 @@ def run_configs(out: Path, names: list, dtype: str, payloads: tuple, deadline: f
     """This process's transformers: each config in turn, until the deadline. -> {config: summary}."""
     import torch
 
-    from qsa_lab.scribble.check import scribble
+    from qsa_lab.scribble import refusal, scribble
     from qsa_lab.scribble.isolated import build_engine, is_user_attention
-    from qsa_lab.scribble.versions import machine_facts, refusal
+    from qsa_lab.support.machine import machine_facts
 
     line = refusal()
     if line or (device == "cuda" and not torch.cuda.is_available()):
         say(f"scribble_gpu: {line or 'torch sees no CUDA device'}")
         return {name: {"error": line or "no CUDA device"} for name in names}
-    facts = machine_facts()
+    facts = machine_facts("transformers")
     out.mkdir(parents=True, exist_ok=True)
     say(f"== scribble_gpu {time.strftime('%Y-%m-%d %H:%M:%S')} {facts['gpu']} torch {facts['torch']} "
         f"transformers {facts['transformers']} dtype {dtype}")
@@ -181,15 +181,15 @@ def main(argv=None) -> int:
         (out / args.child / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         return 0
 
-    from qsa_lab.scribble.versions import SUPPORTED_TRANSFORMERS, transformers_version
-    versions = args.versions.split(",") if args.versions else list(SUPPORTED_TRANSFORMERS)
+    from qsa_lab.scribble.versions import TRANSFORMERS
+    versions = args.versions.split(",") if args.versions else list(TRANSFORMERS.supported)
     deadline = time.time() + args.budget
     summary, failed = {"configs": {}, "versions": {}}, False
     # the committed matrix under every version first, then the extras while the budget lasts
     for phase in ([n for n in names if n in MATRIX], [n for n in names if n in EXTRAS]):
         for version in versions if phase else []:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-            if version != transformers_version():
+            if version != TRANSFORMERS.installed():
                 folder = site_packages_for(version, Path(args.wheels), say)
                 if folder is None:
                     failed = True
@@ -210,7 +210,10 @@ def main(argv=None) -> int:
             summary["versions"][version] = "ran"
     facts_files = sorted(out.glob("*/scribble_*.json"))
     if facts_files:
-        facts = json.loads(facts_files[0].read_text())["facts"]
+        doc = json.loads(facts_files[0].read_text())
+        facts = {**doc, **doc["facts"]}                   # the header's machine facts and the engine's
+        facts = {k: facts[k] for k in ("gpu", "torch", "cuda", "python", "qsa_lab_version", "transformers", "machine",
+                                       "processor") if k in facts}
         ran = [v for v in versions if summary["versions"].get(v) == "ran"]
         summary["facts"] = facts | {"transformers": ", ".join(ran)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -531,7 +531,7 @@ def scribble_vllm(folder: str = "scribble_vllm_cpu") -> str:
     facts = None
     for path in sorted((REPO / "evidence" / folder).glob("*.json")):
         doc = json.loads(path.read_text())
-        facts = facts or doc["facts"]
+        facts = facts or {**doc, **doc["facts"]}    # the header's machine facts (torch, ...) and the engine's
         wl = doc["workload"]["name"]
         caching = "on" if doc["facts"].get("prefix_caching") else "off"
         shown = {}

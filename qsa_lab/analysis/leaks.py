@@ -40,6 +40,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+# what a report says about where it ran: the one function in support (its names re-exported here)
+from qsa_lab.support.machine import gpu_name, machine_facts  # noqa: F401
+
 # ---------------------------------------------------------------------------- the vocabulary
 CLEAN = "clean"
 NAN_LEAK = "nan-leak"
@@ -189,33 +192,6 @@ def control_problem(first, second=None) -> str:
 
 
 # ---------------------------------------------------------------------------- the report base
-def gpu_name() -> str:
-    """The first visible CUDA GPU's name, or 'none (CPU)'."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001 - a broken CUDA install still lets a report be written
-        pass
-    return "none (CPU)"
-
-
-def machine_facts() -> dict:
-    """What a report says about where it ran: qsa_lab, Python, torch and CUDA versions, the GPU,
-    and the date (UTC, to the second)."""
-    import platform
-    import time
-
-    import torch
-
-    from qsa_lab.support.version import __version__
-
-    return {"qsa_lab_version": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda or "none", "gpu": gpu_name(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
 class LeakReport:
     """What CanaryReport and ScribbleReport share: a subclass names its SCHEMA and its cells'
     verdicts(); the counts, their one line, the exit code and the JSON header come from here."""

@@ -42,14 +42,11 @@ them a symlink), and never when it holds one of the run's inputs.
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
 from qsa_lab.analysis.leaks import CLEAN, INF_LEAK, LEAKS, NA, NAN_LEAK, counts, summary
-from qsa_lab.support.version import __version__
 from qsa_lab.canary.calls import call_stem, kernel_runner, save_call, smallest_leak
 from qsa_lab.canary.names import FILE, MODULE, parse_kernel
 from qsa_lab.canary.render import html, markdown
@@ -57,11 +54,11 @@ from qsa_lab.canary.render import html, markdown
 
 def environment(kernels=()) -> dict:
     """Versions a maintainer asks for first: qsa_lab, Python, torch, CUDA, GPU, driver, libraries."""
-    from qsa_lab.plotting.export import gpu_name
     from qsa_lab.canary.adapters import versions
+    from qsa_lab.support.machine import machine_facts
 
-    out = {"qsa_lab": __version__, "python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda or "none", "gpu": gpu_name(), "driver": _driver()}
+    facts = machine_facts(driver=True)
+    out = {"qsa_lab": facts["qsa_lab_version"], **{k: facts[k] for k in ("python", "torch", "cuda", "gpu", "driver")}}
     out.update({lib: v or "not installed" for lib, v in versions(kernels).items()})
     try:
         import triton
@@ -70,17 +67,6 @@ def environment(kernels=()) -> dict:
     except Exception:  # noqa: BLE001 - optional
         pass
     return out
-
-
-def _driver() -> str:
-    if not torch.cuda.is_available():
-        return "none"
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # -- the report -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from qsa_lab.analysis.leaks import gpu_name
+from qsa_lab.support.machine import gpu_name
 from qsa_lab.support.outputs import check_folder, writing
 from qsa_lab.support.package_data import checkout, locate
 

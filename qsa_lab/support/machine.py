@@ -143,9 +143,47 @@ def package_version(distribution: str) -> str | None:
         return None
 
 
+def gpu_name() -> str:
+    """The first visible CUDA GPU's name, or 'none (CPU)' (torch is imported here, not at module level;
+    without torch, or with a broken CUDA install, the answer is 'none (CPU)')."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - a broken CUDA install still lets a report be written
+        pass
+    return "none (CPU)"
+
+
+def machine_facts(*distributions: str, driver: bool = False) -> dict:
+    """What every report says about where it ran, from this one function: qsa_lab, Python, torch and CUDA
+    versions, the GPU and the date (UTC, to the second); with `driver`, the NVIDIA driver (nvidia-smi);
+    then each named distribution's version (None: not installed) with the machine and the processor."""
+    import time
+
+    from qsa_lab.support.version import __version__
+
+    try:
+        import torch
+
+        torch_version, cuda = torch.__version__, torch.version.cuda or "none"
+    except ImportError:
+        torch_version, cuda = "not installed", "none"
+    out = {"qsa_lab_version": __version__, "python": platform.python_version(), "torch": torch_version,
+           "cuda": cuda, "gpu": gpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if driver:
+        gpu = visible_gpu(nvidia_smi()) if cuda != "none" else None
+        out["driver"] = gpu["driver"] if gpu else "none"
+    if distributions:
+        out.update({d: package_version(d) for d in distributions})
+        out.update(host_facts())
+    return out
+
+
 def host_facts(*distributions: str) -> dict:
-    """The facts a report adds to its header's (qsa_lab.analysis.leaks.machine_facts: qsa_lab, Python,
-    torch, CUDA, GPU, date): each named distribution's version, the machine and the processor. Torch-free."""
+    """What an engine's report adds to the header's machine facts: each named distribution's version, the
+    machine and the processor. Torch-free."""
     return {**{d: package_version(d) for d in distributions}, "machine": platform.machine(),
             "processor": platform.processor() or platform.machine()}
 
