@@ -17,15 +17,15 @@ PACKAGE = Path(leaks.__file__).resolve().parents[1]
 
 def test_canary_and_scribble_use_the_one_table_and_the_one_comparison():
     from qsa_lab import canary
-    from qsa_lab.canary import pytest_plugin, runner
+    from qsa_lab.canary import pytest_plugin, results
     from qsa_lab.scribble import check, verdicts as scribble_names
 
-    assert canary.VERDICTS is leaks.VERDICTS and canary.LEAKS is runner.LEAKS is leaks.LEAKS
-    assert canary.compare is runner.compare is leaks.compare and runner.control_problem is leaks.control_problem
+    assert canary.VERDICTS is leaks.VERDICTS and canary.LEAKS is results.LEAKS is leaks.LEAKS
+    assert canary.compare is results.compare is leaks.compare and results.control_problem is leaks.control_problem
     assert check.verdict_of is leaks.verdict_of and check.compare_generation is leaks.compare_generation
     assert check.LEAKS is pytest_plugin.LEAKS is leaks.LEAKS and scribble_names.STRAY is leaks.STRAY_WRITE
-    assert issubclass(runner.CanaryReport, leaks.LeakReport) and issubclass(check.ScribbleReport, leaks.LeakReport)
-    assert runner.CanaryReport.summary is check.ScribbleReport.summary is leaks.LeakReport.summary
+    assert issubclass(results.CanaryReport, leaks.LeakReport) and issubclass(check.ScribbleReport, leaks.LeakReport)
+    assert results.CanaryReport.summary is check.ScribbleReport.summary is leaks.LeakReport.summary
 
 
 def _string_constants(path: Path) -> list:
