@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.gpu,
 from test_kernels_cuda import ATOL, REF_ATOL, REF_RTOL, RTOL, assert_close_to, built, case_for  # noqa: E402,F401
 
 from qsa_lab.analysis.cross_request import judge  # noqa: E402
+from qsa_lab.analysis.leaks import LEAKS  # noqa: E402
 from qsa_lab.model.case import build_case  # noqa: E402
 from qsa_lab.model.geometry import MIXES  # noqa: E402
 from qsa_lab.model.plan import EMPTY_ROW, plan_groups  # noqa: E402
@@ -41,7 +42,7 @@ def test_mixed_cases_match_emulation(mix, q_heads, kv_dtype, payload):
         for route, out in cuda.outputs.items():
             if route != "reference":
                 assert_close_to(out, emu.outputs[route], ATOL, RTOL, f"{route} {mix} Hq{q_heads} {payload} in r{r}")
-        leaked = [x for x in judge(cuda, r, payload) if x["verdict"] == "leak" and x["route"] in COMPLETE_FIXES]
+        leaked = [x for x in judge(cuda, r, payload) if x["verdict"] in LEAKS and x["route"] in COMPLETE_FIXES]
         assert not leaked, leaked
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_lab.analysis.cross_request import cross_request, judge, leaks, nonfinite_rows, pivot_frame, row_map
+from qsa_lab.analysis.cross_request import (CrossRequestReport, cross_request, judge, leak_records, nonfinite_rows,
+                                            pivot_frame, row_map)
 from qsa_lab.model.case import build_case
 from qsa_lab.model.geometry import MIXES, Geometry
 from qsa_lab.model.plan import EMPTY_ROW, REMAINDER_GROUP_MIN, group_rows, plan_groups
@@ -63,7 +64,9 @@ def test_reach_follows_the_m_tiles(q_heads, reached):
 
 def test_finite_control_leaks_nowhere():
     records = cross_request(UPSTREAM, payloads=("max",), requests=[0, 1], backend="emulate")
-    assert records and not leaks(records) and all(x["verdict"] in ("own", "clean") for x in records)
+    assert records and not leak_records(records) and all(x["verdict"] in ("n/a", "clean") for x in records)
+    report = CrossRequestReport("emulate", "upstream-mix", [], records)
+    assert report.exit_code() == 0 and report.counts()["leaking"] == 0 and not report.nothing_checked()
 
 
 def test_inf_own_rows_as_the_reference_only_with_finite_pv():
@@ -71,14 +74,21 @@ def test_inf_own_rows_as_the_reference_only_with_finite_pv():
     the zero P of a token a row does not attend but its neighbour does (0 * Inf = NaN), finite_pv does not."""
     records = cross_request(UPSTREAM.replace(kv_dtype="fp16"), payloads=("inf",), requests=[0], backend="emulate",
                             routes=["grouped+kernel_fix", "grouped+finite_pv", "xqa"])
-    own = {x["route"]: x["as_reference"] for x in records if x["verdict"] == "own"}
+    own = {x["route"]: x["as_reference"] for x in records if x["request"] == x["poisoned_request"]}
     assert own == {"reference": True, "grouped+kernel_fix": False, "grouped+finite_pv": True, "xqa": True}
-    assert {x["route"] for x in leaks(records)} == {"grouped+kernel_fix"}
+    assert {x["verdict"] for x in records if x["request"] == 0} == {"n/a"}
+    assert {x["route"] for x in leak_records(records)} == {"grouped+kernel_fix"}
+    assert {x["verdict"] for x in leak_records(records)} == {"nan-leak"}       # 0 * Inf = NaN in the other rows
+    report = CrossRequestReport("emulate", "upstream-mix", [], records)
+    assert report.exit_code() == 0                                              # kernel_fix need not stay clean
+    assert CrossRequestReport("emulate", "upstream-mix", [], [dict(x, route="xqa") for x in records]).exit_code() == 1
 
 
 def test_e4m3_has_no_inf_payload():
     records = cross_request(UPSTREAM, payloads=("inf",), requests=[0], backend="emulate")
     assert [x["verdict"] for x in records] == ["n/a"] and "no inf code" in records[0]["note"]
+    report = CrossRequestReport("emulate", "upstream-mix", [], records)
+    assert report.nothing_checked() and report.exit_code() == 3 and report.unavailable() == ["e4m3 has no inf code"]
 
 
 def test_tables_and_figure_data(upstream_nan_in_request_0):
