@@ -151,7 +151,7 @@ def groups_of(geometry: Geometry) -> list[dict]:
     plan = plan_groups(case, "consecutive")
     req = case.token_to_req.cpu()
     out = []
-    for g, rows in enumerate(plan.group_rows.cpu().tolist()):
+    for g, rows in enumerate(plan.members.cpu().tolist()):
         held = sorted(set(req[rows].tolist()))
         out.append({"group": g, "rows": [rows[0], rows[-1]], "requests": held, "mixed": len(held) > 1})
     return out

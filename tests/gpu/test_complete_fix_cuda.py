@@ -52,14 +52,14 @@ def test_padded_request_groups_match_emulation(mix, variant):
     """Every request's remainder as one padded group: empty query slots read no query and give 0."""
     case = poison_request(build_case(MIXES[mix].replace(**SMALL)), 0, "nan").to("cuda")
     plan = plan_groups(case, "request", remainder_group_min=1)
-    assert bool((plan.group_rows == EMPTY_ROW).any()) and plan.xqa_rows.numel() == 0
-    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks, plan.masks,
+    assert bool((plan.members == EMPTY_ROW).any()) and plan.xqa_rows.numel() == 0
+    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members, plan.microblocks, plan.masks,
             plan.seq_len)
     kw = dict(kv_dtype=case.kv_dtype, sm_scale=case.sm_scale, variant=variant)
     out = kernels.grouped_forward(*args, **kw).cpu()
     emu = emulate.grouped_forward(*(a.cpu() if torch.is_tensor(a) else a for a in args), **kw)
     assert_close_to(out, emu, ATOL, RTOL, f"{variant} padded {mix}")
-    empty = (plan.group_rows == EMPTY_ROW).cpu()
+    empty = (plan.members == EMPTY_ROW).cpu()
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
 
 
@@ -79,7 +79,7 @@ def test_binding_takes_empty_slots_and_refuses_other_negative_rows():
     case = build_case(MIXES["prefill-mix"].replace(**SMALL)).to("cuda")
     plan = plan_groups(case, "request", remainder_group_min=1)
     kw = dict(kv_dtype=case.kv_dtype, sm_scale=case.sm_scale, variant="kernel_fix")
-    rows = plan.group_rows.clone()
+    rows = plan.members.clone()
     kernels.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, rows, plan.microblocks, plan.masks,
                             plan.seq_len, **kw)
     rows[rows == EMPTY_ROW] = -2

@@ -11,7 +11,7 @@ from qsa_lab.analysis.cross_request import (CrossRequestReport, cross_request, j
                                             pivot_frame, row_map)
 from qsa_lab.model.case import build_case
 from qsa_lab.model.geometry import MIXES, Geometry
-from qsa_lab.model.plan import EMPTY_ROW, REMAINDER_GROUP_MIN, group_rows, plan_groups
+from qsa_lab.model.plan import EMPTY_ROW, REMAINDER_GROUP_MIN, form_groups, plan_groups
 from qsa_lab.model.poison import poison_request
 from qsa_lab.routes import emulate
 from qsa_lab.routes.labels import COMPLETE_FIXES
@@ -28,7 +28,7 @@ def upstream_nan_in_request_0():
 
 def test_upstream_shape_mixes_requests_in_one_group():
     case = build_case(UPSTREAM)
-    rows, rest = group_rows(case, "consecutive")
+    rows, rest = form_groups(case, "consecutive")
     assert rows.shape == (6, 8) and rest.tolist() == [48]
     assert sorted(set(case.token_to_req[rows[5]].tolist())) == [0, 1, 2]       # rows 40-47: requests 0, 1, 2
 
@@ -105,23 +105,23 @@ def test_tables_and_figure_data(upstream_nan_in_request_0):
 
 def test_padded_remainder_groups():
     case = poison_request(build_case(MIXES["prefill-mix"].replace(**SMALL)), 1, "nan")
-    rows, rest = group_rows(case, "request", remainder_group_min=5)    # remainders 4, 5, 7: the last two padded
+    rows, rest = form_groups(case, "request", remainder_group_min=5)    # remainders 4, 5, 7: the last two padded
     assert rest.tolist() == [16, 17, 18, 19]
     assert rows.shape == (5, 8) and rows[-1].tolist() == [33, 34, 35, 36, 37, 38, 39, EMPTY_ROW]
     assert rows[3].tolist() == [28, 29, 30, 31, 32, EMPTY_ROW, EMPTY_ROW, EMPTY_ROW]
-    assert REMAINDER_GROUP_MIN == 8 and group_rows(case, "request")[1].numel() == 16   # the default: XQA
+    assert REMAINDER_GROUP_MIN == 8 and form_groups(case, "request")[1].numel() == 16   # the default: XQA
     plan = plan_groups(case, "request", remainder_group_min=1)
     ref = run_routes(case, ["reference"], backend="emulate").reference64
     for variant in ("kernel_fix", "finite_pv"):
         out = grouped_output(case, plan, variant, emulate, checked=True)
         assert torch.equal(torch.isnan(out), torch.isnan(ref)), variant     # request 1's rows only, as the reference
-        g = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+        g = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                     plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                     sm_scale=case.sm_scale, variant=variant)
-        empty = plan.group_rows == EMPTY_ROW
+        empty = plan.members == EMPTY_ROW
         assert torch.equal(g[empty], torch.zeros_like(g[empty]))           # an empty slot's output is 0
     with pytest.raises(ValueError, match="remainder_group_min"):
-        group_rows(case, "request", remainder_group_min=0)
+        form_groups(case, "request", remainder_group_min=0)
 
 
 def test_request_rows_geometry():
