@@ -18,7 +18,7 @@ route's output is judged request by request, one record each:
 
     records = cross_request(MIXES["upstream-mix"], payloads=("nan", "max"))
     leak_records(records)              # the leaking (route, payload, poisoned, request, rows)
-    CrossRequestReport("emulate", "upstream-mix", [], records).exit_code()   # 1: a route that must stay clean leaked
+    CrossRequestReport("emulate", "upstream-mix", [], records).exit_code()   # 1 when a MUST_BE_CLEAN route leaked
 """
 from __future__ import annotations
 
