@@ -90,7 +90,7 @@ def route_call(case, plan, variant):
 
     def run():
         if plan is not None and plan.groups:
-            grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks,
+            grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members, plan.microblocks,
                             plan.masks, plan.seq_len, variant=variant, **kw)
         if rows.numel():
             xqa_forward(q_rest, case.kv_cache, case.k_scale, case.v_scale, token_index, token_count, **kw)

@@ -29,7 +29,7 @@ def launch():
 
     case = apply_poison(build_case(Geometry(rows=16)), "random", plane="kv").to("cuda")
     plan = plan_groups(case)
-    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks, plan.masks,
+    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members, plan.microblocks, plan.masks,
             plan.seq_len)
     for variant in VARIANTS:
         kernels.grouped_forward(*args, kv_dtype="e4m3", sm_scale=case.sm_scale, variant=variant)

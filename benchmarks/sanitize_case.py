@@ -47,7 +47,7 @@ if a.mixed:  # request-aligned, every remainder a padded group (empty query slot
     plans[" padded"] = plan_groups(case, "request", remainder_group_min=1)
 kw = dict(kv_dtype=a.kv, sm_scale=case.sm_scale)
 for v, (name, pl) in ((v, item) for v in a.variants.split(",") for item in plans.items()):
-    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, pl.group_rows, pl.microblocks, pl.masks, pl.seq_len)
+    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, pl.members, pl.microblocks, pl.masks, pl.seq_len)
     out = kernels.grouped_forward(*args, variant=v, **kw)
     torch.cuda.synchronize()
     line = f"variant {v + name:32s} nan {int(torch.isnan(out).sum())}"

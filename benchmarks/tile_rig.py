@@ -50,7 +50,7 @@ def write_cases(out: Path, copies: int = 3) -> None:
         meta = (f"{g.rows} {g.q_heads} {g.head_dim} {plan.groups} {plan.microblocks.shape[1]} "
                 f"{case.kv_cache.shape[2]} {case.kv_cache.shape[0]} 0 {case.sm_scale * case.k_scale!r} {case.v_scale!r}\n")
         (d / "meta.txt").write_text(meta)
-        for name, t in (("q", case.q), ("kv", case.kv_cache), ("group_rows", plan.group_rows.long()),
+        for name, t in (("q", case.q), ("kv", case.kv_cache), ("group_rows", plan.members.long()),
                         ("microblocks", plan.microblocks.int()), ("masks", plan.masks.int()), ("seq_len", plan.seq_len.int())):
             (d / f"{name}.bin").write_bytes(t.contiguous().numpy().tobytes())
         print(f"{d}: {plan.groups} groups, tiles {[int(s) // 32 for s in plan.seq_len]}")

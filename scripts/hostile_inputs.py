@@ -184,7 +184,7 @@ def cli_probes(d: Path) -> list[Probe]:
         for v in bad:
             extra = ["--poison", "random"] if flag == "--poison-seed" else []
             P.append(cli(["diff", *TINY, *extra, flag, v], needle))
-    for flag, v in [("--layout", "spiral"), ("--kv-dtype", "int4"), ("--grouping", "x"), ("--poison", "all"),
+    for flag, v in [("--layout", "spiral"), ("--kv-dtype", "int4"), ("--group-rows", "x"), ("--poison", "all"),
                     ("--plane", "q"), ("--backend", "tpu"), ("--layout", ""), ("--kv-dtype", "E4M3")]:
         P.append(cli(["diff", *TINY, flag, v], flag))
     for v in ["a", "1,,x", "-1", "16", "1.5", "", "99999999999"]:

@@ -158,7 +158,7 @@ def lse_of(case, plan, variant) -> torch.Tensor:
     """The grouped route's log-sum-exp per score row (variant of routes.labels.GROUPED)."""
     from qsa_lab.routes import emulate
 
-    _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+    _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                      plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                      sm_scale=case.sm_scale, variant=variant, return_lse=True)
     return lse

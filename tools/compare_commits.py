@@ -159,12 +159,16 @@ def drive(out: Path, quick: bool) -> int:
     kv_word = "kv_dtype" if "kv_dtype" in inspect.signature(emulate.grouped_forward).parameters else "kv_format"
     arrays, doc = {}, {}
 
+    def members(plan):     # a plan's rows of each group: GroupedPlan.members, .group_rows before issue 45
+        return plan.members if hasattr(plan, "members") else plan.group_rows
+
     def record(name: str, res) -> None:
         case, plan = res.case, res.plan
         for k in ("kv_cache", "q", "selected", "block_table", "seq_lens", "positions"):
             arrays[f"{name}/case/{k}"] = bits(getattr(case, k))
-        for k in ("microblocks", "masks", "seq_len", "group_rows"):
+        for k in ("microblocks", "masks", "seq_len"):
             arrays[f"{name}/plan/{k}"] = bits(getattr(plan, k))
+        arrays[f"{name}/plan/group_rows"] = bits(members(plan))
         for r, o in res.outputs.items():
             arrays[f"{name}/out/{r}"] = bits(o)
         arrays[f"{name}/reference64"] = bits(res.reference64)
@@ -172,7 +176,7 @@ def drive(out: Path, quick: bool) -> int:
             fixed = pad_fix(plan)
             for route, (variant, fix) in GROUPED.items():
                 p = fixed if fix else plan
-                _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, p.group_rows,
+                _, lse = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, members(p),
                                                  p.microblocks, p.masks, p.seq_len, sm_scale=case.sm_scale,
                                                  variant=variant, return_lse=True,
                                                  **{kv_word: case.geometry.kv_dtype})

@@ -123,7 +123,7 @@ class Prepared:
 
     def grouped_args(self, on_gpu: bool):
         c, p = (self.gpu, self.plan) if on_gpu else (self.case, self.plan_cpu)
-        return (c.q, c.kv_cache, c.k_scale, c.v_scale, p.group_rows, p.microblocks, p.masks, p.seq_len)
+        return (c.q, c.kv_cache, c.k_scale, c.v_scale, p.members, p.microblocks, p.masks, p.seq_len)
 
     def xqa_args(self, on_gpu: bool):
         c = self.gpu if on_gpu else self.case

@@ -430,7 +430,7 @@ def _leak_cells(doc: dict, q_heads: int, kv_dtype: str, payload: str) -> dict:
         if r["route"] is None or (r["q_heads"], r["kv_dtype"], r["payload"]) != (q_heads, kv_dtype, payload):
             continue
         cell = out.setdefault(r["route"], {})
-        if r["verdict"] == "leak":
+        if r["request"] != r["poisoned_request"] and r["rows"]:    # a leak, in the words of either schema (/1, /2)
             cell.setdefault(r["poisoned_request"], []).extend(r["rows"])
     def ranges(rows):
         from qsa_lab.analysis.cross_request import _ranges
@@ -449,7 +449,7 @@ def cross_request(names=("cross_request_h200.json", "cross_request_cpu.json")) -
            f"dim {g['head_dim']}; backend {doc['backend']}; committed {_committed(name)}; source `{_where(name)}`). A cell "
            "lists, per poisoned request, the rows of OTHER requests that went non-finite; `-`: none.")
     nowhere = []
-    for kv, payload in sorted({(r["kv_dtype"], r["payload"]) for r in doc["records"] if r["verdict"] != "n/a"}):
+    for kv, payload in sorted({(r["kv_dtype"], r["payload"]) for r in doc["records"] if r["route"] is not None}):
         heads = sorted({r["q_heads"] for r in doc["records"] if r["kv_dtype"] == kv})
         cells = {h: _leak_cells(doc, h, kv, payload) for h in heads}
         routes = list(dict.fromkeys(r for h in heads for r in cells[h]))

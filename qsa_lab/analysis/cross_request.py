@@ -1,26 +1,32 @@
 """Which rows of which request one request's non-finite V reaches, per route: the mixed-request
-case (issue 37). Data only, no drawing (qsa_lab.plotting.plots.plot_cross_request draws it).
+case (issue 37), a probe judged in the one leak vocabulary (qsa_lab.analysis.leaks). Data only, no
+drawing (qsa_lab.plotting.plots.plot_cross_request draws it).
 
 A batch can mix requests in one group of 8 consecutive rows (upstream's host route hands the
 grouped kernel the first rows // 8 * 8 rows as they come; its own regression test has rows 40-47
 holding requests 0, 1 and 2). Each request's attended V is poisoned in turn (every slot its rows
 attend, at `dims`, model.poison.poison_request) with NaN, Inf or a finite control ('max'), and every
-route's output is judged request by request:
+route's output is judged request by request, one record each:
 
-    own      the poisoned request's rows: non-finite where the reference is, or not
-             (`as_reference` False: e.g. NaN where the reference gives Inf)
-    leak     a row of ANOTHER request is non-finite (the reference never is: that request's
-             rows attend none of the poisoned slots)
-    clean    no row of that request is non-finite
+    nan-leak, inf-leak  a row of ANOTHER request holds a NaN (else an Inf); the reference never
+                        does: that request's rows attend none of the poisoned slots
+    clean               no row of that other request is non-finite
+    n/a                 the poisoned request's own rows: they attend the poison, so no leak check;
+                        `as_reference` says whether they are non-finite exactly where the
+                        reference's are (False: e.g. NaN where the reference gives Inf). Also a
+                        payload the cache dtype has no code for (route None, a note says so)
 
     records = cross_request(MIXES["upstream-mix"], payloads=("nan", "max"))
-    leaks(records)                     # the leaking (route, payload, poisoned, request, rows)
+    leak_records(records)              # the leaking (route, payload, poisoned, request, rows)
+    CrossRequestReport("emulate", "upstream-mix", [], records).exit_code()   # 1 when a MUST_BE_CLEAN route leaked
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from qsa_lab.analysis.leaks import CLEAN, NA
+from qsa_lab.analysis.leaks import LEAKS, NA, LeakReport, verdict_of
 from qsa_lab.model.case import Geometry, build_case
 from qsa_lab.model.geometry import PAYLOADS
 from qsa_lab.model.plan import plan_groups
@@ -28,8 +34,8 @@ from qsa_lab.model.poison import PAYLOAD_BITS, poison_request
 from qsa_lab.routes.labels import COMPLETE_FIXES, ROUTES
 from qsa_lab.routes.run import check_routes, run_routes
 
-SCHEMA = "qsa_lab.cross_request/1"
-OWN, LEAK = "own", "leak"     # a record's verdict beside CLEAN (NA: a payload the cache dtype has no code for)
+SCHEMA = "qsa_lab.cross_request/2"    # /1 named its verdicts own / leak / clean / n/a
+OWN_ROWS = "the poisoned request's own rows: no leak check (as_reference compares them with the reference)"
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
 #: routes that must never give another request's rows a non-finite value
 MUST_BE_CLEAN = ("reference", "xqa") + COMPLETE_FIXES
@@ -42,7 +48,8 @@ def nonfinite_rows(out: torch.Tensor) -> torch.Tensor:
 
 def judge(result, request: int, payload: str) -> list[dict]:
     """One poisoned run (run_routes' result; `request`'s attended V poisoned with `payload`) judged
-    per route and request -> records (route, request, rows, elements, verdict, as_reference)."""
+    per route and request -> records (route, request, rows, elements, nan, inf, verdict, as_reference):
+    rows the request's rows holding a NaN or Inf, elements / nan / inf the non-finite elements of its rows."""
     case = result.case
     req = case.token_to_req.cpu().long()
     ref = result.reference64
@@ -52,14 +59,16 @@ def judge(result, request: int, payload: str) -> list[dict]:
         for k in range(case.geometry.requests):
             mine = req == k
             rows = torch.nonzero(bad & mine).flatten().tolist()
+            mine_out = o.float()[mine]
+            got = {"nan": int(torch.isnan(mine_out).sum()), "inf": int(torch.isinf(mine_out).sum())}
             rec = {"route": route, "payload": payload, "poisoned_request": request, "request": k, "rows": rows,
-                   "elements": int((~torch.isfinite(o.float()[mine])).sum())}
+                   "elements": got["nan"] + got["inf"], **got}
             if k == request:
                 same = (torch.equal(torch.isnan(o[mine]), torch.isnan(ref[mine]))
                         and torch.equal(torch.isinf(o[mine]), torch.isinf(ref[mine])))
-                rec.update(verdict=OWN, as_reference=same)
+                rec.update(verdict=NA, as_reference=same, note=OWN_ROWS)
             else:
-                rec.update(verdict=LEAK if rows else CLEAN, as_reference=not rows)
+                rec.update(verdict=verdict_of(got), as_reference=not rows)
             out.append(rec)
     return out
 
@@ -89,7 +98,7 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
     for payload in payloads:
         if (geometry.kv_dtype, payload) not in PAYLOAD_BITS:
             records.append({**meta, "route": None, "payload": payload, "poisoned_request": None, "request": None,
-                            "rows": [], "elements": 0, "verdict": NA, "as_reference": None,
+                            "rows": [], "elements": 0, "nan": 0, "inf": 0, "verdict": NA, "as_reference": None,
                             "note": f"{geometry.kv_dtype} has no {payload} code"})
             continue
         for r in requests:
@@ -100,9 +109,39 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
     return records
 
 
-def leaks(records, routes=None) -> list[dict]:
+def leak_records(records, routes=None) -> list[dict]:
     """The records where a request other than the poisoned one got a non-finite row (of `routes`)."""
-    return [r for r in records if r["verdict"] == LEAK and (routes is None or r["route"] in routes)]
+    return [r for r in records if r["verdict"] in LEAKS and (routes is None or r["route"] in routes)]
+
+
+@dataclass
+class CrossRequestReport(LeakReport):
+    """One `qsa-lab cross-request` run: its records (cross_request) of every geometry it ran (`runs`:
+    [{"geometry", "groups"}]). Counts and "nothing checked" over every record; the exit code over
+    the routes that must stay clean only (MUST_BE_CLEAN): 1 when one of them leaked."""
+    backend: str
+    mix: str
+    runs: list
+    records: list
+    SCHEMA = SCHEMA            # the JSON's (LeakReport.header)
+
+    def verdicts(self) -> list:
+        return [r["verdict"] for r in self.records]
+
+    def exit_verdicts(self) -> list:
+        return [r["verdict"] for r in self.records if r["route"] in MUST_BE_CLEAN]
+
+    def leaks(self, routes=None) -> list:
+        return leak_records(self.records, routes)
+
+    def unavailable(self) -> list:
+        """Why a payload was not run (a note per payload the cache dtype has no code for)."""
+        return sorted({r["note"] for r in self.records if r["route"] is None})
+
+    def to_json(self) -> dict:
+        return {**self.header(), "backend": self.backend, "mix": self.mix, "runs": self.runs,
+                "must_be_clean": list(MUST_BE_CLEAN), "must_be_clean_leaks": len(self.leaks(MUST_BE_CLEAN)),
+                "counts": self.counts(), "exit_code": self.exit_code(), "records": self.records}
 
 
 def groups_of(geometry: Geometry) -> list[dict]:
@@ -112,7 +151,7 @@ def groups_of(geometry: Geometry) -> list[dict]:
     plan = plan_groups(case, "consecutive")
     req = case.token_to_req.cpu()
     out = []
-    for g, rows in enumerate(plan.group_rows.cpu().tolist()):
+    for g, rows in enumerate(plan.members.cpu().tolist()):
         held = sorted(set(req[rows].tolist()))
         out.append({"group": g, "rows": [rows[0], rows[-1]], "requests": held, "mixed": len(held) > 1})
     return out
@@ -169,7 +208,7 @@ def pivot_frame(records, q_heads: int):
         if col not in cols:
             cols.append(col)
         cell = cells.setdefault((r["route"], col), {"leaks": [], "own": True})
-        if r["verdict"] == OWN:
+        if r["request"] == r["poisoned_request"]:
             cell["own"] = r["as_reference"]
         elif r["rows"]:
             cell["leaks"].append(f"r{r['request']}:{_ranges(r['rows'])}")

@@ -129,7 +129,7 @@ def nan_map(result: RunResult, route: str = "grouped") -> dict:
     hq, D = out.shape[1], out.shape[2]
 
     def score_rows(t):
-        parts = [t[plan.group_rows.flatten()].reshape(-1, D)] if plan.groups else []
+        parts = [t[plan.members.flatten()].reshape(-1, D)] if plan.groups else []
         if plan.xqa_rows.numel():
             parts.append(t[plan.xqa_rows].reshape(-1, D))
         return torch.cat(parts) if parts else torch.zeros(0, D, dtype=t.dtype)

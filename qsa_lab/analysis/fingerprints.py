@@ -105,7 +105,7 @@ def predict_nan(case: Case, plan: GroupedPlan, variant: str = "unfixed") -> torc
                        for m in range(nmt)], dim=1)                       # [G, m_tiles, D]
     rows = torch.arange(GROUP * g.q_heads)
     per_row = hit[:, rows // 16, :].view(plan.groups, GROUP, g.q_heads, g.head_dim)
-    pred[plan.group_rows.flatten()] = per_row.reshape(-1, g.q_heads, g.head_dim)
+    pred[plan.members.flatten()] = per_row.reshape(-1, g.q_heads, g.head_dim)
     return pred
 
 
@@ -135,7 +135,7 @@ def fingerprint(result: RunResult, route: str = "grouped"):
         padded = (plan.padding() & (plan.categories == m)).any(dim=1)
         pad_bits |= torch.where(padded, m, 0)
     for gi in range(plan.groups):
-        score = out[plan.group_rows[gi]].reshape(GROUP * hq, -1)          # row = query*hq + head
+        score = out[plan.members[gi]].reshape(GROUP * hq, -1)          # row = query*hq + head
         for m in range(plan.m_tiles):
             rows = score[m * 16:(m + 1) * 16]
             nan = torch.isnan(rows)
@@ -169,7 +169,7 @@ def attribute(result: RunResult, route: str = "grouped"):
     raw = case.kv_cache[:, 1, :, 0, :]
     raw_bytes = raw.view(torch.uint8).view(raw.shape[0], ps, case.geometry.head_dim, -1)[..., 0]
     # NaN per (group, M-tile, dim) of the route: a fixed route read the byte and zeroed it where none
-    score = torch.isnan(out[plan.group_rows].reshape(plan.groups, GROUP * hq, -1))   # row = query*hq + head
+    score = torch.isnan(out[plan.members].reshape(plan.groups, GROUP * hq, -1))   # row = query*hq + head
     tile_nan = torch.stack([score[:, m * 16:(m + 1) * 16].any(1) for m in range(plan.m_tiles)], 1)  # [G, M, D]
     g, t, j, d = torch.nonzero(source).unbind(1)
     m_bits = torch.arange(plan.m_tiles)
@@ -196,7 +196,7 @@ def group_summary(plan: GroupedPlan) -> list[dict]:
         for c in sorted(set(plan.categories[gi][inside[gi]].tolist())):
             sel = inside[gi] & (plan.categories[gi] == c)
             cats[str(c)] = {"real": int((sel & ~padding[gi]).sum()), "padded": int((sel & padding[gi]).sum())}
-        out.append({"group": gi, "rows": plan.group_rows[gi].tolist(),
+        out.append({"group": gi, "rows": plan.members[gi].tolist(),
                     "tiles": int(plan.seq_len[gi]) // (4 * TILE_ENTRIES), "categories": cats})
     return out
 

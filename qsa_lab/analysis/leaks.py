@@ -22,8 +22,13 @@ Verdicts, in this order (a table of verdicts lists them so: leaks before failure
                                       which is never "clean"
     not-run           no-check  0     the cell never ran (a kernel that was skipped: a grid's empty cell)
 
-A run's exit code is the largest of its verdicts' (0, 1, 3); a report may add failures of its own
-(the canary: a requested kernel with no check at all).
+A run's exit code is the largest of its verdicts' (0, 1, 3). One more name is a report's, never a
+cell's:
+
+    no-checks         failure   3     no cell's check ran (every cell n/a, not-run or a failure, or no
+                                      cell at all): a run that checked nothing never passes
+
+(the canary also names it for one requested kernel with no check at all).
 
 What "changed" means, for every output (compare): bit for bit against the control, except that
 **two NaNs are equal whatever their payload bits**. IEEE 754 leaves which NaN payload an operation
@@ -75,6 +80,9 @@ READ_LEAKS = (NAN_LEAK, INF_LEAK, FINITE_LEAK)      # what compare can find; str
 FAILURES = tuple(v.name for v in TABLE if v.category == "failure")     # worst first: error names a failure
 NO_CHECK = tuple(v.name for v in TABLE if v.category == "no-check")
 CHECKED = (CLEAN,) + LEAKS          # the verdicts of a check that ran
+#: a report's verdict (no cell's): no check ran at all; a run that checked nothing fails, it never passes
+NO_CHECKS = "no-checks"
+NO_CHECKS_EXIT = 3
 
 
 def category(verdict: str) -> str:
@@ -193,13 +201,19 @@ def control_problem(first, second=None) -> str:
 
 # ---------------------------------------------------------------------------- the report base
 class LeakReport:
-    """What CanaryReport and ScribbleReport share: a subclass names its SCHEMA and its cells'
-    verdicts(); the counts, their one line, the exit code and the JSON header come from here."""
+    """What every probe's report shares (CanaryReport, ScribbleReport, CrossRequestReport): a subclass
+    names its SCHEMA and its cells' verdicts(); the counts, their one line, the exit code, the
+    "nothing checked" rule and the JSON header come from here."""
 
     SCHEMA = ""
 
     def verdicts(self) -> list:
         raise NotImplementedError
+
+    def exit_verdicts(self) -> list:
+        """The verdicts the exit code is drawn from: every cell's (a probe whose exit code answers a
+        narrower question, such as cross-request's routes that must stay clean, names fewer)."""
+        return self.verdicts()
 
     def counts(self) -> dict:
         """{"cells", "checks", "leaking"} (counts()): what every surface prints."""
@@ -208,8 +222,15 @@ class LeakReport:
     def summary(self) -> str:
         return summary(self.counts())
 
+    def nothing_checked(self) -> bool:
+        """No cell's check ran (none clean or leaking; no cell at all counts too): NO_CHECKS."""
+        return not any(v in CHECKED for v in self.verdicts())
+
     def exit_code(self) -> int:
-        return exit_code(self.verdicts())
+        """The largest of exit_verdicts()' exit codes; NO_CHECKS_EXIT (3) instead of 0 when nothing
+        was checked (never a pass on nothing)."""
+        code = exit_code(self.exit_verdicts())
+        return NO_CHECKS_EXIT if code == 0 and self.nothing_checked() else code
 
     def header(self) -> dict:
         """{"schema", **machine_facts()}: the facts are read once per report, so every document

@@ -89,7 +89,8 @@ def size(text: str) -> int:
 
 
 def geometry_flag(name: str) -> str:
-    return "--grouping" if name == "group_rows" else "--" + name.replace("_", "-")
+    """A geometry field's option: group_rows -> --group-rows."""
+    return "--" + name.replace("_", "-")
 
 
 def fraction(text: str) -> float:
@@ -100,6 +101,18 @@ def fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
     return value
+
+
+def add_old_names(group) -> None:
+    """Each renamed geometry option (model.geometry.RENAMED_FIELDS) under its old name too, taking
+    the same values, not shown in --help: --grouping is --group-rows."""
+    from qsa_lab.model.geometry import RENAMED_FIELDS
+
+    actions = {a.dest: a for a in group._group_actions}
+    for old, new in RENAMED_FIELDS.items():
+        a = actions[new]
+        group.add_argument(geometry_flag(old), dest=new, type=a.type, choices=a.choices, metavar=a.metavar,
+                           help=argparse.SUPPRESS)
 
 
 def add_case_args(p):
@@ -130,8 +143,9 @@ def add_case_args(p):
     g.add_argument("--head-dim", type=integer, help=rng("head_dim", "head dimension, a multiple of 16"))
     g.add_argument("--kv-dtype", choices=KV_DTYPES, help=f"KV cache element type (default {d.kv_dtype})")
     g.add_argument("--seed", type=integer, help=rng("seed", "seed of q, K/V and the selections"))
-    g.add_argument("--grouping", choices=GROUPINGS,
-                   help=f"consecutive rows or request-aligned groups (default {d.group_rows})")
+    g.add_argument("--group-rows", choices=GROUPINGS,
+                   help=f"how rows form the grouped kernel's groups of 8: consecutive rows or request-aligned "
+                        f"groups (default {d.group_rows})")
     g.add_argument("--selection", choices=SELECTIONS,
                    help="indexer (default): top-k of an indexer-style block scorer over correlated queries; "
                         "random: sink + window + independent random blocks (the earlier generator)")
@@ -141,6 +155,7 @@ def add_case_args(p):
     g.add_argument("--max-memory", type=size, metavar="SIZE",
                    help="refuse a case whose estimated peak memory is above SIZE, e.g. 4G or 512M "
                         "(default: half the memory available when the command starts)")
+    add_old_names(g)
     q = p.add_argument_group("poison")
     q.add_argument("--poison", choices=SITES, default="none", help="poison site (default none)")
     q.add_argument("--dims", type=int_list,
@@ -164,14 +179,12 @@ def geometry_of(args):
 
     base = {"decode": DECODE, "causal3": CAUSAL3, **MIXES, None: Geometry()}[args.geometry]
     names = ["rows", "requests", "layout", "context", "topk", "page_size", "q_heads", "head_dim", "kv_dtype", "seed",
-             "selection", "overlap", "request_rows"]
+             "group_rows", "selection", "overlap", "request_rows"]
     over = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if "request_rows" in over:
         over["request_rows"] = tuple(over["request_rows"])
     elif base.request_rows and ("rows" in over or "requests" in over):
         over["request_rows"] = ()   # a preset's split does not hold other row or request counts: spread evenly
-    if args.grouping:
-        over["group_rows"] = args.grouping
     if args.overlap is not None and over.get("selection", base.selection) != "indexer":
         raise UsageError("--overlap: applies to --selection indexer only")
     flags = {n: geometry_flag(n) for n in list(base.to_dict()) + names}

@@ -251,7 +251,7 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
 
     geo = _meta_json(meta, "geometry", where)
     try:
-        geometry = Geometry(**geo)
+        geometry = Geometry.from_dict(geo)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: metadata 'geometry': {str(e).splitlines()[0]}") from None
     if meta["kv_dtype"] != geometry.kv_dtype:
@@ -289,7 +289,7 @@ def load(path, arg: str = "path", max_bytes: int | None = None):
         if t.dtype != torch.float16 or tuple(t.shape) != shape:
             raise ValueError(f"{where}: tensor out.{route} must be {list(shape)} float16, got "
                              f"{list(t.shape)} {t.dtype}")
-    saved = GroupedPlan(plan.group_rows, plan.xqa_rows, tensors["plan.microblocks"], tensors["plan.masks"],
+    saved = GroupedPlan(plan.members, plan.xqa_rows, tensors["plan.microblocks"], tensors["plan.masks"],
                         plan.categories, tensors["plan.seq_len"], geometry.q_heads)
     unknown = sorted(set(meta) - set(META_KEYS))
     if unknown:

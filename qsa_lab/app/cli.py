@@ -46,7 +46,7 @@ def _load_case(args):
 
     given = [geometry_flag(k) if k != "geometry" else "a preset"
              for k in ("geometry", "rows", "requests", "layout", "context", "topk", "page_size", "q_heads",
-                       "head_dim", "kv_dtype", "seed", "grouping", "selection", "overlap", "dims", "request_rows")
+                       "head_dim", "kv_dtype", "seed", "group_rows", "selection", "overlap", "dims", "request_rows")
              if getattr(args, k, None) is not None]
     given += [f"--{k.replace('_', '-')}" for k, d in (("poison", "none"), ("plane", "v"), ("poison_seed", 0),
                                                                   ("payload", None))

@@ -2,16 +2,18 @@
 request's attended V poisoned in turn, every route judged per request, per query-head count. No
 torch until the arguments are good.
 
-Exit codes: 0 no route that must stay clean (the reference, xqa and the complete fixes) gave another
-request's row a non-finite value; 1 one did; 2 bad input, one line `qsa-lab: error: <argument>:
-<problem>`; 3 any other failure (one line).
+Verdicts and exit codes are the leak check's (qsa_lab.analysis.leaks, through CrossRequestReport):
+0 no route that must stay clean (the reference, xqa and the complete fixes) gave another request's
+row a non-finite value; 1 one did; 2 bad input, one line `qsa-lab: error: <argument>: <problem>`;
+3 no check ran (every payload without a code in the cache's dtype: one line says so) or any other
+failure (one line).
 """
 from __future__ import annotations
 
 import json
 import sys
 
-from qsa_lab.app.args import EXIT_DIFFERS, EXIT_OK, UsageError, blame, check_outputs, int_list, integer
+from qsa_lab.app.args import UsageError, blame, check_outputs, int_list, integer
 from qsa_lab.model.geometry import BACKENDS, KV_DTYPES, MIXES, PAYLOADS
 
 DEFAULT_Q_HEADS = (2, 6, 8)   # 16 score rows (one M-tile for the whole group), the report's 6, 8 (half an M-tile each)
@@ -47,7 +49,7 @@ def add_parser(sub, parents=()):
     g.add_argument("--topk", type=integer, help="selected 4-token blocks per row (default 512)")
     g.add_argument("--seed", type=integer, help="seed of q, K/V and the selections (default 0)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="(default auto)")
-    p.add_argument("--json", metavar="PATH|-", help=f"write the records (schema qsa_lab.cross_request/1) to PATH, or - "
+    p.add_argument("--json", metavar="PATH|-", help=f"write the records (schema qsa_lab.cross_request/2) to PATH, or - "
                                                     "for stdout (default: none)")
     p.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
     p.set_defaults(func=run)
@@ -101,8 +103,8 @@ def check_args(args) -> dict:
 
 def run(args) -> int:
     s = check_args(args)
-    from qsa_lab.analysis.cross_request import MUST_BE_CLEAN, SCHEMA, cross_request, groups_of, leaks, pivot_frame
-    from qsa_lab.analysis.leaks import NA
+    from qsa_lab.analysis.cross_request import (MUST_BE_CLEAN, CrossRequestReport, cross_request, groups_of,
+                                                pivot_frame)
     from qsa_lab.routes.run import resolve_backend
     from qsa_lab.support.outputs import write_text
 
@@ -116,10 +118,9 @@ def run(args) -> int:
                                 progress=None if quiet else lambda t: print(f"# running {t}", file=sys.stderr))
         records += got
         runs.append({"geometry": {**g.to_dict(), "request_rows": list(g.request_rows)}, "groups": groups_of(g)})
-    bad = leaks(records, MUST_BE_CLEAN)
-    doc = {"schema": SCHEMA, "backend": backend, "mix": args.mix, "runs": runs, "records": records,
-           "must_be_clean": list(MUST_BE_CLEAN), "must_be_clean_leaks": len(bad)}
-    text = dump(doc)
+    report = CrossRequestReport(backend, args.mix, runs, records)
+    bad = report.leaks(MUST_BE_CLEAN)
+    text = dump(report.to_json())
     if quiet:
         sys.stdout.write(text)
     else:
@@ -129,15 +130,16 @@ def run(args) -> int:
         mixed = [f"{x['rows'][0]}-{x['rows'][1]} (requests {','.join(map(str, x['requests']))})"
                  for x in runs[0]["groups"] if x["mixed"]]
         print(f"# groups of 8 consecutive rows that mix requests: {'; '.join(mixed) or 'none'}")
-        skipped = sorted({r["note"] for r in records if r["verdict"] == NA})
-        for note in skipped:
+        for note in report.unavailable():
             print(f"# n/a: {note}")
         for g in s["geometries"]:
+            if report.nothing_checked():
+                break
             print(f"\n# {g.q_heads} query heads: other requests' rows that went non-finite, per poisoned request "
                   "(* = the poisoned request's own rows are not non-finite exactly as the reference's)")
             print(pivot_frame(records, g.q_heads).to_string())
         print()
-        leaky = sorted({r["route"] for r in leaks(records)})
+        leaky = sorted({r["route"] for r in report.leaks()})
         print(f"# routes that gave another request's row a non-finite value: {', '.join(leaky) or 'none'}")
         print("# must stay clean (reference, xqa, the complete fixes): "
               + ("none leaks" if not bad else f"LEAK in {', '.join(sorted({r['route'] for r in bad}))}"))
@@ -146,7 +148,10 @@ def run(args) -> int:
             write_text(s["json"], text, "--json", force=args.force)
         if not quiet:
             print(f"# wrote {s['json']}")
-    return EXIT_DIFFERS if bad else EXIT_OK
+    if report.nothing_checked():
+        print("qsa-lab: cross-request: no check ran: the cache's dtype has a code for none of the payloads",
+              file=sys.stderr)
+    return report.exit_code()
 
 
 def dump(doc: dict) -> str:

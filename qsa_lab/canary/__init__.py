@@ -18,9 +18,9 @@ _NAMES = {
     "CanaryCase": ".case", "canary_case": ".case", "load_case": ".case",
     "KernelSkipped": ".call", "PagedCall": ".call", "builtin_kernels": ".kernels", "register_kernel": ".kernels",
     "LEAKS": "qsa_lab.analysis.leaks", "VERDICTS": "qsa_lab.analysis.leaks", "compare": "qsa_lab.analysis.leaks",
-    "DEFAULT_PAYLOADS": ".runner", "SCHEMA": ".runner",
-    "CanaryReport": ".runner", "LeakResult": ".runner", "assert_no_leak": ".runner",
-    "load_canary": ".runner", "run_canary": ".runner",
+    "DEFAULT_PAYLOADS": ".runner", "SCHEMA": ".results",
+    "CanaryReport": ".results", "LeakResult": ".results", "assert_no_leak": ".runner",
+    "load_canary": ".results", "run_canary": ".runner",
 }
 __all__ = list(_NAMES)
 

@@ -135,14 +135,15 @@ def cells(cfg: Config) -> list:
     """(region, plane, payload) of every test the marker makes."""
     from qsa_lab.model.poison import PAYLOADS
     from qsa_lab.model.regions import regions_of
-    from qsa_lab.canary.runner import DEFAULT_PAYLOADS, _available_payloads
+    from qsa_lab.canary.results import available_payloads
+    from qsa_lab.canary.runner import DEFAULT_PAYLOADS
 
     kw = _unwrap(cfg.kwargs)
     case = build_case(cfg)
     regions = kw.get("regions") or regions_of(case.spec)
     planes = kw.get("planes") or ("k", "v")
     payloads = [p for p in (kw.get("payloads") or DEFAULT_PAYLOADS) if p in PAYLOADS
-                and p in _available_payloads(case.kv_dtype)]
+                and p in available_payloads(case.kv_dtype)]
     return [(r, pl, p) for r in ([regions] if isinstance(regions, str) else regions)
             for pl in ([planes] if isinstance(planes, str) else planes) for p in payloads]
 

@@ -237,7 +237,8 @@ def relocate_pages(case: Case, seed: int = 1, spare: int = 3) -> Case:
 
 
 def geometry_from_json(text: str) -> Geometry:
-    return Geometry(**json.loads(text))
+    """A geometry as a file wrote it (JSON of Geometry.to_dict(); old field names read too)."""
+    return Geometry.from_dict(json.loads(text))
 
 
 FP16_MAX = 65504.0

@@ -15,6 +15,10 @@ LAYOUTS = ("contiguous", "scatter")
 GROUPINGS = ("consecutive", "request")
 SELECTIONS = ("indexer", "random")
 DEFAULT_OVERLAP = 0.8  # target mean overlap of neighbouring rows' indexer selections
+#: the one map of old names: a Geometry field's old name -> its name now. The command line still
+#: takes the old option (--grouping, not shown in --help) and a file that wrote the old key reads
+#: as the new one (Geometry.from_dict).
+RENAMED_FIELDS = {"grouping": "group_rows"}
 #: inclusive range of every integer Geometry field. The bounds keep each size far beyond the
 #: report's (19 rows, 8192 tokens, topk 512, page 32, 6 heads, dim 256) yet small enough that
 #: one field alone cannot ask for an absurd allocation; combinations are bounded by the memory
@@ -117,6 +121,21 @@ class Geometry:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "Geometry":
+        """The Geometry a dict of fields describes (to_dict's, a case file's, a call file's, a JSON
+        document's), an old field name (RENAMED_FIELDS) read as its name now. TypeError for an
+        unknown field, ValueError for a bad value or a field given under both names."""
+        if not isinstance(fields, dict):
+            raise TypeError(f"geometry: expected a dict of fields, got {type(fields).__name__}")
+        fields = dict(fields)
+        for old, new in RENAMED_FIELDS.items():
+            if old in fields:
+                if new in fields:
+                    raise ValueError(f"{new}: given twice, as {new!r} and under its old name {old!r}")
+                fields[new] = fields.pop(old)
+        return cls(**fields)
 
     def replace(self, **kw) -> "Geometry":
         return dataclasses.replace(self, **kw)

@@ -5,8 +5,8 @@ Everything is torch ops on the case's device. Shapes:
                                   nibble [rows, topk+1] int64 (token bits 0..3)
     GroupedPlan.microblocks [groups, cap] int32, masks [groups, cap] int32,
                 categories [groups, cap] int32, seq_len [groups] int32,
-                group_rows [groups, 8] int64 (EMPTY_ROW: an empty query slot of a padded
-                group), xqa_rows [n] int64
+                members [groups, 8] int64: the row of each query slot (EMPTY_ROW: an empty
+                query slot of a padded group), xqa_rows [n] int64
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ REMAINDER_GROUP_MIN = GROUP
 
 @dataclass
 class GroupedPlan:
-    group_rows: torch.Tensor
+    members: torch.Tensor      # [groups, 8] the rows each group holds (the kernels' group_rows argument)
     xqa_rows: torch.Tensor
     microblocks: torch.Tensor
     masks: torch.Tensor
@@ -46,7 +46,7 @@ class GroupedPlan:
 
     @property
     def groups(self) -> int:
-        return self.group_rows.shape[0]
+        return self.members.shape[0]
 
     @property
     def cap(self) -> int:
@@ -121,22 +121,23 @@ def _attended(case: Case, rows: torch.Tensor | None = None):
     return mb, nibble, blocks
 
 
-def group_rows(case: Case, grouping: str | None = None, remainder_group_min: int = REMAINDER_GROUP_MIN):
-    """Split rows into grouped (groups of 8) and XQA remainder rows.
+def form_groups(case: Case, group_rows: str | None = None, remainder_group_min: int = REMAINDER_GROUP_MIN):
+    """Split rows into grouped (groups of 8) and XQA remainder rows, as `group_rows` says (default the
+    geometry's).
 
     consecutive: the first rows//8*8 rows in order, as upstream's host route hands them to the
     grouped kernel (a group may hold rows of several requests); request: 8 consecutive rows of
     one request, so no group spans requests; each request's remainder (fewer than 8 rows) to
     XQA, or, when it has at least `remainder_group_min` rows, to one padded group whose empty
     query slots are EMPTY_ROW. Groups in row order.
-    Returns (group_rows [groups, 8] int64, xqa_rows [n] int64).
+    Returns (members [groups, 8] int64, xqa_rows [n] int64).
     """
-    grouping = grouping or case.geometry.group_rows
+    group_rows = group_rows or case.geometry.group_rows
     n = case.geometry.rows
-    if grouping == "consecutive":
+    if group_rows == "consecutive":
         idx = torch.arange(n // GROUP * GROUP).view(-1, GROUP)
         rest = torch.arange(n // GROUP * GROUP, n)
-    elif grouping == "request":
+    elif group_rows == "request":
         if not isinstance(remainder_group_min, int) or not 1 <= remainder_group_min <= GROUP:
             raise ValueError(f"remainder_group_min: must be an int in 1..{GROUP}, got {remainder_group_min!r}")
         req = case.token_to_req.cpu().long()    # non-decreasing: each request's rows together
@@ -152,19 +153,20 @@ def group_rows(case: Case, grouping: str | None = None, remainder_group_min: int
         idx[gid[grouped], slot[grouped]] = torch.nonzero(grouped).flatten()
         rest = torch.nonzero(~grouped).flatten()
     else:
-        raise ValueError(f"grouping must be 'consecutive' or 'request', got {grouping!r}")
+        raise ValueError(f"group_rows: must be 'consecutive' or 'request', got {group_rows!r}")
     return idx.to(case.device), rest.to(case.device)
 
 
-def plan_groups(case: Case, grouping: str | None = None, remainder_group_min: int = REMAINDER_GROUP_MIN
+def plan_groups(case: Case, group_rows: str | None = None, remainder_group_min: int = REMAINDER_GROUP_MIN
                 ) -> GroupedPlan:
     """The grouped planner: union, masks, categories, sort, per-category null padding.
-    grouping, remainder_group_min: how rows form groups (group_rows)."""
+    group_rows ('consecutive' | 'request'; default the geometry's), remainder_group_min: how rows
+    form groups (form_groups)."""
     if not isinstance(getattr(case, "geometry", None), Geometry):
         raise TypeError(f"case: expected a qsa_lab Case (qsa_lab.build_case), got {type(case).__name__}")
     g = case.geometry
     dev = case.device
-    grows, xrows = group_rows(case, grouping, remainder_group_min)
+    grows, xrows = form_groups(case, group_rows, remainder_group_min)
     G = grows.shape[0]
     nmt = m_tiles(g.q_heads)
     if G == 0:

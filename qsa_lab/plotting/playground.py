@@ -37,7 +37,7 @@ def figure_ahead(p: Params, base: Base):
     except ValueError:
         return None         # redraw shows the error
     plan, g = base.plan, p.geometry
-    rows = ((plan.group_rows.numel() if plan.groups else 0) + plan.xqa_rows.numel()) * g.q_heads
+    rows = ((plan.members.numel() if plan.groups else 0) + plan.xqa_rows.numel()) * g.q_heads
     nan_map = {"values": np.zeros((rows, g.head_dim), np.float32), "dropped": np.zeros((rows, g.head_dim), bool),
                "groups": plan.groups, "q_heads": g.q_heads, "m_tiles": plan.m_tiles,
                "xqa_rows": plan.xqa_rows.tolist(), "route": p.nan_map, "nan_count": 0, "dropped_count": 0, "title": ""}

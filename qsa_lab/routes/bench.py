@@ -43,8 +43,8 @@ SWEEP_ROWS = (16, 64, 256)
 COPIES = 3
 #: grouped variant (a grouped route's fix, or unfixed) -> (kernel variant, runs on the pad-fixed plan)
 GROUPED_VARIANTS = {**{fix_of(route) or "unfixed": how for route, how in GROUPED.items()}, "early_v": ("early_v", False)}
-#: grouped variant -> the grouping its plan takes whatever the geometry says (routes.labels.GROUPING)
-PLAN_GROUPING = {fix_of(route): grouping for route, grouping in GROUPING.items()}
+#: grouped variant -> the group_rows its plan takes whatever the geometry says (routes.labels.GROUPING)
+PLAN_GROUPING = {fix_of(route): group_rows for route, group_rows in GROUPING.items()}
 #: the kernel each grouped variant runs
 KERNEL_OF = {variant: kernel for variant, (kernel, _) in GROUPED_VARIANTS.items()}
 VARIANTS = (*GROUPED_VARIANTS, "pad_fix_op", "xqa", "torch_sdpa")
@@ -84,7 +84,7 @@ def _prepare(geometry, seed):
     plan = plan_groups(case)
     rows = torch.arange(case.geometry.rows, device="cuda")
     token_index, token_count = xqa_tokens(case, rows)
-    plans = {grouping: plan_groups(case, grouping) for grouping in set(PLAN_GROUPING.values())}
+    plans = {group_rows: plan_groups(case, group_rows) for group_rows in set(PLAN_GROUPING.values())}
     return dict(case=case, plan=plan, fixed=pad_fix(plan), plans=plans, token_index=token_index,
                 token_count=token_count)
 
@@ -94,7 +94,7 @@ def _runner(variant, p):
     kw = dict(kv_dtype=c.kv_dtype, sm_scale=c.sm_scale)
 
     def grouped(pl, v):
-        return lambda: grouped_forward(c.q, c.kv_cache, c.k_scale, c.v_scale, pl.group_rows, pl.microblocks,
+        return lambda: grouped_forward(c.q, c.kv_cache, c.k_scale, c.v_scale, pl.members, pl.microblocks,
                                        pl.masks, pl.seq_len, variant=v, **kw)
 
     if variant == "pad_fix_op":

@@ -16,7 +16,7 @@ PAD_FIXED = {route for route, (_, pad_fixed) in GROUPED.items() if pad_fixed}
 MASKED_LOAD = next(route for route, (variant, _) in GROUPED.items() if variant == "masked_load")
 #: the route that runs the finite P@V kernel, and those that group per request whatever the geometry says
 FINITE_PV = next(route for route, (variant, _) in GROUPED.items() if variant == "finite_pv")
-REQUEST_GROUPED = {route for route, grouping in GROUPING.items() if grouping == "request"}
+REQUEST_GROUPED = {route for route, group_rows in GROUPING.items() if group_rows == "request"}
 
 #: id -> one line saying what goes beyond upstream
 EXTENSIONS = {

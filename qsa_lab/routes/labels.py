@@ -43,7 +43,7 @@ GROUPED = {
     "grouped+request_groups": ("kernel_fix", False),
     "grouped+finite_pv": ("finite_pv", False),
 }
-#: grouped route -> the grouping it runs whatever the case's geometry says (model.plan.group_rows);
+#: grouped route -> the group_rows it runs whatever the case's geometry says (model.plan.form_groups);
 #: every other grouped route groups as the geometry's `group_rows` says
 GROUPING = {"grouped+request_groups": "request"}
 #: the fixes that close the cross-request leak of a mixed group (the complete fixes)

@@ -111,7 +111,7 @@ def check_variant(variant) -> str:
     return variant
 
 
-def check_plan(case: Case, plan: GroupedPlan, grouping: str | None = None) -> GroupedPlan:
+def check_plan(case: Case, plan: GroupedPlan, group_rows: str | None = None) -> GroupedPlan:
     """Refuse a plan made for another case (ValueError naming 'plan'): its rows, heads and
     attended entries must be those the planner gives this case (padding entries may differ,
     as pad_fix repoints them); every microblock must lie inside the cache."""
@@ -119,12 +119,12 @@ def check_plan(case: Case, plan: GroupedPlan, grouping: str | None = None) -> Gr
         raise TypeError(f"plan: expected a GroupedPlan, got {type(plan).__name__}")
     g = case.geometry
     plan = plan.to(case.device)
-    ref = plan_groups(case, grouping)
+    ref = plan_groups(case, group_rows)
     blocks = case.kv_cache.shape[0] * g.page_size // 4
     same = (plan.q_heads == g.q_heads and plan.microblocks.shape == ref.microblocks.shape
             and plan.masks.shape == ref.masks.shape and plan.seq_len.shape == ref.seq_len.shape
             and plan.microblocks.dtype == torch.int32 and plan.masks.dtype == torch.int32)
-    same = same and torch.equal(plan.group_rows, ref.group_rows) and torch.equal(plan.xqa_rows, ref.xqa_rows)
+    same = same and torch.equal(plan.members, ref.members) and torch.equal(plan.xqa_rows, ref.xqa_rows)
     same = same and torch.equal(plan.masks, ref.masks) and torch.equal(plan.seq_len, ref.seq_len)
     same = same and torch.equal(torch.where(ref.masks != 0, plan.microblocks, 0),
                                 torch.where(ref.masks != 0, ref.microblocks, 0))
@@ -145,7 +145,7 @@ def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl, checked: b
         check_plan(case, plan)
     out = torch.empty_like(case.q)
     if plan.groups:
-        g = impl.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+        g = impl.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                  plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                  sm_scale=case.sm_scale, variant=variant)
         scatter_groups(out, plan, g)
@@ -157,7 +157,7 @@ def grouped_output(case: Case, plan: GroupedPlan, variant: str, impl, checked: b
 def scatter_groups(out: torch.Tensor, plan: GroupedPlan, grouped: torch.Tensor) -> None:
     """out[row] = the grouped kernel's output [groups, 8, Hq, D] of each row of the plan's groups
     (a padded group's empty slots, EMPTY_ROW, are dropped)."""
-    rows = plan.group_rows.flatten()
+    rows = plan.members.flatten()
     real = rows != EMPTY_ROW
     out[rows[real]] = grouped.reshape(-1, *out.shape[1:])[real]
 
@@ -167,13 +167,13 @@ def route_plan(route: str, plan: GroupedPlan, fixed_plan: GroupedPlan | None, ca
     """The plan a grouped route runs: `plan` (the case's groups, before any fix), its pad_fix
     `fixed_plan`, or for a route of labels.GROUPING its own groups (made from `case`, kept in
     `memo` when given: a plan does not read the cache's bytes)."""
-    grouping = GROUPING.get(route)
-    if grouping is None:
+    own = GROUPING.get(route)
+    if own is None:
         return fixed_plan if GROUPED[route][1] else plan
     memo = {} if memo is None else memo
-    key = f"plan.{grouping}"
+    key = f"plan.{own}"
     if key not in memo:
-        memo[key] = plan_groups(case, grouping)
+        memo[key] = plan_groups(case, own)
     return memo[key]
 
 
@@ -183,11 +183,11 @@ def xqa_output(case: Case, rows: torch.Tensor, impl) -> torch.Tensor:
                             token_count, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
 
 
-def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | None = None, *,
+def run_routes(case: Case, routes=None, backend: str = "auto", group_rows: str | None = None, *,
                plan: GroupedPlan | None = None, progress: bool = False, reference: bool = True) -> RunResult:
     """Run `case` through `routes` (default all). Outputs come back on the CPU.
 
-    plan: the grouped plan before any fix, when the caller already has it (checked to belong
+    group_rows: how rows form groups, 'consecutive' | 'request' (default the geometry's); plan: the grouped plan before any fix, when the caller already has it (checked to belong
     to this case); progress: a progress bar over the routes on stderr; reference: compute the
     float64 reference (`reference64`) even when the route 'reference' is not asked for."""
     routes = check_routes(routes)
@@ -196,7 +196,7 @@ def run_routes(case: Case, routes=None, backend: str = "auto", grouping: str | N
     backend = resolve_backend(backend, case.geometry)
     dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
     run_case = case.to(dev)
-    plan = plan_groups(run_case, grouping) if plan is None else check_plan(run_case, plan, grouping)
+    plan = plan_groups(run_case, group_rows) if plan is None else check_plan(run_case, plan, group_rows)
     return run_routes_planned(case, routes, backend, plan, progress=progress, reference=reference)
 
 
@@ -307,7 +307,7 @@ def _grouped_pass(case: Case, routes, plan: GroupedPlan, plans, memo: dict, rema
     outs = {r: torch.empty_like(case.q) for r in routes}
     if plan.groups:
         panels = [(p.microblocks, GROUPED[r][0]) for r, p in zip(routes, plans)]
-        many = emulate.grouped_forward_many(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+        many = emulate.grouped_forward_many(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                             panels, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                             sm_scale=case.sm_scale)
         for r, (g, _) in zip(routes, many):

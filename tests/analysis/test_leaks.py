@@ -1,6 +1,5 @@
 """The one leak check (qsa_lab.analysis.leaks): one verdict table under the canary and the scribble,
 and one rule for what "changed" means, for every output dtype and for an engine's generation."""
-import ast
 import math
 from pathlib import Path
 
@@ -17,33 +16,19 @@ PACKAGE = Path(leaks.__file__).resolve().parents[1]
 
 def test_canary_and_scribble_use_the_one_table_and_the_one_comparison():
     from qsa_lab import canary
-    from qsa_lab.canary import pytest_plugin, runner
+    from qsa_lab.canary import pytest_plugin, results
     from qsa_lab.scribble import check, compare, report
 
-    assert canary.VERDICTS is leaks.VERDICTS and canary.LEAKS is runner.LEAKS is leaks.LEAKS
-    assert canary.compare is runner.compare is leaks.compare and runner.control_problem is leaks.control_problem
+    assert canary.VERDICTS is leaks.VERDICTS and canary.LEAKS is results.LEAKS is leaks.LEAKS
+    assert canary.compare is results.compare is leaks.compare and results.control_problem is leaks.control_problem
     assert check.verdict_of is leaks.verdict_of and compare.compare_generation is leaks.compare_generation
     assert report.LEAKS is pytest_plugin.LEAKS is leaks.LEAKS and report.STRAY is leaks.STRAY_WRITE
-    assert issubclass(runner.CanaryReport, leaks.LeakReport) and issubclass(report.ScribbleReport, leaks.LeakReport)
-    assert runner.CanaryReport.summary is report.ScribbleReport.summary is leaks.LeakReport.summary
+    assert issubclass(results.CanaryReport, leaks.LeakReport) and issubclass(report.ScribbleReport, leaks.LeakReport)
+    assert results.CanaryReport.summary is report.ScribbleReport.summary is leaks.LeakReport.summary
 
 
-def _string_constants(path: Path) -> list:
-    return [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
-            and isinstance(n.value, str)]
-
-
-def test_each_verdict_name_is_written_once_in_the_package():
-    """Every other module imports the names. Not checked: 'error', a word that also names the error
-    fields and outcomes of calls everywhere; model/case.py's 'n/a' is a missing measurement."""
-    allowed = {("n/a", "model/case.py")}
-    found = {}
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE).as_posix()
-        for s in _string_constants(path):
-            if s in leaks.VERDICTS and s != leaks.ERROR and rel != "analysis/leaks.py" and (s, rel) not in allowed:
-                found.setdefault(s, []).append(rel)
-    assert found == {}
+def test_no_second_vocabulary_module():
+    """The verdict names are written once (tests/analysis/test_vocabulary.py scans the package)."""
     assert not (PACKAGE / "canary" / "verdicts.py").exists()
     assert not hasattr(__import__("qsa_lab.scribble.regions", fromlist=["x"]), "CHECKS")
 
@@ -64,6 +49,32 @@ def test_counts_and_their_line():
     assert c == {"cells": 6, "checks": 3, "leaking": 2}
     assert leaks.summary(c) == "2 leaking of 3 checks (6 cells)"
 
+
+
+class _Report(leaks.LeakReport):
+    def __init__(self, verdicts, exit_verdicts=None):
+        self._v, self._e = verdicts, exit_verdicts
+
+    def verdicts(self):
+        return self._v
+
+    def exit_verdicts(self):
+        return self._v if self._e is None else self._e
+
+
+@pytest.mark.parametrize("verdicts, exit_verdicts, nothing, code", [
+    (["clean", "n/a"], None, False, 0),
+    (["n/a", "not-run"], None, True, 3),          # nothing checked: never a pass
+    ([], None, True, 3),
+    (["error", "n/a"], None, True, 3),
+    (["nan-leak", "n/a"], None, False, 1),
+    (["nan-leak", "clean"], ["clean"], False, 0),  # the exit code answers for exit_verdicts() only
+    (["n/a"], [], True, 3),
+])
+def test_the_report_base_exit_code_and_nothing_checked(verdicts, exit_verdicts, nothing, code):
+    r = _Report(verdicts, exit_verdicts)
+    assert r.nothing_checked() is nothing and r.exit_code() == code
+    assert leaks.NO_CHECKS == "no-checks" and leaks.NO_CHECKS_EXIT == 3 and leaks.NO_CHECKS not in leaks.VERDICTS
 
 # -- what "changed" means -----------------------------------------------------------------------------
 

@@ -89,3 +89,31 @@ def test_payload_option_reaches_the_poison(capsys):
     assert doc["routes"]["grouped"]["nan_count"] == 0 and doc["routes"]["xqa"]["nan_count"] > 0
     assert main(base + ["--payload", "inf"]) == 2
     assert capsys.readouterr().err.strip() == "qsa-lab: error: --payload: e4m3 has no inf encoding"
+
+
+def test_group_rows_has_one_name_and_the_old_one_still_reads(capsys, tmp_path):
+    """--group-rows is the option of Geometry.group_rows (the JSON's key); --grouping, its old name,
+    still works (not shown in --help), and a case file whose geometry says "grouping" replays."""
+    import struct
+
+    assert main(ARGS + ["--group-rows", "request", "--json", "-"]) == 0
+    new = json.loads(capsys.readouterr().out)
+    assert main(ARGS + ["--grouping", "request", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out) == new and new["geometry"]["group_rows"] == "request"
+    assert main(["diff", "--help"]) == 0
+    assert "--group-rows" in (text := capsys.readouterr().out) and "--grouping" not in text
+
+    path = tmp_path / "old.safetensors"
+    assert main(ARGS + ["--group-rows", "request", "--save", str(path)]) == 0
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    geo = json.loads(header["__metadata__"]["geometry"])
+    geo["grouping"] = geo.pop("group_rows")                    # as a file written under the old name
+    header["__metadata__"]["geometry"] = json.dumps(geo)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(io.sign(struct.pack("<Q", len(text)) + text + blob[8 + n:]))
+    capsys.readouterr()
+    assert main(["diff", "--load", str(path), "--backend", "emulate"]) == 0, capsys.readouterr().err
+    assert io.load(path, "--load")[0].geometry.group_rows == "request"

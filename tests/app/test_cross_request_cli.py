@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from qsa_lab.analysis.leaks import LEAKS
 from qsa_lab.app.cli import main
 
 SMALL = ["--head-dim", "32", "--context", "120", "--topk", "32", "--backend", "emulate"]
@@ -24,11 +25,35 @@ def test_cross_request_json(capsys, tmp_path):
     assert main(["cross-request", "prefill-mix", "--q-heads", "2", "--requests", "0", "--payloads", "nan",
                  "--routes", "grouped+both_fixes,grouped+request_groups", "--json", "-", *SMALL]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema"] == "qsa_lab.cross_request/1" and doc["mix"] == "prefill-mix" and doc["must_be_clean_leaks"] == 0
+    assert doc["schema"] == "qsa_lab.cross_request/2" and doc["mix"] == "prefill-mix" and doc["must_be_clean_leaks"] == 0
+    assert doc["exit_code"] == 0 and doc["qsa_lab_version"] and doc["gpu"]       # the report base's header
     assert doc["runs"][0]["geometry"]["request_rows"] == [20, 13, 7]
     assert [g["requests"] for g in doc["runs"][0]["groups"] if g["mixed"]] == [[0, 1], [1, 2]]
-    leak = [r for r in doc["records"] if r["verdict"] == "leak"]
+    leak = [r for r in doc["records"] if r["verdict"] in LEAKS]
     assert {r["route"] for r in leak} == {"grouped+both_fixes"} and {r["request"] for r in leak} == {1}
+    assert {r["verdict"] for r in leak} == {"nan-leak"} and all(r["nan"] > 0 and r["inf"] == 0 for r in leak)
+    own = [r for r in doc["records"] if r["request"] == r["poisoned_request"]]
+    assert own and {r["verdict"] for r in own} == {"n/a"}                     # the poisoned request's own rows
+    assert doc["counts"] == {"cells": len(doc["records"]), "checks": len(doc["records"]) - len(own),
+                             "leaking": len(leak)}
+
+
+def test_cross_request_leak_in_a_route_that_must_stay_clean_exits_1(capsys, monkeypatch):
+    """Exit 1 comes from the routes that must stay clean only: here xqa is made to read as leaking."""
+    from qsa_lab.analysis import cross_request as xr
+
+    monkeypatch.setattr(xr, "MUST_BE_CLEAN", ("grouped+kernel_fix",))
+    assert main(["cross-request", "--q-heads", "6", "--requests", "1", "--payloads", "nan", *SMALL]) == 1
+    assert "# must stay clean (reference, xqa, the complete fixes): LEAK in grouped+kernel_fix" in capsys.readouterr().out
+
+
+def test_cross_request_that_checks_nothing_exits_3(capsys):
+    """e4m3 has no Inf code: every record n/a, no check ran, and that is never a pass."""
+    assert main(["cross-request", "--q-heads", "6", "--payloads", "inf", *SMALL]) == 3
+    out, err = capsys.readouterr()
+    assert "# n/a: e4m3 has no inf code" in out
+    assert err.strip().splitlines()[-1] == ("qsa-lab: cross-request: no check ran: the cache's dtype has a code "
+                                            "for none of the payloads")
 
 
 @pytest.mark.parametrize("argv, flag", [(["--payloads", "nan,zap"], "--payloads"), (["--requests", "4"], "--requests"),

@@ -54,7 +54,7 @@ OPTIONS = {
     "--head-dim": ints(["16", "32"]), "--seed": ints(["0", "5"]), "--poison-seed": ints(["0", "7"]),
     "--layout": st.sampled_from(["contiguous", "scatter", "spiral"]),
     "--kv-dtype": st.sampled_from(["e4m3", "e5m2", "fp16", "int4"]),
-    "--grouping": st.sampled_from(["consecutive", "request", "x"]),
+    "--group-rows": st.sampled_from(["consecutive", "request", "x"]),
     "--poison": st.sampled_from(["none", "zeros", "targeted", "random", "fp16-state", "stale-tail", "all"]),
     "--dims": st.sampled_from(["1,2", "15", "16", "-1", "a", "1,,2", ""]),
     "--plane": st.sampled_from(["v", "k", "kv", "q"]), "--max-memory": st.sampled_from(["1K", "2G", "x", "0"]),

@@ -1,6 +1,7 @@
 """Reliability: the CLI error contract, loading anything, writing safely, resource limits,
 API validation and byte-identical outputs. Tiny geometries; a subprocess only where the
 process-level contract (one stderr line, no traceback) is what is tested."""
+import argparse
 import dataclasses
 import json
 import os
@@ -69,7 +70,8 @@ def test_internal_failure_is_exit_3_and_the_traceback_needs_debug(monkeypatch, c
     (["diff", "--ro", "5"], "--ro"), (["diff", "--rows", "1_0"], "--rows: expected an integer"),
     (["diff", "--rows", "\u0663"], "--rows: expected an integer"),       # an Arabic-Indic 3
     (["diff", "--seed", str(1 << 64)], "--seed: must be in"), (["diff", "--poison-seed", "-2"], "--poison-seed"),
-    (["diff", "--grouping", "x"], "--grouping"), (["diff", "--max-memory", "lots"], "--max-memory"),
+    (["diff", "--group-rows", "x"], "--group-rows"), (["diff", "--grouping", "x"], "--grouping"),   # its old name
+    (["diff", "--max-memory", "lots"], "--max-memory"),
     (["diff", "--poison", "zeros", "--dims", "1"], "--dims"), ([], "command: required"),
     (["diff", "--json", "a\nb/"], "--json"),
 ])
@@ -85,8 +87,8 @@ def test_every_option_has_help_with_its_default():
     sub = next(a for a in parser._actions if a.dest == "cmd")
     for name, p in sub.choices.items():
         for a in p._actions:
-            if a.dest in ("help",) or (name, a.dest) == ("canary", "fail_on_leak"):   # removed: in no help
-                continue
+            if a.dest in ("help",) or (name, a.dest) == ("canary", "fail_on_leak") or a.help == argparse.SUPPRESS:
+                continue    # removed, or an old name (--grouping): in no help
             assert a.help and "default" in a.help, (name, a.option_strings, a.help)
 
 

@@ -157,7 +157,7 @@ def test_a_non_finite_query_is_a_poison_site_and_its_divergence_shows(payload):
     everything = g.rows * g.q_heads * g.head_dim
     assert int(torch.isnan(r.outputs["xqa"]).sum()) == everything
     assert int(torch.isnan(r.reference64).sum()) == everything
-    grouped_rows = r.plan.group_rows.flatten()
+    grouped_rows = r.plan.members.flatten()
     for route in ("grouped", "grouped+kernel_fix", "grouped+pad_fix", "grouped+masked_load"):
         out = r.outputs[route]
         # the grouped rows come back exactly 0 (every probability exp(-80), 0 in fp16); the remainder NaN

@@ -7,7 +7,7 @@ import torch
 
 import canary_kernels as K
 from qsa_lab.canary import AttentionSpec, assert_no_leak, attended_tokens, canary_case, run_canary
-from qsa_lab.canary.runner import MAX_HINT
+from qsa_lab.canary.results import MAX_HINT
 from qsa_lab.app.cli import main
 from qsa_lab.model.regions import regions_of
 from qsa_lab.routes.labels import ROUTES

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.gpu,
 from test_kernels_cuda import ATOL, REF_ATOL, REF_RTOL, RTOL, assert_close_to, built, case_for  # noqa: E402,F401
 
 from qsa_lab.analysis.cross_request import judge  # noqa: E402
+from qsa_lab.analysis.leaks import LEAKS  # noqa: E402
 from qsa_lab.model.case import build_case  # noqa: E402
 from qsa_lab.model.geometry import MIXES  # noqa: E402
 from qsa_lab.model.plan import EMPTY_ROW, plan_groups  # noqa: E402
@@ -41,7 +42,7 @@ def test_mixed_cases_match_emulation(mix, q_heads, kv_dtype, payload):
         for route, out in cuda.outputs.items():
             if route != "reference":
                 assert_close_to(out, emu.outputs[route], ATOL, RTOL, f"{route} {mix} Hq{q_heads} {payload} in r{r}")
-        leaked = [x for x in judge(cuda, r, payload) if x["verdict"] == "leak" and x["route"] in COMPLETE_FIXES]
+        leaked = [x for x in judge(cuda, r, payload) if x["verdict"] in LEAKS and x["route"] in COMPLETE_FIXES]
         assert not leaked, leaked
 
 
@@ -51,14 +52,14 @@ def test_padded_request_groups_match_emulation(mix, variant):
     """Every request's remainder as one padded group: empty query slots read no query and give 0."""
     case = poison_request(build_case(MIXES[mix].replace(**SMALL)), 0, "nan").to("cuda")
     plan = plan_groups(case, "request", remainder_group_min=1)
-    assert bool((plan.group_rows == EMPTY_ROW).any()) and plan.xqa_rows.numel() == 0
-    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks, plan.masks,
+    assert bool((plan.members == EMPTY_ROW).any()) and plan.xqa_rows.numel() == 0
+    args = (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members, plan.microblocks, plan.masks,
             plan.seq_len)
     kw = dict(kv_dtype=case.kv_dtype, sm_scale=case.sm_scale, variant=variant)
     out = kernels.grouped_forward(*args, **kw).cpu()
     emu = emulate.grouped_forward(*(a.cpu() if torch.is_tensor(a) else a for a in args), **kw)
     assert_close_to(out, emu, ATOL, RTOL, f"{variant} padded {mix}")
-    empty = (plan.group_rows == EMPTY_ROW).cpu()
+    empty = (plan.members == EMPTY_ROW).cpu()
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
 
 
@@ -78,7 +79,7 @@ def test_binding_takes_empty_slots_and_refuses_other_negative_rows():
     case = build_case(MIXES["prefill-mix"].replace(**SMALL)).to("cuda")
     plan = plan_groups(case, "request", remainder_group_min=1)
     kw = dict(kv_dtype=case.kv_dtype, sm_scale=case.sm_scale, variant="kernel_fix")
-    rows = plan.group_rows.clone()
+    rows = plan.members.clone()
     kernels.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, rows, plan.microblocks, plan.masks,
                             plan.seq_len, **kw)
     rows[rows == EMPTY_ROW] = -2

@@ -68,7 +68,7 @@ def test_routes_match_emulation(kv_dtype, site):
     if site in ATTENDED_SITES:
         return  # poison in attended tokens: no route is clean (test_attended_poison_* below)
     if site == "query":  # NaN q: XQA NaN everywhere, the grouped rows exactly 0 on the GPU as emulated
-        grouped_rows = cuda.plan.group_rows.flatten()
+        grouped_rows = cuda.plan.members.flatten()
         assert bool(torch.isnan(cuda.outputs["xqa"]).all())
         for route in ("grouped", "grouped+kernel_fix", "grouped+masked_load"):
             assert not torch.isnan(cuda.outputs[route][grouped_rows]).any(), route
@@ -184,7 +184,7 @@ def test_decoded_panels_equal_emulation(kv_dtype):
 
 
 def grouped_args(case, plan):
-    return (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks,
+    return (case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members, plan.microblocks,
             plan.masks, plan.seq_len)
 
 
@@ -220,7 +220,7 @@ def test_cuda_graph_pad_fix_and_forward_equal_eager():
         return torch.nn.functional.pad(x, (0, cap - x.shape[1]))
 
     plans = [p.__class__(**{**vars(p), "microblocks": widen(p.microblocks), "masks": widen(p.masks)}) for p in plans]
-    static = {k: v.clone() for k, v in dict(q=cases[0].q, kv=cases[0].kv_cache, rows=plans[0].group_rows,
+    static = {k: v.clone() for k, v in dict(q=cases[0].q, kv=cases[0].kv_cache, rows=plans[0].members,
                                               mb=plans[0].microblocks, masks=plans[0].masks,
                                               seq=plans[0].seq_len).items()}
     kw = dict(kv_dtype="e4m3", sm_scale=cases[0].sm_scale, variant="unfixed")
@@ -230,7 +230,7 @@ def test_cuda_graph_pad_fix_and_forward_equal_eager():
         fixed = pad_fix(plans[0].__class__(**{**vars(plans[0]), "group_rows": static["rows"],
                                                "microblocks": static["mb"], "masks": static["masks"],
                                                "seq_len": static["seq"]}))
-        return kernels.grouped_forward(static["q"], static["kv"], *scales, fixed.group_rows, fixed.microblocks,
+        return kernels.grouped_forward(static["q"], static["kv"], *scales, fixed.members, fixed.microblocks,
                                        fixed.masks, fixed.seq_len, **kw)
 
     side = torch.cuda.Stream()
@@ -243,13 +243,13 @@ def test_cuda_graph_pad_fix_and_forward_equal_eager():
         graph_out = step()
     # new inputs, same shapes; the scales are kernel arguments baked into the graph, so the
     # eager run below uses the same ones
-    for k, v in dict(q=cases[1].q, kv=cases[1].kv_cache, rows=plans[1].group_rows, mb=plans[1].microblocks,
+    for k, v in dict(q=cases[1].q, kv=cases[1].kv_cache, rows=plans[1].members, mb=plans[1].microblocks,
                      masks=plans[1].masks, seq=plans[1].seq_len).items():
         static[k].copy_(v)
     graph.replay()
     torch.cuda.synchronize()
     fixed = pad_fix(plans[1])
-    eager = kernels.grouped_forward(cases[1].q, cases[1].kv_cache, *scales, fixed.group_rows, fixed.microblocks,
+    eager = kernels.grouped_forward(cases[1].q, cases[1].kv_cache, *scales, fixed.members, fixed.microblocks,
                                     fixed.masks, fixed.seq_len, **kw)
     assert torch.equal(bits(graph_out), bits(eager))
     assert not torch.isnan(graph_out).any()
@@ -265,7 +265,7 @@ def good():
 
 def call_grouped(case, plan, binding=False, **over):
     a = dict(q=case.q, kv_cache=case.kv_cache, k_scale=case.k_scale, v_scale=case.v_scale,
-             group_rows=plan.group_rows, microblocks=plan.microblocks, masks=plan.masks, seq_len=plan.seq_len,
+             group_rows=plan.members, microblocks=plan.microblocks, masks=plan.masks, seq_len=plan.seq_len,
              kv_dtype="e4m3", sm_scale=case.sm_scale, variant="unfixed")
     a.update(over)
     if binding:  # straight to the C++ binding: its own checks, not the Python wrapper's
@@ -277,7 +277,7 @@ def call_grouped(case, plan, binding=False, **over):
 
 
 def bad_grouped(case, plan):
-    mb, rows, seq = plan.microblocks.clone(), plan.group_rows.clone(), plan.seq_len.clone()
+    mb, rows, seq = plan.microblocks.clone(), plan.members.clone(), plan.seq_len.clone()
     mb[0, 0] = case.kv_cache.shape[0] * case.geometry.page_size // 4  # one past the pool
     rows[0, 3] = case.q.shape[0]
     seq[0] += 4

@@ -76,7 +76,7 @@ def test_plan_order_is_upstreams_category_then_logical_owner(kw):
     case = build_case(g)
     plan = plan_groups(case)
     for gi in range(plan.groups):
-        mbs, masks = _upstream_plan(case, plan.group_rows[gi], g.q_heads)
+        mbs, masks = _upstream_plan(case, plan.members[gi], g.q_heads)
         n = int(plan.seq_len[gi]) // 4
         assert n == len(mbs)
         assert plan.microblocks[gi, :n].tolist() == mbs
@@ -244,7 +244,7 @@ DIMS = [3, 40, 41]
 def test_grouped_silently_drops_an_attended_nan_key_where_xqa_and_reference_are_nan(kv_dtype):
     case = apply_poison(build_case(ATTENDED.replace(kv_dtype=kv_dtype)), "attended-k", dims=DIMS)
     r = run_routes(case, backend="emulate")
-    grouped_rows, rest = r.plan.group_rows.flatten(), r.plan.xqa_rows
+    grouped_rows, rest = r.plan.members.flatten(), r.plan.xqa_rows
     # the poisoned key is attended by every row: its NaN score poisons every dim of XQA and the reference
     assert torch.isnan(r.outputs["xqa"]).all() and torch.isnan(r.reference64).all()
     for route in GROUPED:

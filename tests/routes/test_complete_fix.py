@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_lab.analysis.cross_request import cross_request, judge, leaks, nonfinite_rows, pivot_frame, row_map
+from qsa_lab.analysis.cross_request import (CrossRequestReport, cross_request, judge, leak_records, nonfinite_rows,
+                                            pivot_frame, row_map)
 from qsa_lab.model.case import build_case
 from qsa_lab.model.geometry import MIXES, Geometry
-from qsa_lab.model.plan import EMPTY_ROW, REMAINDER_GROUP_MIN, group_rows, plan_groups
+from qsa_lab.model.plan import EMPTY_ROW, REMAINDER_GROUP_MIN, form_groups, plan_groups
 from qsa_lab.model.poison import poison_request
 from qsa_lab.routes import emulate
 from qsa_lab.routes.labels import COMPLETE_FIXES
@@ -27,7 +28,7 @@ def upstream_nan_in_request_0():
 
 def test_upstream_shape_mixes_requests_in_one_group():
     case = build_case(UPSTREAM)
-    rows, rest = group_rows(case, "consecutive")
+    rows, rest = form_groups(case, "consecutive")
     assert rows.shape == (6, 8) and rest.tolist() == [48]
     assert sorted(set(case.token_to_req[rows[5]].tolist())) == [0, 1, 2]       # rows 40-47: requests 0, 1, 2
 
@@ -63,7 +64,9 @@ def test_reach_follows_the_m_tiles(q_heads, reached):
 
 def test_finite_control_leaks_nowhere():
     records = cross_request(UPSTREAM, payloads=("max",), requests=[0, 1], backend="emulate")
-    assert records and not leaks(records) and all(x["verdict"] in ("own", "clean") for x in records)
+    assert records and not leak_records(records) and all(x["verdict"] in ("n/a", "clean") for x in records)
+    report = CrossRequestReport("emulate", "upstream-mix", [], records)
+    assert report.exit_code() == 0 and report.counts()["leaking"] == 0 and not report.nothing_checked()
 
 
 def test_inf_own_rows_as_the_reference_only_with_finite_pv():
@@ -71,14 +74,21 @@ def test_inf_own_rows_as_the_reference_only_with_finite_pv():
     the zero P of a token a row does not attend but its neighbour does (0 * Inf = NaN), finite_pv does not."""
     records = cross_request(UPSTREAM.replace(kv_dtype="fp16"), payloads=("inf",), requests=[0], backend="emulate",
                             routes=["grouped+kernel_fix", "grouped+finite_pv", "xqa"])
-    own = {x["route"]: x["as_reference"] for x in records if x["verdict"] == "own"}
+    own = {x["route"]: x["as_reference"] for x in records if x["request"] == x["poisoned_request"]}
     assert own == {"reference": True, "grouped+kernel_fix": False, "grouped+finite_pv": True, "xqa": True}
-    assert {x["route"] for x in leaks(records)} == {"grouped+kernel_fix"}
+    assert {x["verdict"] for x in records if x["request"] == 0} == {"n/a"}
+    assert {x["route"] for x in leak_records(records)} == {"grouped+kernel_fix"}
+    assert {x["verdict"] for x in leak_records(records)} == {"nan-leak"}       # 0 * Inf = NaN in the other rows
+    report = CrossRequestReport("emulate", "upstream-mix", [], records)
+    assert report.exit_code() == 0                                              # kernel_fix need not stay clean
+    assert CrossRequestReport("emulate", "upstream-mix", [], [dict(x, route="xqa") for x in records]).exit_code() == 1
 
 
 def test_e4m3_has_no_inf_payload():
     records = cross_request(UPSTREAM, payloads=("inf",), requests=[0], backend="emulate")
     assert [x["verdict"] for x in records] == ["n/a"] and "no inf code" in records[0]["note"]
+    report = CrossRequestReport("emulate", "upstream-mix", [], records)
+    assert report.nothing_checked() and report.exit_code() == 3 and report.unavailable() == ["e4m3 has no inf code"]
 
 
 def test_tables_and_figure_data(upstream_nan_in_request_0):
@@ -95,23 +105,23 @@ def test_tables_and_figure_data(upstream_nan_in_request_0):
 
 def test_padded_remainder_groups():
     case = poison_request(build_case(MIXES["prefill-mix"].replace(**SMALL)), 1, "nan")
-    rows, rest = group_rows(case, "request", remainder_group_min=5)    # remainders 4, 5, 7: the last two padded
+    rows, rest = form_groups(case, "request", remainder_group_min=5)    # remainders 4, 5, 7: the last two padded
     assert rest.tolist() == [16, 17, 18, 19]
     assert rows.shape == (5, 8) and rows[-1].tolist() == [33, 34, 35, 36, 37, 38, 39, EMPTY_ROW]
     assert rows[3].tolist() == [28, 29, 30, 31, 32, EMPTY_ROW, EMPTY_ROW, EMPTY_ROW]
-    assert REMAINDER_GROUP_MIN == 8 and group_rows(case, "request")[1].numel() == 16   # the default: XQA
+    assert REMAINDER_GROUP_MIN == 8 and form_groups(case, "request")[1].numel() == 16   # the default: XQA
     plan = plan_groups(case, "request", remainder_group_min=1)
     ref = run_routes(case, ["reference"], backend="emulate").reference64
     for variant in ("kernel_fix", "finite_pv"):
         out = grouped_output(case, plan, variant, emulate, checked=True)
         assert torch.equal(torch.isnan(out), torch.isnan(ref)), variant     # request 1's rows only, as the reference
-        g = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+        g = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                     plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                     sm_scale=case.sm_scale, variant=variant)
-        empty = plan.group_rows == EMPTY_ROW
+        empty = plan.members == EMPTY_ROW
         assert torch.equal(g[empty], torch.zeros_like(g[empty]))           # an empty slot's output is 0
     with pytest.raises(ValueError, match="remainder_group_min"):
-        group_rows(case, "request", remainder_group_min=0)
+        form_groups(case, "request", remainder_group_min=0)
 
 
 def test_request_rows_geometry():

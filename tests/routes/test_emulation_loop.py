@@ -28,7 +28,7 @@ def loop_grouped(case, plan, variant):
     out = torch.empty(plan.groups, 8, hq, D, dtype=torch.float16)
     query_of_row = torch.arange(R) // hq
     for gi in range(plan.groups):
-        Q = case.q[plan.group_rows[gi]].float().reshape(R, D)
+        Q = case.q[plan.members[gi]].float().reshape(R, D)
         m = torch.full((R,), -1e30)
         l = torch.zeros(R)
         O = torch.zeros(R, D)
@@ -102,7 +102,7 @@ def test_vectorised_emulation_equals_the_tile_loop(case, variant, fixed_plan):
     if fixed_plan:
         plan = pad_fix(plan)
     want = loop_grouped(case, plan, variant)
-    got = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+    got = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                   plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                   sm_scale=case.sm_scale, variant=variant)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
@@ -120,7 +120,7 @@ def test_the_loop_drops_an_attended_nan_key_where_the_reference_is_nan():
     out = loop_grouped(case, plan, "unfixed")
     ref = reference_forward(case)
     assert torch.isfinite(out).all() and torch.isnan(ref).any()
-    emu = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+    emu = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                   plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                   sm_scale=case.sm_scale, variant="unfixed")
     assert torch.isfinite(emu).all()
@@ -140,7 +140,7 @@ def test_an_infinite_attended_score_matches_the_loop():
     case = apply_poison(build_case(Geometry(rows=9, context=24, topk=2, page_size=4, q_heads=1, head_dim=16,
                                             kv_dtype="e5m2")), "attended-k", dims=[0], payload="inf")
     plan = plan_groups(case)
-    got = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows,
+    got = emulate.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                   plan.microblocks, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
                                   sm_scale=case.sm_scale, variant="unfixed")
     want = loop_grouped(case, plan, "unfixed")

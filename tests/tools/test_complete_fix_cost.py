@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from qsa_lab.model.case import build_case
-from qsa_lab.model.plan import group_rows
+from qsa_lab.model.plan import form_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def bench():
 def test_shapes_mix_requests_where_they_say(bench):
     for name, g in bench.SHAPES.items():
         small = build_case(g.replace(context=max(64, max(g.rows_of_requests()) + g.requests + 3), head_dim=16, topk=8))
-        rows, _ = group_rows(small, "consecutive")
+        rows, _ = form_groups(small, "consecutive")
         mixed = any(len(set(small.token_to_req[r].tolist())) > 1 for r in rows)
         assert mixed == (not name.startswith(("aligned", "report"))), name
     assert set(bench.QUICK) <= set(bench.SHAPES)

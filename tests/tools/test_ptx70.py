@@ -277,7 +277,7 @@ def test_launches_mirror_the_binding(folder):
     p = fake_loaded(folder)
     case = build_case(Geometry(rows=19, requests=2, context=600, topk=32, q_heads=5, head_dim=64, page_size=16))
     plan = plan_groups(case)
-    out = p.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.group_rows, plan.microblocks,
+    out = p.grouped_forward(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members, plan.microblocks,
                             plan.masks, plan.seq_len, kv_dtype="e4m3", sm_scale=case.sm_scale, variant="masked_load")
     (_, fn0, smem0), (_, fn, grid, threads, smem, (s,)), _ = p.driver.calls
     assert fn0 == fn == "grouped_page4_forward<e4m3,masked_load>"
