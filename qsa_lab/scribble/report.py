@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qsa_lab.analysis.leaks import CHECKED, FAILURES, LEAKS, VERDICTS, LeakReport
+from qsa_lab.analysis.leaks import FAILURES, LEAKS, VERDICTS, LeakReport
 from qsa_lab.analysis.leaks import STRAY_WRITE as STRAY  # noqa: F401 - the write guard's verdict, by its old name
 
 from .regions import REGION_TEXT, REGIONS
@@ -58,16 +58,9 @@ class ScribbleReport(LeakReport):
         return [c for c in self.cells if c.verdict in FAILURES]
 
     def no_check(self) -> str:
-        """Why no check ran ('' when one did): every cell n/a, read and write."""
-        if any(c.verdict in CHECKED for c in self.cells):
-            return ""
-        return "no check ran: every cell is n/a (no region asked for held a row in any step)"
-
-    def exit_code(self) -> int:
-        """3 a failure, else 1 a leak or stray write, else 3 when no check ran (never a pass on nothing),
-        else 0."""
-        code = super().exit_code()
-        return 3 if code == 0 and self.no_check() else code
+        """Why no check ran ('' when one did): every cell n/a, read and write (the exit code is then 3:
+        LeakReport.exit_code)."""
+        return "no check ran: every cell is n/a (no region asked for held a row in any step)" if self.nothing_checked() else ""
 
     def to_dict(self) -> dict:
         """The JSON: the header (schema and the machine facts, once), then the report; `facts` holds only
