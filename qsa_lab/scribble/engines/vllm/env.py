@@ -65,20 +65,26 @@ def scribble_in_vllm_env(model: str = "llama-gqa", workload: str = "chunked-pref
     import json
     import subprocess
 
+    from qsa_lab.support.processes import spawn
+
     from ...report import ScribbleReport
 
     python = vllm_python()
     if python is None:
         return None
-    argv = [python, "-m", "qsa_lab", "scribble", "--engine", "vllm", "--model", model, "--workload", workload,
-            "--json", "-"]
-    argv += ["--regions", ",".join(regions)] if regions else []
-    argv += ["--payloads", ",".join(payloads)] if payloads else []
-    argv += [] if prefix_caching else ["--no-prefix-caching"]
-    env = dict(os.environ)
-    # this qsa_lab, first on the child's path
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    args = ["scribble", "--engine", "vllm", "--model", model, "--workload", workload, "--json", "-"]
+    args += ["--regions", ",".join(regions)] if regions else []
+    args += ["--payloads", ",".join(payloads)] if payloads else []
+    args += [] if prefix_caching else ["--no-prefix-caching"]
+    # this qsa_lab first on the child's path, started the one way a second interpreter is (support.processes)
+    child = spawn("qsa_lab", *args, python=python, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        stdout, stderr = child.communicate()
+    out = subprocess.CompletedProcess(child.args, child.returncode, stdout.decode(errors="replace"),
+                                      stderr.decode(errors="replace"))
     if out.returncode not in (0, 1) or not out.stdout.strip():
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"qsa-lab scribble --engine vllm: exit {out.returncode}: {last}")
