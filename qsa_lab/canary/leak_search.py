@@ -228,10 +228,10 @@ def min_context(request_rows) -> int:
 
 
 def _regions(attend: str, allowed) -> tuple:
-    from qsa_lab.model.regions import AttentionSpec, regions_of
+    from qsa_lab.model.regions import OPT_IN, AttentionSpec, regions_of
 
     have = regions_of(AttentionSpec.parse(attend))
-    return tuple(r for r in have if r in allowed) if allowed else have
+    return tuple(r for r in have + OPT_IN if r in allowed) if allowed else have   # other-rows only when named
 
 
 def _payloads(kv_dtype: str, allowed) -> tuple:
@@ -286,8 +286,7 @@ def strategy(limits: Limits, pins: dict, regions=None, planes=None, payloads=Non
                       draw(one("layout", limits.layouts)),
                       pins["free_pages"] if "free_pages" in pins else draw(st.integers(0, limits.max_free_pages)),
                       pins["seed"] if "seed" in pins else draw(st.integers(0, 1 << 16)),
-                      tuple(sorted(draw(st.sets(st.sampled_from(have), min_size=1)), key=have.index)),
-                      tuple(sorted(draw(st.sets(st.sampled_from(planes or ("k", "v")), min_size=1)))),
+                      have, tuple(planes or ("k", "v")),     # every region and plane: the shrinker narrows them
                       tuple(sorted(draw(st.sets(st.sampled_from(usable), min_size=1)), key=PAYLOAD_ORDER.index)))
     return params()
 
@@ -307,6 +306,46 @@ class Outcome:
 
     def kind(self) -> str:
         return "leak" if self.leaks else "failed" if self.failures else "clean" if self.checks else "skipped"
+
+
+class _Persistent:
+    """A user's `module:function` / `file.py:function` kernel in one worker process for the whole
+    search (run_canary would start one per case): a callable the canary runs in this process. A
+    call the worker reports failed raises, so it is an error (a modified input says so in it)."""
+
+    def __init__(self, name, timeout: float):
+        self.name, self.timeout, self.canary_name = name, timeout, name.text
+        self._start()
+        self.paged_inputs = self.worker.paged_inputs or "block_table"
+
+    def _start(self):
+        from qsa_lab.canary.execution import Worker
+
+        self.worker = Worker(self.name, self.timeout)
+        self.worker.load()
+
+    def __call__(self, call):
+        from qsa_lab.canary.call import KernelSkipped
+        from qsa_lab.canary.execution import INPUTS
+        from qsa_lab.canary.runner import call_meta
+
+        if self.worker.dead:      # a call timed out or ended the process: the next case gets a new one
+            self._start()
+        o = self.worker.call({k: getattr(call, k).detach().cpu() for k in INPUTS}, call_meta(call), call.device)
+        if o.kind == "skipped":
+            raise KernelSkipped(o.error)
+        if o.kind != "ok":
+            raise RuntimeError(f"the kernel {o.kind}: {o.error}")
+        if o.modified:
+            raise RuntimeError(f"input-modified: the kernel changed {', '.join(o.modified)}")
+        return o.output.to(call.device)
+
+    @property
+    def canary_limits(self):
+        return self.worker.canary_limits
+
+    def close(self):
+        self.worker.close()
 
 
 def judge(kernel, p: Params, backend: str, timeout: float, keep: bool = False) -> Outcome:
@@ -582,11 +621,11 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
     re-check come after it. seed: Hypothesis's seed (the same seed and case budget draw the same
     cases). regions, planes, payloads: what may be poisoned (default the spec's regions, both
     planes, nan/inf/max). progress: a stream for progress lines (e.g. sys.stderr; None: quiet)."""
-    from hypothesis import HealthCheck, Phase, Verbosity, given, settings, seed as hseed
-
     from qsa_lab.canary.execution import DEFAULT_TIMEOUT
+    from qsa_lab.canary.kernels import kernel_name
     from qsa_lab.canary.names import as_kernel_name
     from qsa_lab.canary.runner import PLANES
+    from qsa_lab.model.regions import REGIONS
 
     budget = parse_budget(budget)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
@@ -598,24 +637,30 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
         raise TypeError(f"search() got unknown keyword(s) {bad}; pin one of {PINS}")
     pins = {k: v for k, v in pins.items() if v is not None}
     name = as_kernel_name(kernel) if not callable(kernel) else kernel
-    declared = limits_of(name)
-    lim = declared
-    if limits:
-        _limits(limits)    # names every unknown field
-        lim = dataclasses.replace(declared, **{k: (tuple(v) if isinstance(v, list) else v)
-                                               for k, v in limits.items()})
-    _check_pins(pins, lim, str(name) if not callable(name) else "the kernel")
-    regions = _list("regions", regions)
-    planes = _list("planes", planes)
-    payloads = _list("payloads", payloads)
-    for arg, given_, allowed in (("planes", planes, PLANES), ("payloads", payloads, PAYLOAD_ORDER + ("zero",))):
-        wrong = [x for x in given_ or () if x not in allowed]
-        if wrong:
-            raise ValueError(f"{arg}: unknown {wrong}; choose from {tuple(allowed)}")
+    regions = _names("regions", regions, REGIONS)
+    planes = _names("planes", planes, PLANES)
+    payloads = _names("payloads", payloads, PAYLOAD_ORDER + ("zero",))
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-    from qsa_lab.canary.kernels import kernel_name
+    worker = _Persistent(name, timeout) if not callable(name) and not name.in_process else None
+    try:
+        lim = limits_of(worker or name)
+        if limits:
+            _limits(limits)    # names every unknown field
+            lim = dataclasses.replace(lim, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in limits.items()})
+        _check_pins(pins, lim, kernel_name(name))
+        return _search(name, worker or name, kernel_name(name), budget, seed, lim, pins, backend, regions, planes,
+                       payloads, timeout, progress, shrink_runs)
+    finally:
+        if worker is not None:
+            worker.close()
 
-    label = kernel_name(name)
+
+def _search(name, runs_as, label, budget, seed, lim, pins, backend, regions, planes, payloads, timeout, progress,
+            shrink_runs) -> SearchReport:
+    """search() once its arguments are checked: `runs_as` is what the cases call (a persistent
+    worker for a user's file or module), `name` what the re-check runs (the canary's usual way)."""
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings, seed as hseed
+
     show = Progress(progress, label)
     outcomes, first = [], {}      # first: cell -> index of the case where it first leaked
     start = time.monotonic()
@@ -629,7 +674,7 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
     def test(p):
         if end is not None and time.monotonic() >= end:
             raise _Stop()
-        o = judge(name, p, backend, timeout)
+        o = judge(runs_as, p, backend, timeout)
         outcomes.append(o)
         new = [c for c in o.leaks if c not in first]
         for c in new:
@@ -654,7 +699,7 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
         leaking = [o.params for o in outcomes if cell in o.leaks]
         origin = min(leaking, key=Params.size)
         show(f"search {label}: shrinking {cell[0]}/{cell[1]} ({n} of {len(first)})", force=True)
-        small, runs = shrink(name, origin, cell, lim, pins, backend, timeout, shrink_runs)
+        small, runs = shrink(runs_as, origin, cell, lim, pins, backend, timeout, shrink_runs)
         key = dataclasses.replace(small, regions=(), planes=())
         entry = shrunk.setdefault(key, {"cells": [], "found_at": first[cell], "from": origin, "runs": 0})
         entry["cells"].append(cell)
@@ -673,13 +718,15 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
                         time.monotonic() - t0, stopped)
 
 
-def _list(arg, value):
+def _names(arg: str, value, allowed) -> tuple | None:
+    """A list option (regions, planes, payloads) checked against `allowed`; None stays None."""
     if value is None:
         return None
-    value = [value] if isinstance(value, str) else list(value)
-    if not value:
-        raise ValueError(f"{arg}: empty list")
-    return tuple(value)
+    value = (value,) if isinstance(value, str) else tuple(value)
+    wrong = [x for x in value if x not in allowed]
+    if wrong or not value:
+        raise ValueError(f"{arg}: unknown {wrong or 'empty list'}; choose from {tuple(allowed)}")
+    return value
 
 
 def _check_pins(pins: dict, lim: Limits, who: str) -> None:
