@@ -303,6 +303,7 @@ class Outcome:
     checks: int = 0
     skipped: str = ""
     report: object = field(default=None, repr=False)
+    at: float = 0.0          # seconds from the search's start to this case's verdict
 
     def kind(self) -> str:
         return "leak" if self.leaks else "failed" if self.failures else "clean" if self.checks else "skipped"
@@ -394,6 +395,8 @@ def candidates(p: Params, limits: Limits, pins: dict) -> list:
         for n in {1, rows[i] // 2, rows[i] - 1}:
             if 1 <= n < rows[i]:
                 add(request_rows=rows[:i] + (n,) + rows[i + 1:])
+        if i + 1 < len(rows) and rows[i] > 1 and rows[i + 1] < limits.max_query_len:   # a row moved on
+            add(request_rows=rows[:i] + (rows[i] - 1, rows[i + 1] + 1) + rows[i + 2:])
     for h in limits.q_heads:
         if h < p.q_heads:
             add(q_heads=h, kv_heads=p.kv_heads if h % p.kv_heads == 0 else 1)
@@ -484,12 +487,13 @@ class Finding:
     from_params: Params
     shrink_runs: int
     recheck: object = field(default=None, repr=False)
+    found_s: float = 0.0     # seconds from the search's start to the case where it first leaked
 
     def reproduced(self) -> bool:
         return self.recheck is not None and bool(self.recheck.leaks())
 
     def to_dict(self, kernel: str) -> dict:
-        return {"cells": [list(c) for c in self.cells], "found_at_case": self.found_at,
+        return {"cells": [list(c) for c in self.cells], "found_at_case": self.found_at, "found_at_s": self.found_s,
                 "found": self.from_params.to_dict(), "shrunk": self.params.to_dict(),
                 "shrink_runs": self.shrink_runs, "reproduced": self.reproduced(),
                 "results": [r.to_dict() for r in self.recheck.results] if self.recheck else [],
@@ -541,7 +545,8 @@ class SearchReport:
         for i, f in enumerate(self.findings, 1):
             p = f.params
             cells = ", ".join(f"{r}/{pl}" for r, pl in f.cells)
-            out.append(f"finding {i}: {cells}, first at case {f.found_at} ({f.from_params.requests} req, "
+            out.append(f"finding {i}: {cells}, first at case {f.found_at} after {f.found_s:.1f} s "
+                       f"({f.from_params.requests} req, "
                        f"{f.from_params.rows} rows), shrunk in {f.shrink_runs} runs to {p.requests} req, "
                        f"{p.rows} rows:")
             out.append(f"  {p.describe()}; payload {'/'.join(p.payloads)}")
@@ -557,7 +562,7 @@ class SearchReport:
                 "budget": str(self.budget), "backend": self.backend, "limits": dataclasses.asdict(self.limits),
                 "pins": dict(self.pins), "seconds": round(self.seconds, 3),
                 "shrink_seconds": round(self.shrink_seconds, 3), "stopped": self.stopped,
-                "cases": [{"params": o.params.to_dict(), "outcome": o.kind(),
+                "cases": [{"params": o.params.to_dict(), "outcome": o.kind(), "at_s": round(o.at, 3),
                            "leaks": [list(c) for c in o.leaks], "failures": [list(f) for f in o.failures]}
                           for o in self.cases],
                 "findings": [f.to_dict(self.kernel) for f in self.findings], "exit_code": self.exit_code()}
@@ -675,6 +680,7 @@ def _search(name, runs_as, label, budget, seed, lim, pins, backend, regions, pla
         if end is not None and time.monotonic() >= end:
             raise _Stop()
         o = judge(runs_as, p, backend, timeout)
+        o.at = time.monotonic() - start
         outcomes.append(o)
         new = [c for c in o.leaks if c not in first]
         for c in new:
@@ -711,7 +717,8 @@ def _search(name, runs_as, label, budget, seed, lim, pins, backend, regions, pla
         planes_ = tuple(sorted({pl for _, pl in e["cells"]}))
         p = dataclasses.replace(key, regions=regions_, planes=planes_)
         recheck = judge(name, p, backend, timeout, keep=True).report   # the plain canary run of the shrunk case
-        findings.append(Finding(p, e["cells"], e["found_at"], e["from"], e["runs"], recheck))
+        findings.append(Finding(p, e["cells"], e["found_at"], e["from"], e["runs"], recheck,
+                                round(outcomes[e["found_at"] - 1].at, 3)))
     findings.sort(key=lambda f: f.found_at)
     show.done()
     return SearchReport(label, seed, budget, lim, pins, backend, outcomes, findings, seconds,
