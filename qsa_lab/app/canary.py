@@ -196,7 +196,7 @@ def run(args) -> int:
     if getattr(args, "search", False):
         from qsa_lab.app.canary_search import run as search
 
-        return search(args, FLAGS, geometry)
+        return search(args, FLAGS, geometry, _inputs(args), _quiet_stdout)
     if getattr(args, "budget", None) is not None:
         raise UsageError("--budget: only with --search")
     for flag, value in (("--case", args.case), ("--report", args.report)):

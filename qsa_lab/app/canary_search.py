@@ -36,8 +36,9 @@ def add_options(parser) -> None:
                         "(default 60s)")
 
 
-def run(args, flags: dict, geometry: dict) -> int:
-    """The --search run (args: the canary's parsed arguments; geometry: the geometry options given)."""
+def run(args, flags: dict, geometry: dict, inputs: dict, quiet_stdout) -> int:
+    """The --search run (args: the canary's parsed arguments; geometry: the geometry options given;
+    inputs: {option: path} no output may be; quiet_stdout: the canary's context for `--json -`)."""
     from qsa_lab.app.args import UsageError, blame, check_outputs
 
     kernels = (args.kernels or []) + (args.kernel or [])
@@ -51,16 +52,13 @@ def run(args, flags: dict, geometry: dict) -> int:
                              "--requests or the other geometry options)")
     if args.report and len(kernels) > 1:
         raise UsageError("--report: one kernel per search report (name one kernel with --search --report)")
-    from qsa_lab.app.canary import _inputs
-
-    outs = check_outputs(args, {"--json": None if args.json == "-" else args.json}, _inputs(args))
+    outs = check_outputs(args, {"--json": None if args.json == "-" else args.json}, inputs)
     if args.report:
         from qsa_lab.canary.leak_search import NAMES
         from qsa_lab.support.outputs import check_new_folder
 
         with blame({"report": "--report"}, "--report"):
-            check_new_folder(args.report, "report", args.force, NAMES, _inputs(args))
-    from qsa_lab.app.canary import _quiet_stdout
+            check_new_folder(args.report, "report", args.force, NAMES, inputs)
     from qsa_lab.canary.leak_search import DEFAULT_BUDGET, search, search_json
 
     pins = {k: v for k, v in geometry.items() if k != "seed"}
@@ -70,7 +68,7 @@ def run(args, flags: dict, geometry: dict) -> int:
         pins["attend"] = args.attend
     quiet = args.json == "-"
     found = []
-    with blame({**flags, "budget": "--budget", "seed": "--seed"}, "canary --search"), _quiet_stdout(quiet):
+    with blame({**flags, "budget": "--budget", "seed": "--seed"}, "canary --search"), quiet_stdout(quiet):
         for k in kernels:
             found.append(search(k, budget=args.budget or DEFAULT_BUDGET, seed=args.seed or 0, backend=args.backend,
                                 regions=args.regions, planes=args.planes, payloads=args.payloads,
@@ -93,7 +91,7 @@ def run(args, flags: dict, geometry: dict) -> int:
         from qsa_lab.canary.leak_search import write_search_report
 
         with blame({"report": "--report"}, "--report"):
-            replays = write_search_report(found[0], args.report, force=args.force, inputs=_inputs(args),
+            replays = write_search_report(found[0], args.report, force=args.force, inputs=inputs,
                                           command=shlex.join(["qsa-lab", *getattr(args, "argv", ["canary", "..."])]))
         out = sys.stderr if quiet else sys.stdout
         for i, line in enumerate(replays, 1):
