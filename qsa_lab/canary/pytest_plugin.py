@@ -94,9 +94,17 @@ class Search:
             from qsa_lab.canary.calls import slug
             from qsa_lab.canary.leak_search import write_search_report
 
-            write_search_report(self.result, Path(self.report_dir) / f"{slug(self.result.kernel)}__search")
+            folder = Path(self.report_dir) / f"{slug(self.result.kernel)}__search"
+            try:   # as the cells' reports: one already there is kept
+                replays = write_search_report(self.result, folder)
+            except (ValueError, FileExistsError) as e:
+                replays = [f"no report written: {e}"]
+            else:
+                replays = [f"cd {folder} && {line}" for line in replays]
+        else:
+            replays = []
         if code:
-            pytest.fail("\n".join(self.result.lines()), pytrace=False)
+            pytest.fail("\n".join(self.result.lines() + replays), pytrace=False)
 
 
 @pytest.fixture
