@@ -164,3 +164,10 @@ def test_clean(qsa_canary_search):
     result = pytester.runpytest("-p", "qsa_lab.canary.pytest_plugin", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     assert "finding 1: other-requests/v" in result.stdout.str()
+
+
+def test_a_pin_the_canary_refuses_is_refused_before_any_case(capsys):
+    assert main(["canary", "--search", "--kernels", "torch:sdpa-math", "--head-dim", "24", "--budget", "2"]) == 2
+    assert "--head-dim" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="q_heads"):
+        search("qsa:xqa", budget=2, q_heads=32)
