@@ -24,6 +24,7 @@ unstable control, modified input) or no case ran a check, 0 every case clean.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -235,16 +236,9 @@ def _regions(attend: str, allowed) -> tuple:
 
 
 def _payloads(kv_dtype: str, allowed) -> tuple:
-    from qsa_lab.model.poison import payload_bits
+    from qsa_lab.canary.runner import _available_payloads    # the payloads the dtype has a code for
 
-    out = []
-    for p in allowed or PAYLOAD_ORDER:
-        try:
-            payload_bits(kv_dtype, p)
-            out.append(p)
-        except ValueError:
-            pass
-    return tuple(out)
+    return tuple(p for p in allowed or PAYLOAD_ORDER if p in _available_payloads(kv_dtype))
 
 
 def strategy(limits: Limits, pins: dict, regions=None, planes=None, payloads=None):
@@ -585,6 +579,24 @@ def replay_python(kernel: str, p: Params) -> str:
             f"planes={list(p.planes)}, payloads={list(p.payloads)})")
 
 
+@contextlib.contextmanager
+def _hypothesis_home():
+    """Hypothesis keeps files (its example database, which the search turns off, and a cache of
+    the constants in the code it runs) under ./.hypothesis: for the search's run they go to a
+    temporary folder, removed after it, so nothing is written where the user runs the command."""
+    import tempfile
+
+    from hypothesis import configuration
+
+    before = getattr(configuration, "__hypothesis_home_directory", None)
+    with tempfile.TemporaryDirectory(prefix="qsa-lab-search-") as home:
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(before)
+
+
 class _Stop(BaseException):
     """Ends Hypothesis's generation when the time budget runs out (it is no test failure)."""
 
@@ -693,10 +705,11 @@ def _search(name, runs_as, label, budget, seed, lim, pins, backend, regions, pla
     run = settings(max_examples=budget.cases or 10 ** 9, database=None, deadline=None, phases=[Phase.generate],
                    suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet)(run)
     stopped = ""
-    try:
-        hseed(seed)(run)()
-    except _Stop:
-        pass
+    with _hypothesis_home():
+        try:
+            hseed(seed)(run)()
+        except _Stop:
+            pass
     if budget.cases is not None and len(outcomes) < budget.cases:
         stopped = "the space ran out of new cases"
     seconds = time.monotonic() - start

@@ -171,3 +171,10 @@ def test_a_pin_the_canary_refuses_is_refused_before_any_case(capsys):
     assert "--head-dim" in capsys.readouterr().err
     with pytest.raises(ValueError, match="q_heads"):
         search("qsa:xqa", budget=2, q_heads=32)
+
+
+def test_a_search_writes_nothing_where_it_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    found = search("qsa:grouped+finite_pv", budget=3, seed=0, **EMULATE)
+    assert len(found.cases) == 3
+    assert list(tmp_path.iterdir()) == []     # no .hypothesis/ (example database, constants cache)
