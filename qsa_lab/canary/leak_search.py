@@ -540,11 +540,12 @@ class SearchReport:
         for i, f in enumerate(self.findings, 1):
             p = f.params
             cells = ", ".join(f"{r}/{pl}" for r, pl in f.cells)
-            out.append(f"finding {i}: {cells}, first at case {f.found_at} after {f.found_s:.1f} s "
-                       f"({f.from_params.requests} req, "
-                       f"{f.from_params.rows} rows), shrunk in {f.shrink_runs} runs to {p.requests} req, "
-                       f"{p.rows} rows:")
+            out.append(f"finding {i}: {cells}, first at case {f.found_at} after {f.found_s:.1f} s; shrunk from "
+                       f"{f.from_params.requests} req, {f.from_params.rows} rows in {f.shrink_runs} runs to "
+                       f"{p.requests} req, {p.rows} rows:")
             out.append(f"  {p.describe()}; payload {'/'.join(p.payloads)}")
+            if not f.reproduced():
+                out.append("  re-check: it did not leak again (not counted as a finding)")
             for r in (f.recheck.results if f.recheck else []):
                 w = r.where()
                 out.append(f"  re-check {r.region}/{r.plane}/{r.payload}: {r.verdict} ({r.nan} NaN, {r.inf} Inf, "

@@ -166,6 +166,13 @@ def test_clean(qsa_canary_search):
     assert "finding 1: other-requests/v" in result.stdout.str()
 
 
+def test_a_finding_is_printed_with_its_shrunk_case(kernel_fix):
+    text = "\n".join(kernel_fix.lines())
+    f = kernel_fix.findings[0]
+    assert f"shrunk from {f.from_params.requests} req, {f.from_params.rows} rows" in text
+    assert f.params.describe() in text and "re-check other-requests/v/nan: nan-leak" in text
+
+
 def test_a_pin_the_canary_refuses_is_refused_before_any_case(capsys):
     assert main(["canary", "--search", "--kernels", "torch:sdpa-math", "--head-dim", "24", "--budget", "2"]) == 2
     assert "--head-dim" in capsys.readouterr().err
