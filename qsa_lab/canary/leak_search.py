@@ -197,11 +197,12 @@ class Params:
         return sum(-(-(self.context - r) // self.page_size) for r in range(self.requests))
 
     def size(self) -> tuple:
-        """The shrinker's order: fewer requests, rows, heads, pages, tokens; smaller dims; a simpler
+        """The shrinker's order: fewer requests, rows, heads, pages, tokens; smaller pages and dims; a simpler
         spec; fewer free pages; contiguous; fp16; fewer regions, planes, payloads; seed 0."""
         kind = "sink" if ",sink:" in self.attend else self.attend.split(":")[0]
         param = self.topk if kind == "sparse" else sum(int(x) for x in re.findall(r"[0-9]+", self.attend))
-        return (self.requests, self.rows, self.q_heads, self.kv_heads, self.pages(), self.context, self.head_dim,
+        return (self.requests, self.rows, self.q_heads, self.kv_heads, self.pages(), self.context, self.page_size,
+                self.head_dim,
                 ATTENDS.index(kind), param, self.free_pages, LAYOUTS.index(self.layout),
                 ("fp16", "e4m3", "e5m2").index(self.kv_dtype), len(self.regions), len(self.planes),
                 len(self.payloads), tuple(PAYLOAD_ORDER.index(p) for p in self.payloads), self.seed,

@@ -65,6 +65,9 @@ def test_findings_are_one_per_shrunk_case():
     cells = [c for f in found.findings for c in f.cells]
     assert len(cells) == len(set(cells))
     assert any(("null-block", "v") in f.cells for f in found.findings)
+    # the null block and the unselected blocks of one row of 8 leak through the same case: one finding
+    assert any(set(f.cells) == {("null-block", "v"), ("unselected", "v")} for f in found.findings)
+    assert all(f.params.requests == 1 for f in found.findings if ("null-block", "v") in f.cells)
 
 
 def test_a_finding_replays_from_its_case_file(kernel_fix, tmp_path):
