@@ -48,3 +48,7 @@ def paged_decode(call) -> torch.Tensor:
 def paged_decode_fixed(call) -> torch.Tensor:
     """The same with every V row no query attends zeroed before P @ V: clean."""
     return _attention(call, zero_unattended_v=True)
+
+
+# what `qsa-lab canary --search` may draw for these kernels (qsa_lab.canary.leak_search.Limits): fp16 pools only
+paged_decode.canary_limits = paged_decode_fixed.canary_limits = {"kv_dtypes": ("fp16",)}

@@ -131,6 +131,9 @@ def add_parser(sub, parents=()):
                    "versions, and per leaking cell its smallest poisoned call with a replay command (default: none)")
     o.add_argument("--force", action="store_true", help="let --json / --report replace files (default: never)")
     o.add_argument("--fail-on-leak", action="store_true", help=argparse.SUPPRESS)   # removed: FAIL_ON_LEAK_GONE
+    from qsa_lab.app.canary_search import add_options
+
+    add_options(c)
     return c
 
 
@@ -190,6 +193,12 @@ def run(args) -> int:
     from qsa_lab.app.args import UsageError, check_outputs as _outputs
 
     geometry = {n: getattr(args, n) for n in GEOMETRY if getattr(args, n, None) is not None}
+    if getattr(args, "search", False):
+        from qsa_lab.app.canary_search import run as search
+
+        return search(args, FLAGS, geometry, _inputs(args), _quiet_stdout)
+    if getattr(args, "budget", None) is not None:
+        raise UsageError("--budget: only with --search")
     for flag, value in (("--case", args.case), ("--report", args.report)):
         if value is not None and not value.strip():
             raise UsageError(f"{flag}: empty path")

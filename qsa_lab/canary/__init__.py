@@ -9,6 +9,7 @@ What a row attends and where the unattended bytes are: qsa_lab.model.regions (At
 The call and its geometry: qsa_lab.canary.case (CanaryCase, canary_case, load_case).
 Verdicts and what "changed" means: qsa_lab.analysis.leaks (the scribble's too).
 Payloads: qsa_lab.model.poison.PAYLOAD_BITS. Your own kernel: qsa_lab.canary.kernels (PagedCall, KernelSkipped).
+Search a kernel's whole space and shrink each leak: qsa_lab.canary.leak_search (search).
 Names load on first use, so `qsa-lab canary --help` needs no torch.
 """
 from qsa_lab.support.lazy import lazy
@@ -21,6 +22,7 @@ _NAMES = {
     "DEFAULT_PAYLOADS": ".runner", "SCHEMA": ".results",
     "CanaryReport": ".results", "LeakResult": ".results", "assert_no_leak": ".runner",
     "load_canary": ".results", "run_canary": ".runner",
+    "search": ".leak_search", "SearchReport": ".leak_search", "Limits": ".leak_search",
 }
 __all__ = list(_NAMES)
 

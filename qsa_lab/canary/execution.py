@@ -151,7 +151,7 @@ class Worker:
 
     def __init__(self, name: KernelName, timeout: float):
         self.name, self.timeout, self.proc, self.dead = name, timeout, None, None
-        self.paged_inputs = None
+        self.paged_inputs = self.canary_limits = None
 
     def _start(self) -> None:
         self.proc = spawn("qsa_lab.canary.worker")
@@ -186,6 +186,7 @@ class Worker:
         kind, reply = failed or self._read(deadline)
         if kind == "msg" and reply[0] == "ok":
             self.paged_inputs = reply[1].get("paged_inputs")
+            self.canary_limits = reply[1].get("canary_limits")   # what the search may draw (canary.leak_search)
             return
         self.close()
         if kind == "timeout":

@@ -26,6 +26,14 @@ skipping, and a marked test that returns without calling `qsa_canary_cell.check(
 marker, and the failure message gives the replay command of its smallest leaking call; a
 report folder already there is kept (`--qsa-canary-report-force` replaces it).
 
+A search instead of one case (qsa_lab.canary.leak_search): the marker `qsa_canary_search(kernel,
+budget=200, seed=0, **pins)` and the fixture `qsa_canary_search`, whose check() fails with each
+finding (its shrunk case and replay line) or when the search could judge nothing:
+
+    @pytest.mark.qsa_canary_search(my_kernel, budget=200, attend="dense")
+    def test_no_leak_anywhere(qsa_canary_search):
+        qsa_canary_search.check()
+
 Marker arguments: the kernel (a callable or a built-in name such as "flashinfer:decode"), then
 the keywords of qsa_lab.canary.run_canary / canary_case: attend, kv_dtype, kv_heads, q_heads,
 head_dim, page_size, rows, requests, context, query_len, seed, regions, payloads, planes,
@@ -57,6 +65,55 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "qsa_canary(kernel, **options): run the qsa_lab canary on kernel; "
                                        "one test per region x plane x payload (needs the qsa_canary_cell fixture)")
+    config.addinivalue_line("markers", "qsa_canary_search(kernel, budget=200, seed=0, **pins): search the "
+                                       "kernel's declared geometries for leaks (needs the qsa_canary_search fixture)")
+
+
+class Search:
+    """A marker's search (qsa_lab.canary.leak_search.search); check() fails on a finding, or when
+    the search judged nothing or a case failed (exit 3)."""
+
+    def __init__(self, marker, report_dir=None):
+        if len(marker.args) != 1:
+            raise pytest.UsageError("qsa_canary_search marker: give exactly one kernel (a callable or a kernel name)")
+        self.kernel, self.kwargs, self.report_dir = marker.args[0], dict(marker.kwargs), report_dir
+        self.kwargs.setdefault("budget", 200)
+        self.result = None
+
+    def check(self) -> None:
+        from qsa_lab.canary.leak_search import search
+
+        try:
+            self.result = search(self.kernel, **self.kwargs)
+        except (TypeError, ValueError) as e:
+            raise pytest.UsageError(f"qsa_canary_search marker: {e}") from None
+        code = self.result.exit_code()
+        if code == 1 and self.report_dir:
+            from pathlib import Path
+
+            from qsa_lab.canary.calls import slug
+            from qsa_lab.canary.leak_search import write_search_report
+
+            folder = Path(self.report_dir) / f"{slug(self.result.kernel)}__search"
+            try:   # as the cells' reports: one already there is kept
+                replays = write_search_report(self.result, folder)
+            except (ValueError, FileExistsError) as e:
+                replays = [f"no report written: {e}"]
+            else:
+                replays = [f"cd {folder} && {line}" for line in replays]
+        else:
+            replays = []
+        if code:
+            pytest.fail("\n".join(self.result.lines() + replays), pytrace=False)
+
+
+@pytest.fixture
+def qsa_canary_search(request):
+    marker = request.node.get_closest_marker("qsa_canary_search")
+    if marker is None:
+        raise pytest.UsageError(f"{request.node.nodeid}: the qsa_canary_search fixture needs a "
+                                "@pytest.mark.qsa_canary_search(kernel, ...) marker")
+    return Search(marker, request.config.getoption("--qsa-canary-report", None))
 
 
 @dataclass(frozen=True)

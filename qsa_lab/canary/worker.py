@@ -37,7 +37,8 @@ def main() -> int:
             take_path(cwd, path)   # the current folder last: nothing there shadows an installed module
             try:
                 fn = load_kernel(name)
-                reply = ("ok", {"paged_inputs": getattr(fn, "paged_inputs", None)})
+                reply = ("ok", {"paged_inputs": getattr(fn, "paged_inputs", None),
+                                "canary_limits": getattr(fn, "canary_limits", None)})
             except ValueError as e:
                 reply = ("error", str(e))
             send(proto_out, reply)
