@@ -179,6 +179,15 @@ def test_metadata_is_what_jupyterlab_writes(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_as_jupyter_saves_it(path):
+    """Keys sorted, indent 1, a final newline (nbformat.write): saving a notebook in JupyterLab,
+    unchanged, leaves git status clean (07 was committed in another key order)."""
+    text = path.read_text()
+    assert text == json.dumps(json.loads(text), sort_keys=True, indent=1, ensure_ascii=False) + "\n", \
+        f"{path.name}: not in the form Jupyter saves; {HOW_TO_STRIP}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_thin(path):
     """Notebooks ask and show: no function or class definitions, short code cells."""
     nb = nbformat.read(path, as_version=4)
