@@ -335,13 +335,15 @@ def test_the_build_leaves_no_folder_or_variable_behind(monkeypatch):
 # --------------------------------------------------------------------------- what a reader sees
 
 def visible_text(page: str, code: bool = True) -> str:
-    """The text of an HTML page as a reader sees it, a line per block (code blocks left out unless
-    `code`: a page may show a JSON document in a code block, on purpose)."""
+    """The text of an HTML page as a reader sees it, a line per block (code blocks, a page's and a
+    notebook cell's source, left out unless `code`: a page may show a JSON document in a code block,
+    on purpose; a notebook cell's output stays)."""
     import html
 
     text = re.sub(r"<script.*?</script>|<style.*?</style>", "", page, flags=re.S)
     if not code:
-        text = re.sub(r"<pre\b(?![^>]*\bclass=\"[^\"]*output)[^>]*>.*?</pre>", "", text, flags=re.S)
+        text = re.sub(r"<div class=\"highlight[^\"]*\"><pre>.*?</pre></div>|<div class=\"clipboard-copy-txt\"[^>]*>.*?</div>",
+                      "", text, flags=re.S)
     text = re.sub(r"<(br|/p|/div|/li|/tr|/h\d|/pre|/td|/th)\b[^>]*>", "\n", text)
     return html.unescape(re.sub(r"<[^>]+>", "", text))
 
@@ -351,8 +353,11 @@ RAW_DICT = re.compile(r"^[ \t]*[\[(]?\{'[^']*': ", re.M)     # a Python dict's r
 
 
 def test_raw_tables_and_dicts_are_found():
-    page = ("<p>| a | b |</p><table><tr><td>1</td></tr></table><pre class=\"output\">{'backend': 'emulate'}</pre>"
-            "<pre><code>{\"schema\": 1}</code></pre>")
+    page = ("<p>| a | b |</p><table><tr><td>1</td></tr></table>"
+            "<div class=\"jp-RenderedText jp-OutputArea-output\"><pre>{'backend': 'emulate'}</pre></div>"
+            "<div class=\"highlight\"><pre><span></span><code>{'schema': 1}</code></pre></div>"
+            "<div class=\"highlight-ipynb hl-python\"><pre>{'source': 1}</pre></div>"
+            "<div class=\"clipboard-copy-txt\" id=\"cell-4\">{'source': 2}</div>")
     text = visible_text(page, code=False)
     assert RAW_TABLE.findall(text) == ["| a | b |"]
     assert RAW_DICT.findall(text) == ["{'backend': "]
