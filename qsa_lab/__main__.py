@@ -1,10 +1,12 @@
 import sys
 
-from qsa_lab.support.safepath import drop_current_folder
+from qsa_lab.support.safepath import drop_current_folder, refuse_shadowed
 
 # first: `python -m` put the current folder first on the import path; from here on nothing lying
-# in it (a received folder's shlex.py or torch.py) is imported, as for the `qsa-lab` program
+# in it (a received folder's shlex.py or torch.py) is imported, as for the `qsa-lab` program, and a
+# qsa_lab/ copy lying there, imported in place of the installed one, runs no further
 drop_current_folder()
+refuse_shadowed("python -m qsa_lab")
 
 from qsa_lab.support.signals import install  # noqa: E402
 

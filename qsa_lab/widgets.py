@@ -38,6 +38,7 @@ CSS = """<style>
 .qsa-playground .qsa-table td, .qsa-playground .qsa-table th {
   padding: 0 8px; height: %ROW%px; line-height: %ROW%px; text-align: right; white-space: nowrap; border: 0; }
 .qsa-playground .qsa-stacked { flex-wrap: wrap; height: auto; }
+.qsa-playground .qsa-controls, .qsa-playground .qsa-figure-box { overflow: visible; }
 .qsa-playground .qsa-stacked > label { text-align: left; }
 .qsa-playground .qsa-stacked > select { flex: 1 1 100%; }
 </style>""".replace("%ASPECT%", f"{FIGSIZE[0]} / {FIGSIZE[1]}").replace("%ROW%", str(ROW_PX))
@@ -50,10 +51,12 @@ BUSY_HTML = "<span style='color:#1c6ed4'>&#8987; computing&hellip;</span>"
 
 # -- wiring: pure text for the HTML widgets, then the controls ------------------------------------------
 
-def status_html(data: dict, seconds: float) -> str:
-    """The status line: the case on screen and nothing else (backend, case, poison, fixes)."""
+def status_html(data: dict, seconds: float, note: str = "") -> str:
+    """The status line: the case on screen and nothing else (backend, case, poison, fixes), and
+    `note` (the NaN map's route changed by a fix toggled off)."""
+    note = f" | <b>{_esc(note)}</b>" if note else ""
     return (f"<span style='color:#2b8a3e'>backend <b>{data['backend']}</b> | {_esc(data['case'])}"
-            f" | {_esc(_poison_words(data['params']))} | redraw {seconds:.2f} s</span>")
+            f" | {_esc(_poison_words(data['params']))}{note} | redraw {seconds:.2f} s</span>")
 
 
 def error_html(e) -> str:
@@ -130,8 +133,9 @@ def make_controls(p: Params) -> tuple[dict, dict]:
         "nan_map": W.Dropdown(options=list(p.routes), value=p.nan_map, description="nan_map", style=style,
                               layout=row()),
     }
+    # as wide as its label, growing to fill its row (two a row): at 48% 'request_groups (R)' was cut
     toggles = {name: W.Checkbox(value=name in p.fixes, description=fix_label(name), indent=False,
-                                layout=W.Layout(width="48%")) for name in FIXES}
+                                layout=W.Layout(width="auto", flex="1 1 auto")) for name in FIXES}
     controls["geometry"].style.description_width = "100%"    # its label above it: see CSS
     controls["geometry"].add_class("qsa-stacked")
     return controls, toggles
@@ -212,6 +216,7 @@ class Playground:
         import ipywidgets as W
 
         self.params = self._data = self.figure = self.last_redraw_s = self._ahead = None
+        self.nan_map_note = ""   # what read_params changed that the status line must say
         self.last_export, self.redraws, self.requests, self.last_ok = [], 0, 0, False
         self.busy, self.busy_seen = False, 0   # busy_seen: redraws that showed the busy state (tests)
         # _syncing: the thread now setting controls itself (its changes are not a user's)
@@ -243,6 +248,9 @@ class Playground:
                              self.export_button],
                           layout=W.Layout(width=COLUMN, flex=f"0 0 {COLUMN}"))
         figure = W.Box([self.image], layout=W.Layout(flex="1 1 0", min_width="0"))
+        # a child 100% wide plus its 2 px margins overflowed each box: a 4 px scrollbar under it
+        controls.add_class("qsa-controls")
+        figure.add_class("qsa-figure-box")
         self.widget = W.VBox([W.HTML(CSS), W.HBox([controls, figure], layout=W.Layout(align_items="flex-start")),
                               self.status, self.message, self.table], layout=W.Layout(width="100%"))
         self.widget.add_class("qsa-playground")
@@ -278,7 +286,9 @@ class Playground:
                    seed=parse_seed(c["seed"].value), kv_dtype=c["kv_dtype"].value, preset=preset,
                    fixes=tuple(n for n, t in self.toggles.items() if t.value), backend=c["backend"].value,
                    nan_map=c["nan_map"].value or "grouped")
-        if p.nan_map not in p.routes:  # its route was toggled off: fall back to the unfixed route
+        self.nan_map_note = ""
+        if p.nan_map not in p.routes:  # its route was toggled off: fall back to the unfixed route, and say so
+            self.nan_map_note = f"NaN map of grouped: {p.nan_map} is off"
             p = replace(p, nan_map="grouped")
         return check_params(p)
 
@@ -307,6 +317,9 @@ class Playground:
             plane.value, plane.disabled = p.plane, p.site in ATTENDED_SITES or p.site == QUERY_SITE
             plane.tooltip = ("query writes q, not the cache" if p.site == QUERY_SITE else
                              f"{p.site} writes its own plane ({p.plane})" if plane.disabled else "plane(s) poisoned")
+            dims = self.controls["dims"]     # only the sites that poison chosen dims read it
+            dims.disabled = p.site not in DIM_SITES
+            dims.tooltip = f"{p.site} does not take dims" if dims.disabled else "head dims to poison"
         finally:
             self._syncing = None
 
@@ -348,7 +361,7 @@ class Playground:
             # image, table and status change together: the status always describes the figure shown
             self.image.value, self.table.value = png, table_html(data["rows"])
             self.redraws, self.last_ok, self.last_redraw_s = self.redraws + 1, True, time.perf_counter() - t0
-            self.status.value, self.message.value = status_html(data, self.last_redraw_s), ""
+            self.status.value, self.message.value = status_html(data, self.last_redraw_s, self.nan_map_note), ""
             self._set_busy(False)
             return True
 

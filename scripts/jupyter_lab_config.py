@@ -32,3 +32,10 @@ class StrippingContentsManager(AsyncLargeFileManager):
 
 c = get_config()  # noqa: F821 - provided by the Jupyter config loader
 c.ServerApp.contents_manager_class = StrippingContentsManager
+# Lab's settings defaults from scripts/lab_settings/overrides.json: no Jupyter news and no update
+# check, so no "Would you like to get notified about official Jupyter news?" toast lies over the
+# playground's route table (Lab asks while fetchNews is "none", whatever news_url says); a setting
+# a user saves still wins. (This folder replaces the environment's <app_dir>/settings, which a
+# plain pip or conda install leaves empty.)
+c.LabApp.app_settings_dir = str(Path(__file__).resolve().parent / "lab_settings")
+c.LabApp.news_url = None

@@ -63,16 +63,23 @@ def pre_save(model, path, **kwargs):
         strip(model["content"])
 
 
+def as_saved(nb: dict) -> str:
+    """`nb` as Jupyter writes it (nbformat.write): sorted keys, indent 1, a final newline. The
+    committed notebooks are in this form, so a save in JupyterLab leaves them unchanged in git."""
+    return json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+
+
 def main(paths) -> int:
     paths = [Path(p) for p in paths] or [NOTEBOOKS / n for n in PROJECT_NOTEBOOKS]
     for p in paths:
         if not is_project_notebook(p):
             print(f"kept {p} (not one of the project's notebooks)")
             continue
-        nb = json.loads(p.read_text())
-        if strip(nb):
-            # as Jupyter writes it (nbformat.write): sorted keys, indent 1, a final newline
-            p.write_text(json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
+        text = p.read_text()
+        nb = json.loads(text)
+        changed = strip(nb)
+        if changed or text != as_saved(nb):   # keys in another order: Jupyter's save would reorder them
+            p.write_text(as_saved(nb))
             print(f"stripped {p}")
     return 0
 

@@ -4,6 +4,7 @@ Pages hold markers; this hook replaces them while the site builds, from the code
 committed measurements, so nothing in them is copied by hand:
 
     <!-- qsa:cli -->                         the CLI reference, walked from the argparse parser
+    <!-- qsa:routes -->                      every route and fix, from qsa_lab.routes.labels
     <!-- qsa:doctor -->                      `qsa-lab doctor`'s verdicts, from qsa_lab.support.machine.verdict
     <!-- qsa:perf NAME -->                   a performance table from committed JSON (see PERF; complete-fix,
                                              cross-request and other-rows say which file is not committed yet)
@@ -22,6 +23,7 @@ import functools
 import importlib
 import io
 import json
+import logging
 import os
 import re
 import statistics
@@ -41,6 +43,9 @@ FIGDATA_MODULE = "qsa_lab.analysis.figure_data"
 PLOTTING_MODULE = "qsa_lab.plotting.plots"
 
 REPO = Path(__file__).resolve().parents[2]
+#: mkdocstrings' note that it formats signatures without Black or Ruff: `make docs` printed it as its
+#: one line beyond MkDocs' own (the signatures read as they are written)
+NO_FORMATTER = "Formatting signatures requires either Black or Ruff"
 MARKER = re.compile(r"<!-- qsa:(\w+)(?: ([^>]*?))? -->")
 EVIDENCE = re.compile(r"\[\[evidence:([\w./-]+)\]\]")
 
@@ -69,9 +74,29 @@ def _md_escape(text) -> str:
 
 
 def table(header, rows) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    """A Markdown table; a `|` in a header or a cell is escaped (unescaped, it split the row and
+    the page showed the table as raw pipes)."""
+    lines = ["| " + " | ".join(_md_escape(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the routes
+
+LABELS_MODULE = "qsa_lab.routes.labels"
+
+
+def routes_table() -> str:
+    """Every route and fix, from qsa_lab.routes.labels: its name with its letter, what it is, and
+    whether a NaN one request attends can reach another request's rows through it."""
+    labels = importlib.import_module(LABELS_MODULE)
+    leaky = {"grouped", *(r for r in labels.FIXED_ROUTES if r not in labels.COMPLETE_FIXES)}
+    rows = []
+    for route in labels.ROUTES:
+        name = f"`{route}`" + (f" ({labels.FIXES[labels.fix_of(route)]})" if labels.fix_of(route) in labels.FIXES
+                               else "")
+        rows.append([name, labels.ROUTE_TEXT[route], "yes" if route in leaky else "no"])
+    return table(["route", "what it is", "leaks across requests"], rows)
 
 
 # ------------------------------------------------------------------ the CLI reference
@@ -638,6 +663,8 @@ def expand(markdown: str) -> str:
         kind, arg = m.group(1), (m.group(2) or "").strip()
         if kind == "cli":
             return cli_reference()
+        if kind == "routes":
+            return routes_table()
         if kind == "doctor":
             return doctor_table()
         if kind == "perf":                       # perf KIND [FILE]
@@ -700,6 +727,11 @@ def on_post_build(config):
 def _setenv(key: str, value: str) -> None:
     _ENVIRON.setdefault(key, os.environ.get(key))
     os.environ[key] = value
+
+
+def on_startup(command, dirty):
+    logging.getLogger("mkdocs.plugins.mkdocstrings_handlers.python._internal.rendering").addFilter(
+        lambda record: NO_FORMATTER not in record.getMessage())
 
 
 def on_config(config):

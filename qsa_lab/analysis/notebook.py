@@ -38,3 +38,18 @@ def notebook_backend(value: str | None = None, env: str = BACKEND_ENV) -> str:
 def _fallback(why: str) -> str:
     print(f"{why}; using the emulation", file=sys.stderr)
     return "emulate"
+
+
+def results_table(results: dict):
+    """A notebook's key_results as a table to read: one row per result, its value as text (a list
+    joined by commas, a dict as 'key: value' pairs), not a raw dict. -> pandas DataFrame."""
+    import pandas as pd
+
+    def text(v) -> str:
+        if isinstance(v, dict):
+            return "; ".join(f"{k}: {text(x)}" for k, x in v.items()) or "none"
+        if isinstance(v, (list, tuple, set, frozenset)):
+            return ", ".join(text(x) for x in v) or "none"
+        return str(v)
+
+    return pd.DataFrame({"value": {k: text(v) for k, v in results.items()}}).rename_axis("result")

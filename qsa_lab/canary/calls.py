@@ -146,13 +146,32 @@ def load_call(path) -> tuple:
     needed = {"attend", "mla", "v_head_dim"}
     if meta.get("schema") != SCHEMA or "kv_cache_poisoned" not in extra or not needed <= set(meta):
         raise ValueError(f"path: {path} is not a {SCHEMA} call file (written by --report)")
+    mla, v_head_dim = _json(meta, "mla", path), _json(meta, "v_head_dim", path)
+    if not isinstance(mla, bool) or not (v_head_dim is None or (type(v_head_dim) is int and v_head_dim > 0)):
+        raise ValueError(f"path: {path}: its header's mla / v_head_dim ({meta['mla']!r}, {meta['v_head_dim']!r}) are "
+                         f"not true/false and a positive integer or null")
     spec = meta["attend"]
-    if spec.startswith("mask"):
-        spec = AttentionSpec("mask", mask=extra["attend_mask"])
-    control = load_case(path, attend=spec)   # scales and sm_scale from the metadata; MLA is the call file's own
-    control = dataclasses.replace(control, mla=json.loads(meta["mla"]), v_head_dim=json.loads(meta["v_head_dim"]))
-    poisoned = dataclasses.replace(control.clone(), kv_cache=extra["kv_cache_poisoned"].contiguous())
+    try:   # a header that passed the checks above can still be corrupt: bad input (exit 2), not a kernel's fault
+        if spec.startswith("mask"):
+            spec = AttentionSpec("mask", mask=extra["attend_mask"])
+        control = load_case(path, attend=spec)   # scales and sm_scale from the metadata; MLA is the call file's own
+        control = dataclasses.replace(control, mla=mla, v_head_dim=v_head_dim)
+        if mla and (v_head_dim is None or v_head_dim > control.head_dim):
+            raise ValueError(f"path: {path}: its header says MLA with v_head_dim {v_head_dim}: it needs one of at most "
+                             f"the head dim {control.head_dim}")
+        poisoned = dataclasses.replace(control.clone(), kv_cache=extra["kv_cache_poisoned"].contiguous())
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unreadable header is bad input
+        raise ValueError(f"path: {path}: a corrupt {SCHEMA} call file ({type(e).__name__}: {e})") from None
     return control, poisoned, meta
+
+
+def _json(meta: dict, key: str, path):
+    try:
+        return json.loads(meta[key])
+    except ValueError:
+        raise ValueError(f"path: {path}: its header's {key} is not JSON: {meta[key]!r}") from None
 
 
 def slug(text: str) -> str:

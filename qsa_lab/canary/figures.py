@@ -56,26 +56,37 @@ def leak_maps(report, plane: str | None = None, payload: str | None = None) -> l
 # -- drawing ----------------------------------------------------------------------------------------
 
 TICK_PT = 9.5
+CHAR_IN = 0.085   # a character of a region name at TICK_PT, in inches (a little more than DejaVu Sans's widest)
+
+
+def _band_name(region: str, columns: int) -> str:
+    """A region's name for a band `columns` wide: on one line when it fits 0.32 in per column, else
+    broken after each hyphen ('stale-\nmicroblock')."""
+    return region if len(region) * CHAR_IN + 0.15 <= 0.32 * columns else region.replace("-", "-\n")
 
 
 def plot_leak_matrix(data: dict, ax=None):
     """data: leak_matrix. Kernels down, region / plane / payload across; a cell per verdict, in the
     colours and marks of qsa_lab.plotting.verdicts (the scribble's grid uses the same)."""
     kernels, columns = data["kernels"], data["columns"]
-    ax = _ax(ax, (max(6.0, 0.32 * len(columns) + 3.5), 0.34 * len(kernels) + 2.2))
+    # one labelled band per region on the top axis: a name wider than its band breaks at its
+    # hyphens, and the columns widen until the widest line fits its band (no name runs into the next)
+    regions = [c[0] for c in columns]
+    starts = [j for j in range(len(columns)) if j == 0 or regions[j] != regions[j - 1]]
+    ends = starts[1:] + [len(columns)]
+    names = [_band_name(regions[s], e - s) for s, e in zip(starts, ends)]
+    column_in = max([0.32] + [(max(map(len, n.split("\n"))) * CHAR_IN + 0.15) / (e - s)
+                              for n, s, e in zip(names, starts, ends)])
+    ax = _ax(ax, (max(6.0, column_in * len(columns) + 3.5), 0.34 * len(kernels) + 2.2))
     verdict_cells(data["verdicts"], ax)
     # tick labels at TICK_PT: the committed H200 matrix, scaled to a notebook's width, drew 7 pt as ~7 px
     ax.set_yticks(range(len(kernels)), [k + ("  (skipped)" if k in data["skipped"] else "") for k in kernels],
                   fontsize=TICK_PT)
     ax.set_xticks(range(len(columns)), [f"{p}/{pl}" for _, p, pl in columns], rotation=90, fontsize=TICK_PT)
-    # one labelled band per region on the top axis, separated by lines
-    regions = [c[0] for c in columns]
-    starts = [j for j in range(len(columns)) if j == 0 or regions[j] != regions[j - 1]]
     for j in starts[1:]:
         ax.axvline(j - 0.5, color="black", lw=1.4)
     top = ax.secondary_xaxis("top")
-    ends = starts[1:] + [len(columns)]
-    top.set_xticks([(s + e - 1) / 2 for s, e in zip(starts, ends)], [regions[s] for s in starts], fontsize=TICK_PT)
+    top.set_xticks([(s + e - 1) / 2 for s, e in zip(starts, ends)], names, fontsize=TICK_PT)
     top.tick_params(length=0)
     for y in range(len(kernels) - 1):
         ax.axhline(y + 0.5, color="white", lw=0.8)

@@ -25,9 +25,10 @@ module anyway, this file takes the current folder off the path before it imports
 import sys   # no `from __future__ import` either: it would import a __future__.py lying in the folder
 
 if __name__ == "__main__":      # first, before any other import: see the module docstring
-    from qsa_lab.support.safepath import drop_current_folder
+    from qsa_lab.support.safepath import drop_current_folder, refuse_shadowed
 
     drop_current_folder()
+    refuse_shadowed("python -m qsa_lab.canary.replay")
 
 import argparse  # noqa: E402
 import re  # noqa: E402

@@ -75,7 +75,7 @@ def render_playground(data: dict, fig=None):
     # fixed margins, not constrained layout (layout solving was a third of the redraw time); the
     # right quarter holds the NaN map's colour bar and legend and each route's counts
     top, bottom = fig.subplots(2, 1, height_ratios=[2.5, 1.3],
-                               gridspec_kw=dict(left=0.16, right=0.74, top=0.8, bottom=0.075, hspace=0.32))
+                               gridspec_kw=dict(left=0.2, right=0.74, top=0.8, bottom=0.075, hspace=0.32))
     # no minor ticks: each is an artist to build and draw, and the majors every 32 dims suffice here
     plotting.plot_nan_map(data["nan_map"], ax=top, minor=False)
     plotting.plot_route_comparison(data["routes"], ax=bottom, minor=False, mark_dims=False)

@@ -377,14 +377,24 @@ def update_route_comparison(ax, data: dict):
 SAME_COLOR, DIFF_COLOR, EXPECTED_DIFF_COLOR = "#d3f9d8", "#ffd6e0", "#fff3bf"
 
 
-def plot_repro_table(table, ax=None):
-    """table: repro.run_repro DataFrame. Cases x NaN elements per route, the float64 reference
-    first. A count is green when the route's NaN mask equals the reference's, yellow when it
-    differs as the mechanism predicts (the 'expected to differ' column), red when it differs
-    unexpectedly; then the worst max |fix - xqa| and whether repeated runs were bit-identical."""
-    from matplotlib.patches import Patch
+def _text_inches(text: str, size: float, weight: str = "normal") -> float:
+    """The width of one line of `text` drawn at `size` points, in inches."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextToPath
 
-    from qsa_lab.routes.labels import ROUTES, SHORT, heading, short_key, short_routes
+    w, _, _ = TextToPath().get_text_width_height_descent(text, FontProperties(size=size, weight=weight), ismath=False)
+    return w / 72
+
+
+#: the repro table's fonts (points): cells, headers; a cell's text keeps CELL_PAD of its width free each side
+#: (matplotlib's Cell.PAD), the case names, left-aligned, CASE_PAD
+REPRO_CELL_PT, REPRO_HEAD_PT, CELL_PAD, CASE_PAD = 8.5, 8, 0.1, 0.02
+
+
+def _repro_cells(table) -> dict:
+    """What plot_repro_table draws: routes, header, cells, colours, and each column's width in
+    inches (as wide as its widest header line or cell, measured in its font)."""
+    from qsa_lab.routes.labels import ROUTES, SHORT, heading, short_routes
 
     routes = [r for r in ROUTES if f"nan[{r}]" in table.columns]
     cols = [f"nan[{r}]" for r in routes]
@@ -406,42 +416,65 @@ def plot_repro_table(table, ax=None):
         ok = r.get("as_expected", None)
         route_colors = [SAME_COLOR if c[4:-1] not in differ else
                         EXPECTED_DIFF_COLOR if c[4:-1] in expected else DIFF_COLOR for c in cols]
-        cells.append([str(r["case"])[:46], dtxt] + [str(int(r[c])) for c in cols]
+        cells.append([str(r["case"]), dtxt] + [str(int(r[c])) for c in cols]
                      + [short_routes(",".join(sorted(expected, key=list(SHORT).index))),
                         "-" if ok is None else ("yes" if ok else "NO"), worst, "-" if rep is None else str(rep)])
         colors.append(["white", "white"] + route_colors
                       + ["white", "white" if ok is None else SAME_COLOR if ok else DIFF_COLOR, "white",
                          "white" if rep is None else SAME_COLOR if rep else DIFF_COLOR])
-    # each column as wide as its longest header line or cell ('request_groups', 'grp,A,B,A+B,C,R,F'), at least
-    # its usual width; the figure as wide as its columns (12.2 in per unit: 14 in for the seven routes)
-    def fit(j, least):
-        return max([least, 0.0062 * max(len(line) for line in header[j].split("\n"))]
-                   + [0.0062 * len(row[j]) for row in cells if j >= 2])
-    n = len(cols)
-    widths = ([0.245, 0.135] + [fit(2 + k, 0.066) for k in range(n)]
-              + [fit(2 + n, 0.086), 0.056, 0.105, 0.058])
-    ax = _ax(ax, (12.2 * sum(widths), 0.32 * len(table) + 1.6))
+
+    def fit(j, pad=CELL_PAD):
+        text = max([_text_inches(line, REPRO_HEAD_PT, "bold") for line in header[j].split("\n")]
+                   + [_text_inches(row[j], REPRO_CELL_PT) for row in cells])
+        return (text + 0.06) / (1 - 2 * pad)
+
+    widths = [max(0.6, fit(j, CASE_PAD if j == 0 else CELL_PAD)) for j in range(len(header))]
+    return {"routes": routes, "header": header, "cells": cells, "colors": colors, "widths": widths}
+
+
+def repro_table_figsize(table) -> tuple:
+    """The size (inches) plot_repro_table draws `table` at: every header and cell inside its cell."""
+    return sum(_repro_cells(table)["widths"]) + 0.3, 0.32 * len(table) + 1.9
+
+
+def plot_repro_table(table, ax=None):
+    """table: repro.run_repro DataFrame. Cases x NaN elements per route, the float64 reference
+    first. A count is green when the route's NaN mask equals the reference's, yellow when it
+    differs as the mechanism predicts (the 'expected to differ' column), red when it differs
+    unexpectedly; then the worst max |fix - xqa| and whether repeated runs were bit-identical.
+    Drawn at repro_table_figsize(table) (a given `ax` should be in a figure of that size)."""
+    import textwrap
+
+    from matplotlib.patches import Patch
+
+    from qsa_lab.routes.labels import short_key
+
+    t = _repro_cells(table)
+    header, cells, widths = t["header"], t["cells"], t["widths"]
+    ax = _ax(ax, repro_table_figsize(table))
     ax.axis("off")
-    tab = ax.table(cellText=cells, colLabels=header, cellColours=colors, bbox=[0, 0, 1, 1], cellLoc="center")
+    tab = ax.table(cellText=cells, colLabels=header, cellColours=t["colors"], bbox=[0, 0, 1, 1], cellLoc="center")
     tab.auto_set_font_size(False)
-    tab.set_fontsize(8.5)
+    tab.set_fontsize(REPRO_CELL_PT)
     for (i, j), cell in tab.get_celld().items():
         cell.set_width(widths[j] / sum(widths))
     for j in range(len(header)):
-        tab[0, j].set_text_props(fontweight="bold", fontsize=8)
+        tab[0, j].set_text_props(fontweight="bold", fontsize=REPRO_HEAD_PT)
     for i in range(len(cells)):
         tab[i + 1, 0].set_text_props(ha="left")
-        tab[i + 1, 0].PAD = 0.02
-    title = table.attrs.get("title", "differential harness: NaN elements per route (reference = float64)\n"
-                                     f"expected to differ: {short_key(routes)}")
+        tab[i + 1, 0].PAD = CASE_PAD
+    # the key on as many lines as the figure's width needs (10 pt: about 0.075 in a character)
+    chars = max(40, int(ax.figure.get_figwidth() / 0.08))
+    key = textwrap.fill(f"expected to differ: {short_key(t['routes'])}", chars)
+    title = table.attrs.get("title", "differential harness: NaN elements per route (reference = float64)\n" + key)
     ax.set_title(title, fontsize=10)
     ax.legend(handles=[Patch(color=SAME_COLOR, label="NaN mask = the reference's"),
                        Patch(color=EXPECTED_DIFF_COLOR, label="differs, as the mechanism predicts"),
                        Patch(color=DIFF_COLOR, label="differs unexpectedly")],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8.5, frameon=False)
-    ax.text(0.5, -0.075, "max |fix - xqa|: the largest |fixed route - xqa| over the fixes whose output holds no NaN; "
-            "(n NaN): n fixes held NaN and are left out of it (-: every fix did). repeat identical: a second run "
-            "gave the same bits.", transform=ax.transAxes, ha="center", va="top", fontsize=8, wrap=True)
+    note = ("max |fix - xqa|: the largest |fixed route - xqa| over the fixes whose output holds no NaN; (n NaN): n "
+            "fixes held NaN and are left out of it (-: every fix did). repeat identical: a second run gave the same bits.")
+    ax.text(0.5, -0.075, textwrap.fill(note, chars + 10), transform=ax.transAxes, ha="center", va="top", fontsize=8)
     return ax
 
 
@@ -656,5 +689,6 @@ def plot_complete_fix_cost(data: dict | None, ax=None):
     ax.set_xlabel("time per call / kernel_fix (A)'s (median; whiskers: 10th-90th percentile)")
     ax.set_title(f"The complete fixes' cost, {data['gpu']}: the grouped kernel + XQA over the remainder rows",
                  fontsize=10)
-    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    # below the axes: inside, it hid the ends of the bars that reach furthest
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3, frameon=False)
     return ax

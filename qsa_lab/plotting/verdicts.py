@@ -58,3 +58,12 @@ def verdict_legend(ax, seen, **kwargs):
     handles = [Patch(color=COLOURS[v], label=f"{MARKS[v]}  {v}") for v in VERDICTS if v in set(seen) | {CLEAN}]
     return ax.legend(handles=handles, **{"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 8,
                                          **kwargs})
+
+
+def verdict_axes(rows: int = 8, width: float = 9.5):
+    """A pyplot Axes for a verdict grid of `rows` rows (the scribble's verdict_grid(report, ax=...)):
+    laid out constrained and wide enough that the row names, the legend beside it and the verdict
+    line under it stay inside the figure."""
+    import matplotlib.pyplot as plt
+
+    return plt.figure(figsize=(width, 0.42 * rows + 1.6), layout="constrained").add_subplot()

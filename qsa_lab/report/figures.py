@@ -129,7 +129,7 @@ def figure_specs(results, table=None, backend: str = "none"):
     if table is None and results:
         table = _table_from_results(results)
     if table is not None and len(table):
-        yield spec("04_repro_table", plotting.plot_repro_table, table, (14, 0.32 * len(table) + 1.4),
+        yield spec("04_repro_table", plotting.plot_repro_table, table, plotting.repro_table_figsize(table),
                    f"{len(table)} repro cases")
     st = next((x for x in results if x.case.poison["site"] == "stale-tail"), None)
     if st is not None:

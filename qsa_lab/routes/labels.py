@@ -49,6 +49,22 @@ GROUPING = {"grouped+request_groups": "request"}
 #: the fixes that close the cross-request leak of a mixed group (the complete fixes)
 COMPLETE_FIXES = ("grouped+request_groups", "grouped+finite_pv")
 ROUTES = ("reference", "xqa") + tuple(GROUPED)
+#: route -> what it is, in one line: the docs' route table (the home page and every page that lists
+#: the routes take it from here) and the module docstring above say the same
+ROUTE_TEXT = {
+    "reference": "dense float64 attention over each row's attended tokens",
+    "xqa": "the row-wise XQA page4 route: never reads the null block",
+    "grouped": "the grouped page4 route as upstream ships it: the bug",
+    "grouped+kernel_fix": "the kernel zeroes every panel row no query of the group attends, after each K and V load "
+                          "(upstream's kernel fix)",
+    "grouped+pad_fix": "the planner repoints padding at the group's first real microblock (upstream's planner fix)",
+    "grouped+both_fixes": "kernel_fix and pad_fix together (upstream's default)",
+    "grouped+masked_load": "the panel loader never reads a row no query attends (this project's own)",
+    "grouped+request_groups": "groups never span requests, each request's remainder rows go to XQA, on kernel_fix's "
+                              "kernel (this project's complete fix for the cross-request leak)",
+    "grouped+finite_pv": "mixed groups kept; the kernel multiplies P by V's finite values only, then gives each row the "
+                         "non-finite result of exactly the values it attends (this project's in-kernel complete fix)",
+}
 #: the grouped kernel's variants the routes run (routes.compiled adds its test-only ones)
 KERNEL_VARIANTS = tuple(dict.fromkeys(variant for variant, _ in GROUPED.values()))
 #: the grouped routes that apply a fix

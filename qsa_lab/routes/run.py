@@ -53,6 +53,8 @@ def check_routes(routes) -> tuple:
     if isinstance(routes, str):  # a lone name would otherwise be read letter by letter
         routes = (routes,)
     routes = ROUTES if routes is None else tuple(routes)
+    if not routes:   # an empty list ran nothing and answered with an empty result
+        raise ValueError(f"routes: empty; name at least one of {ROUTES} (None: all of them)")
     for r in routes:
         if isinstance(r, str):
             check_renamed(r, "routes")

@@ -17,6 +17,33 @@ def drop_current_folder() -> None:
         del sys.path[0]
 
 
+def refuse_shadowed(command: str, package: str = "qsa_lab") -> None:
+    """After drop_current_folder() in a `python -m` entry point: exit 2 with one line when the
+    `package` running is not the one the import path finds without the current folder (an
+    installed copy, an editable install's folder, a PYTHONPATH entry), i.e. a `qsa_lab/` lying in
+    the current folder was imported in its place. Everything else it would import stays unrun.
+
+    (A `qsa_lab.py` or a `qsa_lab/__init__.py` lying there has run already when this runs: only
+    `qsa-lab`, `python -I -m` or `python -P -m` keep those from running.) In a checkout run from its
+    root, the editable install or PYTHONPATH finds this very folder: allowed."""
+    here = getattr(sys.modules.get(package), "__file__", None)
+    there = None
+    for finder in sys.meta_path:        # the package as an import would find it now, cwd dropped
+        try:
+            spec = finder.find_spec(package, None)
+        except Exception:  # noqa: BLE001 - a finder that cannot answer does not know the package
+            continue
+        if spec is not None:
+            there = spec.origin
+            break
+    if here is None or there is None or os.path.realpath(here) != os.path.realpath(there):
+        where = os.path.dirname(os.path.realpath(here)) if here else "?"
+        print(f"{command}: refused: the {package} imported here is the one in the current folder ({where}), not the "
+              f"installed one ({os.path.dirname(os.path.realpath(there)) if there else 'none found'}); run "
+              f"`qsa-lab` (or `python -I -m {package}`) instead", file=sys.stderr)
+        sys.exit(2)
+
+
 def take_path(cwd: str, path: list) -> None:
     """In a worker started by support.processes.spawn: the caller's import path, then the current
     folder `cwd` LAST, so a module the user names there is found but a torch.py or qsa_lab/ lying

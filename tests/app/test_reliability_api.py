@@ -101,6 +101,7 @@ API_CASES = [
      "k_scale"),
     ("a route named twice", lambda r: run_routes(CASE, routes=["xqa", "xqa"], backend="emulate"), ValueError,
      "routes"),
+    ("no route at all", lambda r: run_routes(CASE, routes=[], backend="emulate"), ValueError, "routes"),
     ("run_canary(dims='12')", lambda r: _canary("12"), TypeError, "dims"),
     ("run_canary(dims=[5.9])", lambda r: _canary([5.9]), TypeError, "dims"),
     ("run_canary(dims=[True])", lambda r: _canary([True]), TypeError, "dims"),

@@ -133,3 +133,16 @@ def test_ctrl_c_during_replay_is_one_line(call_file, monkeypatch, capsys):
     monkeypatch.setattr(mod, "replay", interrupted)
     assert main([str(call_file)]) == 130
     assert capsys.readouterr().err.strip() == "replay: interrupted"
+
+
+@pytest.mark.parametrize("key, value", [("mla", "[1]"), ("mla", "-1"), ("v_head_dim", "\"16\""), ("mla", "{")])
+def test_a_call_file_with_a_corrupt_header_is_bad_input(call_file, key, value, capsys):
+    """A header value of the wrong kind is exit 2 (bad input) in one line naming the file, never a
+    kernel run that fails (exit 3: cannot tell)."""
+    with safe_open(str(call_file), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(call_file), metadata={**meta, key: value})
+    assert main([str(call_file), "--backend", "emulate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("replay: error: path:") and str(call_file) in err

@@ -163,3 +163,50 @@ def test_the_second_process_of_a_run_in_a_received_folder_imports_nothing_from_i
     p = run([sys.executable, "-c", code], folder)
     assert sorted(x.name for x in marks.iterdir()) == [], p.stderr
     assert p.stdout.strip() == "3", p.stderr
+
+
+def _copy_of_qsa_lab(folder: Path, planted: str) -> Path:
+    """A whole copy of qsa_lab in `folder`, with a marker planted in its module `planted` (a
+    received folder that carries its own qsa_lab/) -> the marker's path."""
+    import shutil
+
+    shutil.copytree(ROOT / "qsa_lab", folder / "qsa_lab", ignore=shutil.ignore_patterns("__pycache__"))
+    marker = folder.parent / "COPY_MARKER"
+    with open(folder / "qsa_lab" / planted, "a") as f:
+        f.write("\n" + MARK.format(path=str(marker)))
+    return marker
+
+
+@pytest.mark.parametrize("argv, planted", [
+    (["-m", "qsa_lab", "--help"], "app/cli.py"),
+    (["-m", "qsa_lab.canary.replay", "calls/cell.safetensors"], "canary/calls.py")])
+def test_python_m_refuses_a_qsa_lab_copy_in_the_current_folder(report, argv, planted):
+    """`python -m` imports the folder's qsa_lab/ in place of the installed one: the entry point sees
+    that and exits 2 in one line before it imports the rest of the copy."""
+    marker = _copy_of_qsa_lab(report, planted)
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(report), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, *argv], cwd=report, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "refused" in out.stderr and "current folder" in out.stderr
+    assert not marker.exists(), "the folder's copy of qsa_lab ran"
+
+
+def test_python_m_runs_the_checkout_from_its_root():
+    """In development the checkout's own qsa_lab, found by the editable install or PYTHONPATH, is
+    the installed one: `python -m qsa_lab` runs from the repository root."""
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(ROOT), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "qsa_lab", "--help"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "usage: qsa-lab" in out.stdout, out.stderr
+
+
+def test_the_documented_python_i_m_runs_no_qsa_lab_py_of_the_folder(tmp_path):
+    """A qsa_lab.py lying in the folder runs before any code of the package could refuse it: the
+    documented spelling `python -I -m qsa_lab` never has the folder on its path."""
+    marker = tmp_path / "MARKER"
+    (tmp_path / "qsa_lab.py").write_text(MARK.format(path=str(marker)))
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-I", "-m", "qsa_lab", "--help"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "usage: qsa-lab" in out.stdout, out.stderr
+    assert not marker.exists()

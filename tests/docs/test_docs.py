@@ -331,3 +331,110 @@ def test_the_build_leaves_no_folder_or_variable_behind(monkeypatch):
     q.on_post_build({})
     assert not any(folder.exists() for folder in made)
     assert dict(os.environ) == before
+
+
+# --------------------------------------------------------------------------- what a reader sees
+
+def visible_text(page: str, code: bool = True) -> str:
+    """The text of an HTML page as a reader sees it, a line per block (code blocks, a page's and a
+    notebook cell's source, left out unless `code`: a page may show a JSON document in a code block,
+    on purpose; a notebook cell's output stays)."""
+    import html
+
+    text = re.sub(r"<script.*?</script>|<style.*?</style>", "", page, flags=re.S)
+    if not code:
+        text = re.sub(r"<div class=\"highlight[^\"]*\"><pre>.*?</pre></div>|<div class=\"clipboard-copy-txt\"[^>]*>.*?</div>",
+                      "", text, flags=re.S)
+    text = re.sub(r"<(br|/p|/div|/li|/tr|/h\d|/pre|/td|/th)\b[^>]*>", "\n", text)
+    return html.unescape(re.sub(r"<[^>]+>", "", text))
+
+
+RAW_TABLE = re.compile(r"^[ \t]*\|.*\|[ \t]*$", re.M)          # a Markdown table row that never became a table
+RAW_DICT = re.compile(r"^[ \t]*[\[(]?\{'[^']*': ", re.M)     # a Python dict's repr (a notebook cell's raw output)
+
+
+def test_raw_tables_and_dicts_are_found():
+    page = ("<p>| a | b |</p><table><tr><td>1</td></tr></table>"
+            "<div class=\"jp-RenderedText jp-OutputArea-output\"><pre>{'backend': 'emulate'}</pre></div>"
+            "<div class=\"highlight\"><pre><span></span><code>{'schema': 1}</code></pre></div>"
+            "<div class=\"highlight-ipynb hl-python\"><pre>{'source': 1}</pre></div>"
+            "<div class=\"clipboard-copy-txt\" id=\"cell-4\">{'source': 2}</div>")
+    text = visible_text(page, code=False)
+    assert RAW_TABLE.findall(text) == ["| a | b |"]
+    assert RAW_DICT.findall(text) == ["{'backend': "]
+    assert not RAW_TABLE.search(visible_text("<table><tr><td>| not a row</td></tr></table>"))
+
+
+@pytest.mark.docs
+def test_no_page_shows_a_raw_table_a_raw_dict_or_a_temporary_path(built_site):
+    """Every built page: no Markdown table left as pipes (an unescaped `|` in a header did that),
+    no Python dict printed raw by a notebook, no temporary folder of the build."""
+    assert built_site["returncode"] == 0, built_site["stderr"]
+    site = Path(built_site["site"])
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        text = visible_text(page.read_text(), code=False)
+        found += [(str(page.relative_to(site)), "raw table", m[:100]) for m in RAW_TABLE.findall(text)]
+        found += [(str(page.relative_to(site)), "raw dict", m[:100]) for m in RAW_DICT.findall(text)]
+        found += [(str(page.relative_to(site)), "temporary path", m[:100])
+                  for m in re.findall(r"\S*(?:/tmp/|qsa_docs_figures)\S*", text)]
+    assert not found, found
+    assert "Formatting signatures" not in built_site["stderr"], "make docs prints mkdocstrings' formatter note"
+
+
+#: a fix as an item of a listing: a table row or list item that starts with it, a checkbox, a key
+#: "A = `grouped+kernel_fix`"
+LISTED = re.compile(r"(?:^[ \t]*[|*-][ \t]*`?(?:grouped\+)?|☑ |[A-Z+]+ = `grouped\+)([a-z_]+)", re.M)
+
+
+def test_every_page_that_lists_fixes_lists_all_of_them():
+    """A table, list or key (of the README, notebooks/README.md, a docs page with its generated
+    parts, a notebook's text) that lists four or more of the fixes lists every one: the home page's
+    table listed 7 of the 9 routes, notebook 04 and notebooks/README.md four fixes. (A table of
+    measurements lists the routes measured: its rows are shapes, not routes.)"""
+    from qsa_lab.routes import labels
+
+    fixes = set(labels.FIXES)
+    q = hook()
+    texts = {p.name: q.expand(p.read_text()) for p in pages()}
+    for nb in sorted((REPO / "notebooks").glob("0*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        texts[nb.name] = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    short = []
+    for name, text in texts.items():
+        for paragraph in re.split(r"\n\s*\n", text):          # a table or a list is one paragraph
+            named = {m.group(1) for m in LISTED.finditer(paragraph)} & fixes
+            if len(named) >= 4 and named != fixes:
+                short.append((name, sorted(fixes - named), paragraph[:80]))
+    assert not short, short
+    assert "<!-- qsa:routes -->" in (DOCS / "index.md").read_text(), "the home page's route table is generated"
+    table_ = q.routes_table()
+    assert all(f"`{r}`" in table_ for r in labels.ROUTES) and len(labels.ROUTES) == 9
+
+
+def test_the_home_page_tells_the_cross_request_story():
+    text = (DOCS / "index.md").read_text()
+    for words in ("Across requests", "qsa-lab cross-request", "request_groups", "finite_pv", "upstream_cross_request.md"):
+        assert words in text, words
+
+
+def test_each_notebook_has_one_title_the_navigation_s():
+    """The site's navigation names a tutorial page as its notebook's own title does (05 had two)."""
+    nav = dict(re.findall(r'^\s+- "(\d\d · [^"]+)": tutorial/(\S+\.ipynb)$', (REPO / "mkdocs.yml").read_text(), re.M))
+    assert len(nav) == 7
+    for title, file in nav.items():
+        first = json.loads((REPO / "notebooks" / file).read_text())["cells"][0]["source"][0]
+        assert first.startswith(f"# {title}"), (file, first, title)
+
+
+def test_the_header_link_goes_to_no_bug_report():
+    config = (REPO / "mkdocs.yml").read_text()
+    assert "1Cat-vLLM/pull" not in config and "bug report" not in config
+
+
+def test_install_page_installs_a_cpu_torch_on_the_pip_path_as_the_readme_does():
+    line = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert line in README.read_text()
+    install = (DOCS / "install.md").read_text()
+    pip_path = install[install.index("## With pip"):]
+    assert pip_path.index(line) < pip_path.index("pip install .")

@@ -530,3 +530,31 @@ def test_the_export_name_notebooks_readme_shows_is_the_one_notebook_03_writes():
     example = re.search(r"e\.g\. `(playground_[^`]+)\.png`", text).group(1)
     data = D.playground_data(D.Params(site="targeted", plane="v", kv_dtype="e4m3", backend="emulate"))
     assert R.export_name(data) == example
+
+
+def test_the_dims_box_is_disabled_for_a_site_that_takes_no_dims(pg):
+    from qsa_lab.model.poison import DIM_SITES
+
+    assert "targeted" in DIM_SITES and not pg.controls["dims"].disabled
+    assert pg.set(site="random"), pg.message.value
+    assert pg.controls["dims"].disabled and "does not take dims" in pg.controls["dims"].tooltip
+    assert pg.set(site="attended-v"), pg.message.value
+    assert not pg.controls["dims"].disabled
+
+
+def test_a_fix_toggled_off_under_the_nan_map_is_said_in_the_status_line(pg):
+    """Unchecking finite_pv while the NaN map shows it falls back to grouped: the status says so."""
+    assert pg.set(nan_map="grouped+finite_pv"), pg.message.value
+    assert "is off" not in pg.status.value
+    assert pg.set(finite_pv=False), pg.message.value
+    assert pg.last_data["params"].nan_map == "grouped"
+    assert "NaN map of grouped: grouped+finite_pv is off" in pg.status.value
+    assert pg.set(dims="5"), pg.message.value          # the next redraw draws what was asked: no note
+    assert "is off" not in pg.status.value
+
+
+def test_every_fix_toggle_keeps_its_whole_label():
+    """Each toggle as wide as its label (a fixed 48% cut 'request_groups (R)' in the 300 px column)."""
+    controls, toggles = W.make_controls(D.Params())
+    assert {t.layout.width for t in toggles.values()} == {"auto"}
+    assert all(t.description.endswith(")") for t in toggles.values())
