@@ -31,6 +31,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from qsa_lab.analysis.leaks import CLEAN
 from qsa_lab.model.geometry import KV_DTYPES, LAYOUTS
 
 SCHEMA = "qsa_lab.canary-search/1"
@@ -301,7 +302,9 @@ class Outcome:
     at: float = 0.0          # seconds from the search's start to this case's verdict
 
     def kind(self) -> str:
-        return "leak" if self.leaks else "failed" if self.failures else "clean" if self.checks else "skipped"
+        """The case's outcome: 'leak', 'failed' (an error or unstable control), the verdict clean, or
+        'skipped' (no check ran)."""
+        return "leak" if self.leaks else "failed" if self.failures else CLEAN if self.checks else "skipped"
 
 
 class _Persistent:
