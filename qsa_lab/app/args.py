@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+import sys
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -214,3 +215,19 @@ def check_outputs(args, paths: dict, inputs: dict | None = None) -> dict:
     with blame({}, next(iter(paths), "output")):
         check_distinct({**(inputs or {}), **checked})
     return checked
+
+
+def publish(text: str, args, path, show) -> None:
+    """A command's JSON document and its table, one way for every command: under `--json -` the document
+    alone on stdout; else show() prints the table, then the document goes to `path` (the checked --json
+    FILE, written whole, never over a file unless --force) and a line names it."""
+    if args.json == "-":
+        sys.stdout.write(text)
+        return
+    show()
+    if path is not None:
+        from qsa_lab.support.outputs import write_text
+
+        with blame({}, "--json"):
+            write_text(path, text, "--json", force=args.force)
+        print(f"# wrote {args.json}")

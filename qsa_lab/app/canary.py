@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from qsa_lab.app.args import seconds
+from qsa_lab.app.args import publish, seconds
 
 #: API argument -> CLI option, so that an error names what the user typed
 FLAGS = {"kernels": "--kernels", "regions": "--regions", "payloads": "--payloads", "backend": "--backend",
@@ -265,18 +265,13 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
                             max_memory=args.max_memory,
                             **({"timeout": args.timeout} if args.timeout else {}), **geometry)
     doc = report.to_json()
-    if args.json == "-":
-        print(json.dumps(doc, indent=2))
-    else:
+
+    def show():
         from qsa_lab.canary.render import terminal
 
         print("\n".join(terminal(report, doc)))
-        if "--json" in outs:
-            from qsa_lab.support.outputs import write_text
 
-            with _blame({}, "--json"):
-                write_text(outs["--json"], json.dumps(doc, indent=2) + "\n", "--json", force=args.force)
-            print(f"# wrote {args.json}")
+    publish(json.dumps(doc, indent=2) + "\n", args, outs.get("--json"), show)
     if args.report:
         from qsa_lab.canary.report import write_report
 

@@ -39,7 +39,7 @@ def add_options(parser) -> None:
 def run(args, flags: dict, geometry: dict, inputs: dict, quiet_stdout) -> int:
     """The --search run (args: the canary's parsed arguments; geometry: the geometry options given;
     inputs: {option: path} no output may be; quiet_stdout: the canary's context for `--json -`)."""
-    from qsa_lab.app.args import UsageError, blame, check_outputs
+    from qsa_lab.app.args import UsageError, blame, check_outputs, publish
 
     kernels = (args.kernels or []) + (args.kernel or [])
     if not kernels:
@@ -74,17 +74,8 @@ def run(args, flags: dict, geometry: dict, inputs: dict, quiet_stdout) -> int:
                                 regions=args.regions, planes=args.planes, payloads=args.payloads,
                                 timeout=args.timeout, progress=None if quiet else sys.stderr, **pins))
     doc = search_json(found)
-    if quiet:
-        print(json.dumps(doc, indent=2))
-    else:
-        for f in found:
-            print("\n".join(f.lines()))
-        if "--json" in outs:
-            from qsa_lab.support.outputs import write_text
-
-            with blame({}, "--json"):
-                write_text(outs["--json"], json.dumps(doc, indent=2) + "\n", "--json", force=args.force)
-            print(f"# wrote {args.json}")
+    publish(json.dumps(doc, indent=2) + "\n", args, outs.get("--json"),
+            lambda: [print("\n".join(f.lines())) for f in found])
     if args.report:
         import shlex
 

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer, seconds
+from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer, publish, seconds
 from qsa_lab.scribble.engines.vllm.env import NOT_ON_VLLM, VLLM, VLLM_ONLY_MODELS
 from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
 from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS, CheckpointError
@@ -246,18 +246,9 @@ def _publish(report, args, settings, engine_facts=None) -> int:
     """The report's facts (what the engine adds to the header's machine facts), then its table and JSON
     where asked for; -> the exit code."""
     from qsa_lab.support.machine import host_facts
-    from qsa_lab.support.outputs import write_text
 
     report.facts = host_facts("transformers") | (engine_facts or {})
-    text = json.dumps(report.to_dict(), indent=1) + "\n"
-    if args.json == "-":
-        sys.stdout.write(text)
-    else:
-        print(report.table())
-        if settings["json"] is not None:
-            with blame({}, "--json"):
-                write_text(settings["json"], text, "--json", force=args.force)
-            print(f"# wrote {settings['json']}")
+    publish(json.dumps(report.to_dict(), indent=1) + "\n", args, settings["json"], lambda: print(report.table()))
     return _exit_code(report)
 
 
