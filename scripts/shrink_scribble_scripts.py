@@ -3,7 +3,8 @@ every run, the re-check, the machine (docs/upstream_vllm_cpu_tail.md, docs/upstr
 
     python scripts/shrink_scribble_scripts.py KIND --python ENGINE_PYTHON --out evidence/scribble_standalone
 
-Writes OUT/<kind>_shrink.json and OUT/<script name> (the shrunk script); prints every run.
+Writes OUT/<kind>_shrink.json and SCRIPTS/<script name> (the shrunk script, default examples/scribble);
+prints every run.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("kind", choices=sorted(KINDS))
     ap.add_argument("--python", required=True, help="a Python with the engine installed")
     ap.add_argument("--out", required=True, help="the evidence folder")
+    ap.add_argument("--scripts", default="examples/scribble", help="where the shrunk script goes")
     opts = ap.parse_args()
     out = Path(opts.out)
     t0 = time.perf_counter()
@@ -46,7 +48,7 @@ def main() -> int:
     doc = {**shrunk.to_dict(), "smaller": shrunk.smaller(), "seconds": round(time.perf_counter() - t0, 1),
            "machine": machine(opts.python)}
     (out / f"{opts.kind}_shrink.json").write_text(json.dumps(doc, indent=1) + "\n")
-    write_script(out / script_name(opts.kind), opts.kind, shrunk.params)
+    write_script(Path(opts.scripts) / script_name(opts.kind), opts.kind, shrunk.params)
     print(shrunk.smaller())
     return 0
 

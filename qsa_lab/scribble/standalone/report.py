@@ -44,7 +44,9 @@ NAMES = ("report.md", "scribble.json", "verdict_grid.png", "scripts")
 #: the smallest workloads found to leak (scripts/shrink_scribble_scripts.py, evidence/scribble_standalone/)
 SMALLEST = {
     "vllm-cpu-tail": {**DEFAULTS["vllm-cpu-tail"]},
-    "transformers-other-requests": {**DEFAULTS["transformers-other-requests"]},
+    "transformers-other-requests": {"prompt_lengths": [1, 1], "new_tokens": 1, "layers": 1, "page_size": 8,
+                                    "blocks": 2, "batch_tokens": 8, "bad": 7, "bad_at": 0, "vocab": 128, "seed": 0,
+                                    "attn": "paged|eager"},
 }
 
 #: what an engine developer changes, per region that leaked (the engine's family decides where it
@@ -91,7 +93,7 @@ def script_kind(report, cell) -> tuple | None:
     if cell.check != "read":
         return None
     if engine.startswith("vllm") and "+cuda" not in engine and cell.region in ("unwritten-tail", "other-requests"):
-        return "vllm-cpu-tail", dict(SMALLEST["vllm-cpu-tail"])
+        return "vllm-cpu-tail", {**SMALLEST["vllm-cpu-tail"], "prefix_caching": "no-prefix-caching" not in engine}
     if engine.startswith("transformers:") and cell.region == "other-requests" and not report.graphs:
         attn = engine.split(":", 1)[1].split("+")[0]
         if attn in ("paged|eager", "sdpa"):
@@ -176,14 +178,14 @@ def _scripts(report, folder: Path, check: bool, shrink: bool, python: str, progr
 
 
 def _span(values) -> str:
-    """[0, 1, 2, 3, 7] -> '0-3, 7' (every value: nothing is cut)."""
-    runs = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) if runs else "none"
+    """[0, 1, 2, 3, 7] -> '0-3, 7': every value, consecutive ones as a range (nothing is cut)."""
+    import itertools
+
+    parts = []
+    for _, group in itertools.groupby(enumerate(values), key=lambda iv: iv[1] - iv[0]):
+        run = [v for _, v in group]
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+    return ", ".join(parts) if parts else "none"
 
 
 def _table(header: list, rows: list) -> list:
@@ -237,6 +239,9 @@ def markdown(report, scripts: dict, figure: str | None, command: str | None) -> 
                             [[p["reader"], p["poisoned"], p["first_token"], p.get("step", "-"), p.get("layer", "-")]
                              for p in cell.pairs])
             lines.append("")
+            if not w:
+                lines += ["(The other-requests check names each pair's first step and layer; heads and head dims "
+                          "are localised for the pool regions.)", ""]
         for s in cell.strays:
             lines.append(f"- {s.get('when')}{' in ' + s['call'] if s.get('call') else ''}: {s.get('region')}, "
                          f"{s.get('where')}, rows {s.get('rows')}")

@@ -107,12 +107,12 @@ def shrink(kind: str, python: str, params: dict | None = None, timeout: float = 
                 p = trial
             i -= 1
         for name in ("layers", "new_tokens"):
-            p[name] = _bisect(p, name, limits[name], leaks)
+            p = _smallest(p, p[name], limits[name], _set(name), leaks)
         for j in range(len(p["prompt_lengths"])):
-            p = _bisect_length(p, j, limits["prompt_lengths"], leaks)
+            p = _smallest(p, p["prompt_lengths"][j], limits["prompt_lengths"], _set_length(j), leaks)
         p["bad_at"] = min(p["bad_at"], p["prompt_lengths"][0] - 1)
         for name in ("blocks", "batch_tokens"):
-            p[name] = _bisect(p, name, limits[name], leaks)
+            p = _smallest(p, p[name], limits[name], _set(name), leaks)
         shrunk.params = p
         # re-checked: the shrunk script itself, as a maintainer will run it (its PARAMS written in)
         script.write_text(script_text(kind, p))
@@ -125,34 +125,24 @@ def shrink(kind: str, python: str, params: dict | None = None, timeout: float = 
     return shrunk
 
 
-def _bisect(p: dict, name: str, lowest: int, leaks) -> int:
-    """The smallest value of p[name] in [lowest, p[name]] that still leaks: `lowest` first, then a
-    bisection."""
-    lo, hi = lowest, p[name]
-    if lo < hi and leaks({**p, name: lo}):
-        return lo
-    lo += 1
+def _smallest(p: dict, value: int, lowest: int, put, leaks) -> dict:
+    """p with one parameter (`put(p, v)` sets it; `value` is its present, leaking value) at the smallest
+    value in [lowest, value] that still leaks: `lowest` first, then a bisection."""
+    if lowest < value and leaks(put(p, lowest)):
+        return put(p, lowest)
+    lo, hi = lowest + 1, value
     while lo < hi:
         mid = (lo + hi) // 2
-        if leaks({**p, name: mid}):
+        if leaks(put(p, mid)):
             hi = mid
         else:
             lo = mid + 1
-    return hi
+    return put(p, hi)
 
 
-def _bisect_length(p: dict, j: int, lowest: int, leaks) -> dict:
-    """p with prompt j as short as still leaks (bisection)."""
-    lengths = list(p["prompt_lengths"])
-    lo, hi = lowest, lengths[j]
-    if lo < hi and leaks({**p, "prompt_lengths": lengths[:j] + [lo] + lengths[j + 1:]}):
-        return {**p, "prompt_lengths": lengths[:j] + [lo] + lengths[j + 1:]}
-    lo += 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        trial = {**p, "prompt_lengths": lengths[:j] + [mid] + lengths[j + 1:]}
-        if leaks(trial):
-            hi = mid
-        else:
-            lo = mid + 1
-    return {**p, "prompt_lengths": lengths[:j] + [hi] + lengths[j + 1:]}
+def _set(name: str):
+    return lambda p, v: {**p, name: v}
+
+
+def _set_length(j: int):
+    return lambda p, v: {**p, "prompt_lengths": p["prompt_lengths"][:j] + [v] + p["prompt_lengths"][j + 1:]}
