@@ -28,6 +28,9 @@ run "$tf_python" transformers_other_requests.py --attn sdpa
 run "$tf_python" transformers_other_requests.py --attn sdpa --workaround
 run "$vllm_python" vllm_cpu_tail.py
 run "$vllm_python" vllm_cpu_tail.py --workaround
+echo; echo "# the default workloads the shrinker started from (the scribble's reuse workload, 2 layers)"
+run "$tf_python" transformers_other_requests.py --params '{"prompt_lengths": [5, 13, 30, 47, 21, 21], "new_tokens": 8, "layers": 2, "blocks": 12, "batch_tokens": 32, "bad_at": 4}'
+run "$vllm_python" vllm_cpu_tail.py --params '{"prompt_lengths": [80, 5, 40, 70, 47, 80], "new_tokens": 24, "layers": 2, "blocks": 8, "batch_tokens": 48, "bad_at": 4}'
 echo; echo "# without the engine: python3 -I -S (the standard library only)"
 run python3 -I -S transformers_other_requests.py
 run python3 -I -S vllm_cpu_tail.py
