@@ -4,7 +4,7 @@
     shrunk.params       # the smallest workload found; shrunk.size() / shrunk.before() / shrunk.smaller()
 
 Greedy, one parameter at a time, each candidate judged by the script itself (exit 1: it still
-leaks): drop reader requests, then fewer layers, fewer new tokens, shorter prompts, a smaller pool
+leaks), in passes until a pass changes nothing: drop reader requests, then fewer layers, fewer new tokens, shorter prompts, a smaller pool
 and smaller batches (each tried at its smallest value first, then bisected between that and its present
 one: the smallest value that still leaks, taking leaking as monotone in it). Then the result is checked
 again: exit 1 as written, exit 0 with --workaround, or ShrinkError. Every run is a subprocess of
@@ -99,20 +99,11 @@ def shrink(kind: str, python: str, params: dict | None = None, timeout: float = 
         if not leaks(start):
             raise ShrinkError(f"{kind}: the starting workload does not leak (exit {seen[next(iter(seen))]})")
         p = shrunk.params
-        # fewer readers: drop each in turn (the first request holds the bad token and stays)
-        i = len(p["prompt_lengths"]) - 1
-        while i >= 1 and len(p["prompt_lengths"]) > 2:
-            trial = {**p, "prompt_lengths": p["prompt_lengths"][:i] + p["prompt_lengths"][i + 1:]}
-            if leaks(trial):
-                p = trial
-            i -= 1
-        for name in ("layers", "new_tokens"):
-            p = _smallest(p, p[name], limits[name], _set(name), leaks)
-        for j in range(len(p["prompt_lengths"])):
-            p = _smallest(p, p["prompt_lengths"][j], limits["prompt_lengths"], _set_length(j), leaks)
-        p["bad_at"] = min(p["bad_at"], p["prompt_lengths"][0] - 1)
-        for name in ("blocks", "batch_tokens"):
-            p = _smallest(p, p[name], limits[name], _set(name), leaks)
+        while True:            # passes until one changes nothing: a later cut can free an earlier one
+            before = p
+            p = _one_pass(p, limits, leaks)
+            if p == before:
+                break
         shrunk.params = p
         # re-checked: the shrunk script itself, as a maintainer will run it (its PARAMS written in)
         script.write_text(script_text(kind, p))
@@ -123,6 +114,25 @@ def shrink(kind: str, python: str, params: dict | None = None, timeout: float = 
                           f"{shrunk.check['as_written']} as written (want 1), {shrunk.check['workaround']} with "
                           "--workaround (want 0)")
     return shrunk
+
+
+def _one_pass(p: dict, limits: dict, leaks) -> dict:
+    """One greedy pass: fewer readers, layers, new tokens, prompt tokens, blocks, batch tokens."""
+    # fewer readers: drop each in turn (the first request holds the bad token and stays)
+    i = len(p["prompt_lengths"]) - 1
+    while i >= 1 and len(p["prompt_lengths"]) > 2:
+        trial = {**p, "prompt_lengths": p["prompt_lengths"][:i] + p["prompt_lengths"][i + 1:]}
+        if leaks(trial):
+            p = trial
+        i -= 1
+    for name in ("layers", "new_tokens"):
+        p = _smallest(p, p[name], limits[name], _set(name), leaks)
+    for j in range(len(p["prompt_lengths"])):
+        p = _smallest(p, p["prompt_lengths"][j], limits["prompt_lengths"], _set_length(j), leaks)
+    p = {**p, "bad_at": min(p["bad_at"], p["prompt_lengths"][0] - 1)}
+    for name in ("blocks", "batch_tokens"):
+        p = _smallest(p, p[name], limits[name], _set(name), leaks)
+    return p
 
 
 def _smallest(p: dict, value: int, lowest: int, put, leaks) -> dict:
