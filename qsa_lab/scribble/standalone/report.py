@@ -33,11 +33,10 @@ again from the default workload (minutes on the CPU; vLLM's engine starts once p
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 from .scripts import DEFAULTS, EXIT_CLEAN, EXIT_LEAK, script_name, script_text
-from .shrink import run_script, shrink as shrink_workload, size
+from .shrink import ShrinkError, run_script, shrink as shrink_workload, size
 
 NAMES = ("report.md", "scribble.json", "verdict_grid.png", "scripts")
 
@@ -130,9 +129,13 @@ def write_report(report, folder, force: bool = False, check: bool = True, shrink
 
 
 def _figure(report, path: Path) -> str | None:
+    """The verdict grid's file name; None without cells, '' without matplotlib."""
     if not report.cells:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:        # vLLM's environment has none: the report says so in place of the figure
+        return ""
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -151,28 +154,32 @@ def _scripts(report, folder: Path, check: bool, shrink: bool, python: str, progr
     for cell in report.leaks():
         found = script_kind(report, cell)
         if found:
-            kinds.setdefault(found[0], {"params": found[1], "cells": []})["cells"].append(f"{cell.region}/{cell.payload}")
+            entry = kinds.setdefault(found[0], {"params": found[1], "cells": []})
+            entry["cells"].append(f"{cell.region}/{cell.payload}")
     if kinds:
         folder.mkdir()
     for kind, entry in kinds.items():
         params, checked = entry["params"], {}
         if shrink:
-            found = shrink_workload(kind, python, {"attn": params["attn"]} if "attn" in params else None,
-                                    progress=progress)
-            params, checked = found.params, found.check
+            keep = {k: params[k] for k in ("attn", "prefix_caching") if k in params}
+            try:
+                found = shrink_workload(kind, python, keep, progress=progress)
+                params, checked = found.params, found.check
+            except ShrinkError as e:      # the known smallest workload instead, checked below; the report says why
+                entry["shrink_error"] = str(e)
         name = script_name(kind)
         (folder / name).write_text(script_text(kind, params))
         if check and not checked:
             if progress:
                 progress(f"report: checking scripts/{name} (as written, then --workaround)")
-            with tempfile.TemporaryDirectory(prefix="qsa_lab-check-"):
-                checked = {"as_written": run_script(python, folder / name, {}),
-                           "workaround": run_script(python, folder / name, {}, workaround=True)}
+            checked = {"as_written": run_script(python, folder / name, {}),
+                       "workaround": run_script(python, folder / name, {}, workaround=True)}
         before, after = size(DEFAULTS[kind]), size(params)
         entry.update(file=f"scripts/{name}", params=params, check=checked,
                      smaller=", ".join(f"{k} {before[k]} -> {after[k]}" for k in before),
                      before=before, after=after)
-        meta = {k: entry[k] for k in ("cells", "params", "before", "after", "smaller", "check")}
+        meta = {k: entry[k] for k in ("cells", "params", "before", "after", "smaller", "check", "shrink_error")
+                if k in entry}
         (folder / (Path(name).stem + ".json")).write_text(json.dumps(meta, indent=1) + "\n")
         entry["json"] = f"scripts/{Path(name).stem}.json"
     return kinds
@@ -219,6 +226,9 @@ def markdown(report, scripts: dict, figure: str | None, command: str | None) -> 
         lines.append("")
     if figure:
         lines += ["## Verdicts", "", f"![verdict grid]({figure})", ""]
+    elif figure == "":
+        lines += ["## Verdicts", "", "No verdict grid: matplotlib is not installed where the report was written "
+                  "(the verdicts are in scribble.json).", ""]
     leaks = report.leaks()
     lines += ["## What leaked", ""]
     if not leaks:
@@ -257,6 +267,8 @@ def markdown(report, scripts: dict, figure: str | None, command: str | None) -> 
             lines += [f"### {e['file']}", "",
                       f"Reproduces: {', '.join(e['cells'])}. Workload: `{json.dumps(e['params'])}`.",
                       f"Smaller than the default workload: {e['smaller']}.",
-                      f"Checked here: {_check_text(e['check'])}.", "", "```",
+                      f"Checked here: {_check_text(e['check'])}."
+                      + (f" Shrinking again failed ({e['shrink_error']}): this is the smallest workload known "
+                         "to leak." if e.get("shrink_error") else ""), "", "```",
                       f"python {e['file']}\npython {e['file']} --workaround", "```", ""]
     return "\n".join(lines)

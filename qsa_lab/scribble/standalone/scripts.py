@@ -10,7 +10,7 @@ tell here (the engine missing or another version, a control run that is not fini
 """
 from __future__ import annotations
 
-import json
+import pprint
 from pathlib import Path
 
 from .transformers_cb import TEMPLATE as _TRANSFORMERS
@@ -57,8 +57,8 @@ def script_text(kind: str, params: dict | None = None) -> str:
     if unknown:
         raise ValueError(f"params: unknown for {kind}: {sorted(unknown)}")
     p = {**DEFAULTS[kind], **p}
-    return template.replace("__PARAMS__", json.dumps(p).replace("true", "True").replace("false", "False"), 1) \
-                   .replace("__TESTED__", tested, 1)
+    literal = pprint.pformat(p, width=100, sort_dicts=False).replace("\n", "\n" + " " * len("PARAMS = "))
+    return template.replace("__PARAMS__", literal, 1).replace("__TESTED__", tested, 1)
 
 
 def script_name(kind: str) -> str:

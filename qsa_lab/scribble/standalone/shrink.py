@@ -4,11 +4,12 @@
     shrunk.params       # the smallest workload found; shrunk.size() / shrunk.before() / shrunk.smaller()
 
 Greedy, one parameter at a time, each candidate judged by the script itself (exit 1: it still
-leaks), in passes until a pass changes nothing: drop reader requests, then fewer layers, fewer new tokens, shorter prompts, a smaller pool
-and smaller batches (each tried at its smallest value first, then bisected between that and its present
-one: the smallest value that still leaks, taking leaking as monotone in it). Then the result is checked
-again: exit 1 as written, exit 0 with --workaround, or ShrinkError. Every run is a subprocess of
-`python -I` in an empty temporary folder, so nothing of this checkout is on its path.
+leaks), in passes until a pass changes nothing: drop reader requests, then fewer layers, fewer new
+tokens, shorter prompts, a smaller pool and smaller batches (each tried at its smallest value first,
+then bisected between that and its present one: the smallest value that still leaks, taking leaking
+as monotone in it). Then the result is checked again: exit 1 as written, exit 0 with --workaround,
+or ShrinkError. Every run is a subprocess of `python -I` in an empty temporary folder, so nothing
+of this checkout is on its path.
 """
 from __future__ import annotations
 
