@@ -35,7 +35,17 @@ import math
 import sys
 import tempfile
 
-PARAMS = {"prompt_lengths": [1, 1], "new_tokens": 1, "layers": 1, "page_size": 8, "blocks": 2, "batch_tokens": 8, "bad": 7, "bad_at": 0, "vocab": 128, "seed": 0, "attn": "paged|eager"}
+PARAMS = {'prompt_lengths': [1, 1],
+          'new_tokens': 1,
+          'layers': 1,
+          'page_size': 8,
+          'blocks': 2,
+          'batch_tokens': 8,
+          'bad': 7,
+          'bad_at': 0,
+          'vocab': 128,
+          'seed': 0,
+          'attn': 'paged|eager'}
 TESTED = "5.24.0,5.25.0"     # the transformers versions this script was generated and checked with
 
 

@@ -56,8 +56,9 @@ def _run(python, script: Path, cwd: Path, *args, isolate=False) -> subprocess.Co
     poison = cwd / "poison" / "qsa_lab"
     poison.mkdir(parents=True, exist_ok=True)
     (poison / "__init__.py").write_text("raise ImportError('the standalone script imported qsa_lab')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    env["PYTHONPATH"] = str(cwd / "poison")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONSTARTUP")}
+    # first on the path; what else is there stays (make test's other transformers version, for one)
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd / "poison"), *filter(None, [os.environ.get("PYTHONPATH")])])
     flags = ["-I", "-S"] if isolate else []
     return subprocess.run([python, *flags, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=900)

@@ -70,6 +70,15 @@ WHAT_TO_CHANGE = {
     ("transformers", "read-trash"): "keep padded query rows off the read-trash block (or keep it zeroed) and mask "
                                     "padded columns with a select, not an additive mask",
 }
+#: what each script does, in one sentence for report.md
+HOW = {
+    "vllm-cpu-tail": "the way a running engine meets it: a request whose prompt holds a token with a NaN embedding "
+                     "row finishes and frees its blocks; a request that never holds that token is handed one and "
+                     "reads the stale slots past its own length with weight 0",
+    "transformers-other-requests": "the way a running engine meets it: a request whose prompt holds a token with a "
+                                   "NaN embedding row (so its own KV is NaN) is batched with a request that never "
+                                   "holds it, whose tokens and logprobs are compared with a finite control",
+}
 GENERIC = ("load (or zero) only the slots each request attends; where a masked slot is loaded, mask with a select "
            "(0 x NaN = NaN: a probability of 0 does not make a read safe)")
 STRAY = "write only the step's own slots (the write guard names the step and the call that wrote elsewhere)"
@@ -265,8 +274,8 @@ def markdown(report, scripts: dict, figure: str | None, command: str | None) -> 
                   "engine-side change in the script's own process and exits 0.", ""]
         for kind, e in scripts.items():
             lines += [f"### {e['file']}", "",
-                      f"Reproduces: {', '.join(e['cells'])}. Workload: `{json.dumps(e['params'])}`.",
-                      f"Smaller than the default workload: {e['smaller']}.",
+                      f"Reproduces {', '.join(e['cells'])} {HOW[kind]}. Workload: `{json.dumps(e['params'])}`.",
+                      f"Smaller than the scribble's default workload (`reuse`, 2 layers): {e['smaller']}.",
                       f"Checked here: {_check_text(e['check'])}."
                       + (f" Shrinking again failed ({e['shrink_error']}): this is the smallest workload known "
                          "to leak." if e.get("shrink_error") else ""), "", "```",
