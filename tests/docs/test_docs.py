@@ -142,6 +142,10 @@ OTHER_PROGRAMS = {
     "--evidence": "benchmarks/bench_cpu.py", "--reps": "benchmarks/bench_cpu.py and qsa-lab bench",
     "--index-url": "pip",
     "--tensor-cores": "a leak report's generated FlashInfer decode script (repro/*.py)",
+    "--workaround": "the scribble's standalone scripts (examples/scribble/*.py)",
+    "--cuda-graph": "the scribble's standalone transformers script (examples/scribble/*.py)",
+    "--params": "the scribble's standalone scripts (examples/scribble/*.py)",
+    "--any-version": "the scribble's standalone scripts (examples/scribble/*.py)",
 }
 
 
