@@ -54,6 +54,19 @@ def cannot_run(what):
     sys.exit(3)
 
 
+def prompts(p, torch, top):
+    """A (the first length, BAD at position bad_at) and the readers (the other lengths), tokens drawn
+    (seeded) from 2 .. top - 1; no token is BAD but A's; A' is A with BAD replaced by token 1."""
+    g = torch.Generator().manual_seed(p["seed"] + 1)
+    ordinary = [t for t in range(2, top) if t != p["bad"]]
+    out = [[ordinary[i] for i in torch.randint(0, len(ordinary), (n,), generator=g).tolist()]
+           for n in p["prompt_lengths"]]
+    a = list(out[0])
+    a[min(p["bad_at"], len(a) - 1)] = p["bad"]
+    control = [1 if t == p["bad"] else t for t in a]
+    return a, control, out[1:]
+
+
 def isolated_attention(module, query, key, value, attention_mask, scaling, **kwargs):
     """The workaround: each request's query rows meet only its own key rows.
     query [1, heads, q_rows, dim]; key, value [1, kv_heads, k_rows, dim] (every request's rows, one
@@ -90,19 +103,6 @@ def build_model(folder, p, torch, transformers, device):
     return transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation=p["attn"]).eval().to(device)
 
 
-def prompts(p, torch):
-    """A (the first length, BAD at position bad_at) and the readers (the other lengths); no token
-    is BAD but A's; A' is A with BAD replaced by token 1."""
-    g = torch.Generator().manual_seed(p["seed"] + 1)
-    ordinary = [t for t in range(2, p["vocab"]) if t != p["bad"]]
-    out = [[ordinary[i] for i in torch.randint(0, len(ordinary), (n,), generator=g).tolist()]
-           for n in p["prompt_lengths"]]
-    a = list(out[0])
-    a[min(p["bad_at"], len(a) - 1)] = p["bad"]
-    control = [1 if t == p["bad"] else t for t in a]
-    return a, control, out[1:]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workaround", action="store_true",
@@ -134,7 +134,7 @@ def main(argv=None):
     logging.disable_progress_bar()
     if opts.workaround:
         AttentionInterface.register(p["attn"], isolated_attention)
-    a, control, readers = prompts(p, torch)
+    a, control, readers = prompts(p, torch, p["vocab"])
     with tempfile.TemporaryDirectory(prefix="transformers-cb-") as folder:
         model = build_model(folder, p, torch, transformers, opts.device)
     gen = GenerationConfig(max_new_tokens=p["new_tokens"], do_sample=False, eos_token_id=-1, pad_token_id=0)

@@ -18,6 +18,25 @@ from .vllm_cpu_tail import TEMPLATE as _VLLM
 
 EXIT_LEAK, EXIT_CLEAN, EXIT_CANNOT_RUN = 1, 0, 3
 
+#: what every script holds, written in where its template says __COMMON__
+COMMON = '''def cannot_run(what):
+    print(f"CANNOT RUN: {what}")
+    sys.exit(3)
+
+
+def prompts(p, torch, top):
+    """A (the first length, BAD at position bad_at) and the readers (the other lengths), tokens drawn
+    (seeded) from 2 .. top - 1; no token is BAD but A's; A' is A with BAD replaced by token 1."""
+    g = torch.Generator().manual_seed(p["seed"] + 1)
+    ordinary = [t for t in range(2, top) if t != p["bad"]]
+    out = [[ordinary[i] for i in torch.randint(0, len(ordinary), (n,), generator=g).tolist()]
+           for n in p["prompt_lengths"]]
+    a = list(out[0])
+    a[min(p["bad_at"], len(a) - 1)] = p["bad"]
+    control = [1 if t == p["bad"] else t for t in a]
+    return a, control, out[1:]
+'''
+
 #: kind -> (template, the engine version the template was checked with, the file name in a report)
 KINDS = {
     "vllm-cpu-tail": (_VLLM, "0.32.0", "vllm_cpu_tail.py"),
@@ -58,7 +77,8 @@ def script_text(kind: str, params: dict | None = None) -> str:
         raise ValueError(f"params: unknown for {kind}: {sorted(unknown)}")
     p = {**DEFAULTS[kind], **p}
     literal = pprint.pformat(p, width=100, sort_dicts=False).replace("\n", "\n" + " " * len("PARAMS = "))
-    return template.replace("__PARAMS__", literal, 1).replace("__TESTED__", tested, 1)
+    text = template.replace("__PARAMS__", literal, 1).replace("__TESTED__", tested, 1)
+    return text.replace("__COMMON__", COMMON.rstrip("\n"), 1)
 
 
 def script_name(kind: str) -> str:
