@@ -35,13 +35,36 @@ import os
 import sys
 import tempfile
 
-PARAMS = {"prompt_lengths": [6, 1], "new_tokens": 1, "layers": 2, "blocks": 2, "batch_tokens": 32, "bad": 7, "bad_at": 4, "vocab": 512, "seed": 0, "dtype": "float32", "prefix_caching": True}
+PARAMS = {'prompt_lengths': [2, 1],
+          'new_tokens': 1,
+          'layers': 1,
+          'blocks': 2,
+          'batch_tokens': 32,
+          'bad': 7,
+          'bad_at': 1,
+          'vocab': 512,
+          'seed': 0,
+          'dtype': 'float32',
+          'prefix_caching': True}
 TESTED = "0.32.0"     # the vLLM version this script was generated and checked with
 
 
 def cannot_run(what):
     print(f"CANNOT RUN: {what}")
     sys.exit(3)
+
+
+def prompts(p, torch, top):
+    """A (the first length, BAD at position bad_at) and the readers (the other lengths), tokens drawn
+    (seeded) from 2 .. top - 1; no token is BAD but A's; A' is A with BAD replaced by token 1."""
+    g = torch.Generator().manual_seed(p["seed"] + 1)
+    ordinary = [t for t in range(2, top) if t != p["bad"]]
+    out = [[ordinary[i] for i in torch.randint(0, len(ordinary), (n,), generator=g).tolist()]
+           for n in p["prompt_lengths"]]
+    a = list(out[0])
+    a[min(p["bad_at"], len(a) - 1)] = p["bad"]
+    control = [1 if t == p["bad"] else t for t in a]
+    return a, control, out[1:]
 
 
 def build_model(folder, p, torch, save_file):
@@ -77,19 +100,6 @@ def build_model(folder, p, torch, save_file):
     save_file(t, os.path.join(folder, "model.safetensors"))
 
 
-def prompts(p, torch):
-    """A (the first length, BAD at position bad_at) and the readers (the other lengths); no token
-    is BAD but A's; A' is A with BAD replaced by token 1."""
-    g = torch.Generator().manual_seed(p["seed"] + 1)
-    ordinary = [t for t in range(2, p["vocab"] - 1) if t != p["bad"]]
-    out = [[ordinary[i] for i in torch.randint(0, len(ordinary), (n,), generator=g).tolist()]
-           for n in p["prompt_lengths"]]
-    a = list(out[0])
-    a[min(p["bad_at"], len(a) - 1)] = p["bad"]
-    control = [1 if t == p["bad"] else t for t in a]
-    return a, control, out[1:]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workaround", action="store_true",
@@ -116,7 +126,7 @@ def main(argv=None):
         from vllm.v1 import kv_cache_interface
         kv_cache_interface.KVCacheConfig.needs_kv_cache_zeroing = property(lambda self: True)
 
-    a, control, readers = prompts(p, torch)
+    a, control, readers = prompts(p, torch, p["vocab"] - 1)
     with tempfile.TemporaryDirectory(prefix="vllm-cpu-tail-") as folder:
         build_model(folder, p, torch, save_file)
         longest = max(p["prompt_lengths"]) + p["new_tokens"]

@@ -42,8 +42,8 @@ NAMES = ("report.md", "scribble.json", "verdict_grid.png", "scripts")
 
 #: the smallest workloads found to leak (scripts/shrink_scribble_scripts.py, evidence/scribble_standalone/)
 SMALLEST = {
-    "vllm-cpu-tail": {"prompt_lengths": [6, 1], "new_tokens": 1, "layers": 2, "blocks": 2, "batch_tokens": 32,
-                      "bad": 7, "bad_at": 4, "vocab": 512, "seed": 0, "dtype": "float32", "prefix_caching": True},
+    "vllm-cpu-tail": {"prompt_lengths": [2, 1], "new_tokens": 1, "layers": 1, "blocks": 2, "batch_tokens": 32,
+                      "bad": 7, "bad_at": 1, "vocab": 512, "seed": 0, "dtype": "float32", "prefix_caching": True},
     "transformers-other-requests": {"prompt_lengths": [1, 1], "new_tokens": 1, "layers": 1, "page_size": 8,
                                     "blocks": 2, "batch_tokens": 8, "bad": 7, "bad_at": 0, "vocab": 128, "seed": 0,
                                     "attn": "paged|eager"},
