@@ -1,0 +1,160 @@
+"""The standalone script for transformers' continuous batching letting one request's non-finite KV
+into every request batched with it (`other-requests` nan-leak): TEMPLATE, with the workload written
+in as PARAMS by qsa_lab.scribble.standalone.scripts."""
+
+TEMPLATE = r'''"""transformers continuous batching: one request's NaN KV turns the other requests of its batch NaN.
+
+Standalone: needs only transformers and torch. Written by qsa_lab's scribble report; qsa_lab
+itself is not needed. No network, no tokenizer.
+
+    python transformers_other_requests.py                 # exit 1: the leak reproduces
+    python transformers_other_requests.py --workaround    # exit 0: a per-request attention
+    python transformers_other_requests.py --attn sdpa     # the other implementation that leaks
+    python transformers_other_requests.py --device cuda --cuda-graph   # on a GPU, with CUDA graphs
+    python transformers_other_requests.py --params '{"new_tokens": 2}' # another workload (JSON)
+
+What it does:
+1. Builds a tiny random Llama from a config (seeded), sets the embedding row of one token (BAD) to
+   NaN and saves it as a checkpoint in a temporary folder, then loads it back: a checkpoint with one
+   non-finite row, as an overflowed fine-tune can leave.
+2. Runs greedy continuous batching (`generate_batch`, synchronous, no sampling) three times:
+   - clean:   the reader prompts alone;
+   - control: request A' (A with BAD replaced by an ordinary token) batched with the readers;
+   - leak:    request A, which holds BAD (so its own KV is NaN), batched with the readers. No
+     reader holds BAD. `paged|eager` and `sdpa` pack the step's requests into one attention call
+     with an additive mask: a reader's row gives A's columns a probability of exactly 0, and
+     0 x NaN = NaN.
+3. Exit 1 when a reader's tokens or logprobs differ from the control (A and A' have the same
+   length, so the batches have the same shapes), 0 when identical, 3 when it cannot run or cannot
+   tell here (transformers missing or another version, a clean or control run that is not finite,
+   or A itself finite: the NaN row did not reach the KV).
+
+--workaround registers, in place of the implementation used, an attention that computes each
+request's rows against that request's own keys only (`cu_seq_lens_q` / `cu_seq_lens_k` say where
+each starts), so no other request's column enters a row's arithmetic.
+"""
+import argparse
+import json
+import math
+import sys
+import tempfile
+
+PARAMS = __PARAMS__
+TESTED = "__TESTED__"     # the transformers versions this script was generated and checked with
+
+
+__COMMON__
+
+
+def isolated_attention(module, query, key, value, attention_mask, scaling, **kwargs):
+    """The workaround: each request's query rows meet only its own key rows.
+    query [1, heads, q_rows, dim]; key, value [1, kv_heads, k_rows, dim] (every request's rows, one
+    after another); the mask [1, 1, q_rows, k_rows] (additive, or True where attended).
+    -> (output [1, q_rows, heads, dim], None); padded query rows past the last request get zeros."""
+    import torch
+
+    cu_q, cu_k = kwargs["cu_seq_lens_q"].tolist(), kwargs["cu_seq_lens_k"].tolist()
+    rep = query.shape[1] // key.shape[1]
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    for qs, qe, ks, ke in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        if qe == qs:
+            continue
+        k = key[:, :, ks:ke].repeat_interleave(rep, dim=1)
+        v = value[:, :, ks:ke].repeat_interleave(rep, dim=1)
+        scores = (query[:, :, qs:qe] @ k.transpose(-1, -2)).float() * scaling
+        if attention_mask is not None:
+            m = attention_mask[..., qs:qe, ks:ke]
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out[:, qs:qe] = (probs @ v).transpose(1, 2)
+    return out, None
+
+
+def build_model(folder, p, torch, transformers, device):
+    config = transformers.LlamaConfig(vocab_size=p["vocab"], hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=p["layers"], num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512)
+    torch.manual_seed(p["seed"])
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[p["bad"]] = float("nan")
+    model.save_pretrained(folder)
+    return transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation=p["attn"]).eval().to(device)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workaround", action="store_true",
+                    help="register a per-request attention in place of the implementation (expect exit 0)")
+    ap.add_argument("--attn", choices=("paged|eager", "sdpa"), help="the attention implementation (default PARAMS)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--cuda-graph", action="store_true", help="capture CUDA graphs (with --device cuda)")
+    ap.add_argument("--params", default="{}", help="JSON object overriding PARAMS (another workload)")
+    ap.add_argument("--any-version", action="store_true", help=f"run on a transformers other than {TESTED}")
+    opts = ap.parse_args(argv)
+    p = {**PARAMS, **json.loads(opts.params)}
+    p["attn"] = opts.attn or p["attn"]
+    try:
+        import torch
+        import transformers
+        from transformers import AttentionInterface, GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.utils import logging
+    except Exception as e:  # noqa: BLE001 - not installed, or a broken install
+        cannot_run(f"transformers (with torch) does not import here ({type(e).__name__}: {e})")
+    if transformers.__version__ not in TESTED.split(",") and not opts.any_version:
+        cannot_run(f"transformers {transformers.__version__} is installed; this script was checked with "
+                   f"{TESTED.replace(',', ' and ')} (--any-version runs it)")
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        cannot_run("--device cuda: no CUDA GPU is visible")
+    if opts.cuda_graph and not opts.device.startswith("cuda"):
+        cannot_run("--cuda-graph needs --device cuda")
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    if opts.workaround:
+        AttentionInterface.register(p["attn"], isolated_attention)
+    a, control, readers = prompts(p, torch, p["vocab"])
+    with tempfile.TemporaryDirectory(prefix="transformers-cb-") as folder:
+        model = build_model(folder, p, torch, transformers, opts.device)
+    gen = GenerationConfig(max_new_tokens=p["new_tokens"], do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=p["page_size"], num_blocks=p["blocks"],
+                                  max_batch_tokens=p["batch_tokens"], return_logprobs=True,
+                                  use_cuda_graph=opts.cuda_graph, use_async_batching=False,
+                                  auto_switch_to_flash=False, seed=p["seed"])
+
+    def run(batch):
+        out = model.generate_batch(batch, generation_config=gen, continuous_batching_config=cb)
+        done = [out.get(f"req_{i}") for i in range(len(batch))]
+        if any(r is None or r.error for r in done):
+            cannot_run(f"generate_batch failed: {[r.error if r else 'no result' for r in done]}")
+        return [(list(r.generated_tokens), [float(v) for v in r.logprobs]) for r in done]
+
+    clean = run(readers)
+    with_control = run([control] + readers)
+    with_bad = run([a] + readers)
+
+    def finite(outs):
+        return all(math.isfinite(v) for _, lps in outs for v in lps)
+
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {p['attn']} on {opts.device}"
+          + (" with CUDA graphs" if opts.cuda_graph else "") + f", params {json.dumps(p)}"
+          + (", workaround: per-request attention" if opts.workaround else ""))
+    if not finite(clean) or not finite(with_control):
+        cannot_run("the clean or control run is not finite: cannot tell")
+    if finite(with_bad[:1]):
+        cannot_run("request A's own logprobs are finite: the NaN row did not reach its KV")
+    changed = [i for i, (x, y) in enumerate(zip(with_control[1:], with_bad[1:])) if x != y]
+    for i, ((t0, _), (tc, _), (t1, l1)) in enumerate(zip(clean, with_control[1:], with_bad[1:])):
+        nan = sum(not math.isfinite(v) for v in l1)
+        print(f"reader {i} ({len(readers[i])} tokens): alone {t0}, beside A' {tc}, beside A {t1}; {nan} of "
+              f"{len(l1)} logprobs non-finite")
+    if changed:
+        print(f"LEAK: reader(s) {changed} changed when batched with request A (which alone holds the NaN row)")
+        return 1
+    print("CLEAN: every reader is identical to the control")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
