@@ -294,33 +294,6 @@ def test_the_site_builds_with_warnings_as_errors(built_site):
     assert float(np.abs(committed - drawn).mean()) < 0.01, "docs/assets/nan_map.png is stale"
 
 
-def raw_tables(html: str) -> list[str]:
-    """Markdown tables a page shows as text: a delimiter row (|---|---|) or a line of two or more pipe-separated
-    cells, outside code blocks and inline code (where pipes are meant)."""
-    text = re.sub(r"<(pre|code)\b.*?</\1>", " ", html, flags=re.S)
-    text = re.sub(r"<[^>]+>", "\n", text)
-    found = []
-    for line in text.splitlines():
-        line = line.strip()
-        if re.fullmatch(r"\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)+\|?", line) or re.fullmatch(r"\|.*\|.*\|", line):
-            found.append(line[:120])
-    return found
-
-
-def test_the_raw_table_finder_finds_one():
-    assert raw_tables("<p>| a | b |\n|---|---|\n| 1 | 2 |</p>") == ["| a | b |", "|---|---|", "| 1 | 2 |"]
-    assert raw_tables("<table><tr><td>a | b</td></tr></table><pre>| a | b |</pre><code>x|y|z</code>") == []
-
-
-def test_no_page_shows_a_raw_markdown_table(built_site):
-    """Every table on every page renders as a table: an unescaped `|` in a generated header once left the
-    complete-fix cost table as raw pipes."""
-    assert built_site["returncode"] == 0, built_site["stderr"]
-    raw = {str(page.relative_to(built_site["site"])): found for page in Path(built_site["site"]).rglob("*.html")
-           if (found := raw_tables(page.read_text()))}
-    assert not raw, raw
-
-
 def figures_in(html: str) -> list[tuple[int, int]]:
     """(width, height) of every inline PNG of a page at least 100 px wide: figures, not icons."""
     import base64
