@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qsa_lab.analysis.leaks import LEAKS, NA, LeakReport, verdict_of
+from qsa_lab.analysis.leaks import LEAKS, NA, LeakReport, spans, verdict_of
 from qsa_lab.model.case import Geometry, build_case
 from qsa_lab.model.geometry import PAYLOADS
 from qsa_lab.model.plan import plan_groups
@@ -179,19 +179,6 @@ def row_map(records, geometry: Geometry, payload: str, poisoned_request: int) ->
             "q_heads": geometry.q_heads}
 
 
-def _ranges(rows) -> str:
-    """[40, 41, 42, 45] -> '40-42,45'."""
-    out, run = [], []
-    for r in sorted(rows):
-        if run and r != run[-1] + 1:
-            out.append(run)
-            run = []
-        run.append(r)
-    if run:
-        out.append(run)
-    return ",".join(f"{x[0]}-{x[-1]}" if len(x) > 1 else str(x[0]) for x in out)
-
-
 def pivot_frame(records, q_heads: int):
     """One q_heads as a table to read: a route per line, a column per (payload, poisoned request);
     a cell lists the other requests' rows that went non-finite ('r1:46 r2:47'; '-' for none), with
@@ -211,7 +198,7 @@ def pivot_frame(records, q_heads: int):
         if r["request"] == r["poisoned_request"]:
             cell["own"] = r["as_reference"]
         elif r["rows"]:
-            cell["leaks"].append(f"r{r['request']}:{_ranges(r['rows'])}")
+            cell["leaks"].append(f"r{r['request']}:{spans(r['rows'])}")
     table = {route: {col: (" ".join(c["leaks"]) or "-") + ("" if c["own"] else " *")
                      for col in cols if (c := cells.get((route, col)))} for route in routes}
     return pd.DataFrame.from_dict(table, orient="index")

@@ -238,3 +238,17 @@ class LeakReport:
         if "_facts" not in self.__dict__:
             self._facts = machine_facts()
         return {"schema": self.SCHEMA, **self._facts}
+
+
+def spans(numbers) -> str:
+    """Every number, runs written as spans: [40, 41, 42, 45] -> '40-42,45' (a list of head dims or rows
+    shown whole, never its first few as if they were all)."""
+    out, run = [], []
+    for n in sorted(set(numbers)):
+        if run and n != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(n)
+    if run:
+        out.append(run)
+    return ",".join(f"{x[0]}-{x[-1]}" if len(x) > 1 else str(x[0]) for x in out)

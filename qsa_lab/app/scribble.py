@@ -74,7 +74,13 @@ def add_parser(sub, parents=()):
     p.add_argument("--seed", type=integer, default=0, help="seed of the tiny model's weights (default 0)")
     p.add_argument("--json", default=None, metavar="PATH|-",
                    help="write the report (schema qsa_lab.scribble/1) to PATH, or - for stdout (default: none)")
-    p.add_argument("--force", action="store_true", help="let --json replace a file (default: never)")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="also write a report folder for a maintainer: report.md (what leaked, who read whom, what "
+                        "to change), the JSON, the verdict grid and, per confirmed leak, a standalone script that "
+                        "needs only the engine and torch (exit 1 as written, 0 with --workaround), each checked "
+                        "once here (default: none)")
+    p.add_argument("--force", action="store_true",
+                   help="let --json replace a file and --report a report folder (default: never)")
     p.add_argument("--no-localise", action="store_true",
                    help="do not record attention outputs in the re-runs that confirm a leak, which name the first "
                         "step and layer where it shows (default: record them)")
@@ -147,6 +153,11 @@ def check_args(args) -> dict:
     elif args.no_prefix_caching:
         raise UsageError("--no-prefix-caching: applies to --engine vllm only")
     outs = check_outputs(args, {"--json": None if args.json == "-" else args.json}, _inputs(args))
+    if args.report is not None:
+        from qsa_lab.scribble.standalone.report import check_report_dir
+
+        with blame({}, "--report"):
+            check_report_dir(args.report, args.force)
     return {"regions": _csv(args.regions, REGIONS, "--regions"), "payloads": _csv(args.payloads, PAYLOADS, "--payloads"),
             "json": outs.get("--json")}
 
@@ -202,6 +213,8 @@ def _vllm_argv(args, settings) -> list:
             "--dtype", args.dtype, "--seed", str(args.seed)]
     if args.json is not None:
         argv += ["--json", args.json]
+    if args.report is not None:
+        argv += ["--report", args.report]
     argv += [flag for flag, on in (("--force", args.force), ("--no-localise", args.no_localise),
                                    ("--no-prefix-caching", args.no_prefix_caching)) if on]
     return argv
@@ -219,6 +232,7 @@ def run_vllm(args, settings) -> int:
     if util.find_spec("vllm") is None:
         from qsa_lab.support.processes import spawn
 
+        _check_python(python)
         return spawn("qsa_lab", *_vllm_argv(args, settings), python=python, pipes=False).wait()
     _require(VLLM)
     import os
@@ -242,6 +256,21 @@ def run_vllm(args, settings) -> int:
     return _publish(report, args, settings, engine.facts)
 
 
+def _check_python(python: str) -> None:
+    """The interpreter vLLM's environment names must be a Python that runs (a $VLLM_PYTHON of /bin/false
+    would print nothing and exit 1, the leak code): else one line, exit 3."""
+    import subprocess
+
+    try:
+        ok = subprocess.run([python, "-c", "import sys; print(sys.version_info[0])"], capture_output=True,
+                            text=True, timeout=60).stdout.strip() == "3"
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if not ok:
+        raise Failure(f"scribble: --engine vllm: {python} (VLLM_PYTHON or .venv-vllm) is not a Python 3 that runs; "
+                      "make vllm-env builds one")
+
+
 def _publish(report, args, settings, engine_facts=None) -> int:
     """The report's facts (what the engine adds to the header's machine facts), then its table and JSON
     where asked for; -> the exit code."""
@@ -249,6 +278,18 @@ def _publish(report, args, settings, engine_facts=None) -> int:
 
     report.facts = host_facts("transformers") | (engine_facts or {})
     publish(json.dumps(report.to_dict(), indent=1) + "\n", args, settings["json"], lambda: print(report.table()))
+    if args.report is not None:
+        import shlex
+
+        from qsa_lab.scribble.standalone.report import write_report
+
+        say = (lambda m: print(f"# {m}", file=sys.stderr))
+        with blame({}, "--report"):
+            path = write_report(report, args.report, force=args.force, python=sys.executable,
+                                command=shlex.join(["qsa-lab", *getattr(args, "argv", ["scribble", "..."])]),
+                                progress=say)
+        beside = ", ".join(sorted(f.name + ("/" if f.is_dir() else "") for f in path.parent.iterdir() if f != path))
+        print(f"# wrote {path} (and {beside})", file=sys.stderr if args.json == "-" else None)
     return _exit_code(report)
 
 

@@ -74,7 +74,7 @@ def localise(clean: Generation, other: Generation, requests=None) -> dict:
             rows = torch.nonzero(diff.any(dim=(1, 2))).reshape(-1).tolist()
             owner = [next((r for r, s, n in zip(batch, starts, query_rows) if s <= q < s + n), None) for q in rows]
             return {"step": step, "layer": layer, "requests": sorted({o for o in owner if o is not None}),
-                    "query_rows": rows[:16], "heads": torch.nonzero(diff.any(dim=(0, 2))).reshape(-1).tolist(),
+                    "query_rows": rows, "heads": torch.nonzero(diff.any(dim=(0, 2))).reshape(-1).tolist(),
                     "dims": torch.nonzero(diff.any(dim=(0, 1))).reshape(-1).tolist(),
                     "nan": bool(b[layer].isnan().any())}
     return {}

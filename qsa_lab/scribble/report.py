@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qsa_lab.analysis.leaks import FAILURES, LEAKS, VERDICTS, LeakReport
+from qsa_lab.analysis.leaks import FAILURES, LEAKS, VERDICTS, LeakReport, spans
 from qsa_lab.analysis.leaks import STRAY_WRITE as STRAY  # noqa: F401 - the write guard's verdict, by its old name
 
 from .regions import REGION_TEXT, REGIONS
@@ -123,7 +123,9 @@ def _where_text(c: Cell) -> str:
     if c.strays:
         s = c.strays[0]
         call = f" in {s['call']}" if s.get("call") else ""
-        return f"{s['when']}{call}: {s['region']}, {s['where']}, rows {s['rows']}" + (
+        more = s.get("count", len(s["rows"])) - len(s["rows"])
+        return f"{s['when']}{call}: {s['region']}, {s['where']}, rows {spans(s['rows'])}" + (
+            f" (+{more} more rows)" if more > 0 else "") + (
             f" (+{len(c.strays) - 1} more)" if len(c.strays) > 1 else "")
     if c.pairs:
         p = c.pairs[0]
@@ -132,5 +134,6 @@ def _where_text(c: Cell) -> str:
             f" (+{len(c.pairs) - 1} more pairs)" if len(c.pairs) > 1 else "")
     w = c.where
     if w:
-        return f"step {w['step']} layer {w['layer']} requests {w['requests']} heads {w['heads']} dims {w['dims'][:8]}"
+        return (f"step {w['step']} layer {w['layer']} requests {w['requests']} heads {spans(w['heads'])} "
+                f"dims {spans(w['dims'])}")
     return ""

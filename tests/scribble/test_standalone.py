@@ -197,3 +197,20 @@ def test_the_committed_scripts_and_write_ups_come_from_the_committed_shrink_runs
     assert (REPO / "examples" / "scribble" / script_name(kind)).read_text() == script_text(kind, SMALLEST[kind])
     text = (REPO / "docs" / page).read_text()
     assert evidence["smaller"] in " ".join(text.split()) and "__" not in text.replace("__init__", "")
+
+
+def test_scribble_report_from_the_command_line_with_a_relative_folder(tmp_path):
+    """`qsa-lab scribble --report rep` as a user types it: the folder relative to the current one, its script
+    checked once (exit 1 as written, 0 with --workaround) and the check's outcome stated in report.md; the
+    command's exit code is the report's (1: a leak)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "qsa_lab", "scribble", "--regions", "other-requests", "--payloads",
+                          "nan", "--report", "rep"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert run.returncode == 1, run.stderr[-2000:]
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "Checked here: as written: exit 1, workaround: exit 0." in text
+    assert "qsa-lab scribble --regions other-requests --payloads nan --report rep" in text
+    again = subprocess.run([sys.executable, "-m", "qsa_lab", "scribble", "--regions", "other-requests", "--report",
+                            "rep"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 2 and "--report" in again.stderr           # never written over

@@ -45,6 +45,18 @@ def test_without_a_vllm_environment_the_command_says_how_to_make_one(tmp_path):
                           "(make vllm-env)\n")
 
 
+@pytest.mark.parametrize("python", ["/bin/false", "/bin/true"])
+def test_a_vllm_python_that_is_no_python_is_one_line_and_exit_3_never_the_leak_code(python):
+    """VLLM_PYTHON=/bin/false once printed nothing and exited 1, the leak code; /bin/true would have exited 0."""
+    if vllm_env.vllm_python() == sys.executable:
+        pytest.skip("this Python has vLLM itself")
+    code = "from qsa_lab.app.cli import main; raise SystemExit(main(['scribble', '--engine', 'vllm']))"
+    env = {**os.environ, "VLLM_PYTHON": python}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 3 and out.stdout == "", out.stderr
+    assert out.stderr.startswith(f"qsa-lab: failed: scribble: --engine vllm: {python} ") and "make vllm-env" in out.stderr
+
+
 def _vllm_env():
     python = REPO / ".venv-vllm" / "bin" / "python"
     if not (REPO / ".venv-vllm" / ".qsa_lab-vllm").exists() or not python.exists():

@@ -62,7 +62,7 @@ def size(params: dict) -> dict:
 
 def run_script(python: str, script: Path, params: dict, workaround: bool = False, timeout: float = 600) -> int:
     """The script's exit code for `params` (124 when it ran past `timeout`)."""
-    cmd = [python, "-I", str(script), "--params", json.dumps(params)] + (["--workaround"] if workaround else [])
+    cmd = [python, "-I", str(Path(script).resolve()), "--params", json.dumps(params)] + (["--workaround"] if workaround else [])
     with tempfile.TemporaryDirectory(prefix="qsa_lab-shrink-") as cwd:
         try:
             return subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
