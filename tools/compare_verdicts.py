@@ -28,6 +28,9 @@ SCHEMAS = {
     "qsa_lab.cross_request/1": ("records", ("q_heads", "kv_dtype", "route", "payload", "poisoned_request", "request"),
                                 ("verdict", "elements", "rows", "as_reference"), "must_be_clean_leaks"),
 }
+# /2 (the leak check's vocabulary and report header) compares the same records: a /1 document read beside
+# a /2 one shows the renamed verdicts (own -> n/a, leak -> nan-leak), which --verdict-map maps
+SCHEMAS["qsa_lab.cross_request/2"] = SCHEMAS["qsa_lab.cross_request/1"]
 
 
 def cells(doc: dict, verdict_map: dict | None = None) -> dict:
