@@ -457,11 +457,9 @@ def _leak_cells(doc: dict, q_heads: int, kv_dtype: str, payload: str) -> dict:
         cell = out.setdefault(r["route"], {})
         if r["request"] != r["poisoned_request"] and r["rows"]:    # a leak, in the words of either schema (/1, /2)
             cell.setdefault(r["poisoned_request"], []).extend(r["rows"])
-    def ranges(rows):
-        from qsa_lab.analysis.cross_request import _ranges
+    from qsa_lab.analysis.leaks import spans
 
-        return _ranges(rows)
-    return {route: " · ".join(f"r{p}→{ranges(rows)}" for p, rows in sorted(c.items())) or "-"
+    return {route: " · ".join(f"r{p}→{spans(rows)}" for p, rows in sorted(c.items())) or "-"
             for route, c in out.items()}
 
 
