@@ -227,7 +227,7 @@ def test_cuda_graph_pad_fix_and_forward_equal_eager():
     scales = (cases[0].k_scale, cases[0].v_scale)
 
     def step():
-        fixed = pad_fix(plans[0].__class__(**{**vars(plans[0]), "group_rows": static["rows"],
+        fixed = pad_fix(plans[0].__class__(**{**vars(plans[0]), "members": static["rows"],
                                                "microblocks": static["mb"], "masks": static["masks"],
                                                "seq_len": static["seq"]}))
         return kernels.grouped_forward(static["q"], static["kv"], *scales, fixed.members, fixed.microblocks,
