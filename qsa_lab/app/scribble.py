@@ -189,6 +189,8 @@ def run(args) -> int:
         else:
             report = scribble(build_engine(attn=args.attn, **engine), **matrix)
     except AttentionLoadError as e:
+        if e.detail and getattr(args, "debug", False):     # the function's own traceback, where it raised
+            print(e.detail, file=sys.stderr, end="")
         raise UsageError(str(e)) from None
     except AttentionNameError as e:   # a name transformers cannot use here
         raise UsageError(f"--attn: {str(e).removeprefix('attn: ')}") from None
