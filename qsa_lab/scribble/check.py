@@ -63,9 +63,8 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
         cells = [Cell("read", r, p, ERROR, error=err or err2) for r in regions for p in payloads]
         return ScribbleReport(cells=cells, **meta)
     stable = same(clean, again)
-    unusable = ("two clean runs differ: no read verdict can be trusted" if not stable else
-                "the clean run's logprobs are all NaN or infinite: no read verdict can be trusted" if _all_nonfinite(clean)
-                else "")
+    unusable = ("two clean runs differ" if not stable else
+                "the clean run's logprobs are all NaN or infinite" if _all_nonfinite(clean) else "")
     # the write guard, from the clean runs: every region that some step held, checked at every step
     strays = guards[0].strays + [s for s in guards[1].strays if s not in guards[0].strays]
     for r in regions:
@@ -82,7 +81,7 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     for r in regions:
         for p in payloads:
             if unusable:
-                cells.append(Cell("read", r, p, UNSTABLE, error=unusable))
+                cells.append(Cell("read", r, p, UNSTABLE, error=f"{unusable}: no read verdict can be trusted"))
             elif r == OTHER:
                 cells.append(judge.other_requests(p))
             else:
