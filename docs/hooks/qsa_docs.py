@@ -138,7 +138,7 @@ def options(parser: argparse.ArgumentParser) -> set[str]:
 def cli_reference() -> str:
     parser = build_parser()
     helps = _helps(parser)
-    out = [f"`qsa-lab` (also `python -m qsa_lab`). Generated from the parser in `{CLI_MODULE}` when this site "
+    out = [f"`qsa-lab` (also `python -I -m qsa_lab`). Generated from the parser in `{CLI_MODULE}` when this site "
            "was built; `qsa-lab COMMAND --help` prints the same.", "",
            "```", parser.format_usage().strip(), "```", ""]
     for name, sub in subcommands(parser).items():

@@ -85,7 +85,13 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
     bad = [p for p in payloads if p not in PAYLOADS]
     if not payloads or bad:
         raise ValueError(f"payloads: each one of {PAYLOADS}, got {list(payloads)}")
-    requests = range(geometry.requests) if requests is None else requests
+    try:
+        requests = range(geometry.requests) if requests is None else tuple(requests)
+    except TypeError:
+        raise TypeError(f"requests: expected request numbers (a list of ints), got {type(requests).__name__}") from None
+    if not requests:
+        raise ValueError(f"requests: empty: nothing would be checked; give request numbers in [0, {geometry.requests}) "
+                         "or None for every request")
     bad = [r for r in requests if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < geometry.requests]
     if bad:
         raise ValueError(f"requests: each an int in [0, {geometry.requests}), got {bad}")
@@ -111,7 +117,13 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
 
 def leak_records(records, routes=None) -> list[dict]:
     """The records where a request other than the poisoned one got a non-finite row (of `routes`)."""
+    _check_records(records)
     return [r for r in records if r["verdict"] in LEAKS and (routes is None or r["route"] in routes)]
+
+
+def _check_records(records) -> None:
+    if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
+        raise TypeError(f"records: expected cross_request's records (a list of dicts), got {type(records).__name__}")
 
 
 @dataclass
@@ -185,6 +197,10 @@ def pivot_frame(records, q_heads: int):
     '*' when the poisoned request's own rows are not non-finite exactly where the reference's are."""
     import pandas as pd
 
+    _check_records(records)
+    present = sorted({r.get("q_heads") for r in records}, key=str)
+    if q_heads not in present:
+        raise ValueError(f"q_heads: no record has q_heads {q_heads!r}; the records have {present}")
     cells, routes, cols = {}, [], []
     for r in records:
         if r["route"] is None or r["q_heads"] != q_heads:

@@ -30,7 +30,8 @@ FAIL_ON_LEAK_GONE = ("qsa-lab: note: --fail-on-leak: no longer an option and ign
 
 
 def _name_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
+    """Comma-separated names, each once (a name given twice runs once), in the order given."""
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
     if not names:
         raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
     return names

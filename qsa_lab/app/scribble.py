@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from qsa_lab.app.args import Failure, UsageError, blame, check_outputs, integer, publish, seconds
-from qsa_lab.scribble.engines.vllm.env import NOT_ON_VLLM, VLLM, VLLM_ONLY_MODELS
+from qsa_lab.scribble.engines.vllm.env import NOT_ON_VLLM, VLLM, VLLM_ONLY_MODELS, cpu_attention_problem, vllm_models
 from qsa_lab.scribble.isolated import DEFAULT_TIMEOUT, AttentionLoadError, is_user_attention
 from qsa_lab.scribble.models import MODELS, RENAMED_WORKLOADS, WORKLOADS, CheckpointError
 from qsa_lab.scribble.regions import PAYLOADS, REGIONS
@@ -127,11 +127,15 @@ def check_args(args) -> dict:
     if args.model in VLLM_ONLY_MODELS and args.engine != "vllm":
         raise UsageError(f"--model: {args.model}: built for --engine vllm only")
     if args.model not in MODEL_NAMES + VLLM_ONLY_MODELS:
+        names = vllm_models(MODEL_NAMES) if args.engine == "vllm" else MODEL_NAMES
         if not Path(args.model).is_dir():
-            raise UsageError(f"--model: {args.model!r} is neither a built-in tiny model ({', '.join(MODEL_NAMES)}) "
+            raise UsageError(f"--model: {args.model!r} is neither a built-in tiny model ({', '.join(names)}) "
                              "nor a local folder")
         with blame({"model": "--model"}, "--model"):
-            check_checkpoint(args.model)
+            config = check_checkpoint(args.model)
+        problem = cpu_attention_problem(config) if args.engine == "vllm" else None
+        if problem:
+            raise UsageError(f"--model: {args.model}: {problem}")
     attn = args.attn.strip()
     if not attn:
         raise UsageError("--attn: empty; an implementation name (paged|eager, sdpa, ...) or file.py:function")
@@ -189,6 +193,8 @@ def run(args) -> int:
         else:
             report = scribble(build_engine(attn=args.attn, **engine), **matrix)
     except AttentionLoadError as e:
+        if e.detail and getattr(args, "debug", False):     # the function's own traceback, where it raised
+            print(e.detail, file=sys.stderr, end="")
         raise UsageError(str(e)) from None
     except AttentionNameError as e:   # a name transformers cannot use here
         raise UsageError(f"--attn: {str(e).removeprefix('attn: ')}") from None

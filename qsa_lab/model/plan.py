@@ -121,6 +121,11 @@ def _attended(case: Case, rows: torch.Tensor | None = None):
     return mb, nibble, blocks
 
 
+def _check_case(case) -> None:
+    if not isinstance(getattr(case, "geometry", None), Geometry):
+        raise TypeError(f"case: expected a qsa_lab Case (qsa_lab.build_case), got {type(case).__name__}")
+
+
 def form_groups(case: Case, group_rows: str | None = None, remainder_group_min: int = REMAINDER_GROUP_MIN):
     """Split rows into grouped (groups of 8) and XQA remainder rows, as `group_rows` says (default the
     geometry's).
@@ -132,6 +137,7 @@ def form_groups(case: Case, group_rows: str | None = None, remainder_group_min: 
     query slots are EMPTY_ROW. Groups in row order.
     Returns (members [groups, 8] int64, xqa_rows [n] int64).
     """
+    _check_case(case)
     group_rows = group_rows or case.geometry.group_rows
     n = case.geometry.rows
     if group_rows == "consecutive":
@@ -162,8 +168,7 @@ def plan_groups(case: Case, group_rows: str | None = None, remainder_group_min: 
     """The grouped planner: union, masks, categories, sort, per-category null padding.
     group_rows ('consecutive' | 'request'; default the geometry's), remainder_group_min: how rows
     form groups (form_groups)."""
-    if not isinstance(getattr(case, "geometry", None), Geometry):
-        raise TypeError(f"case: expected a qsa_lab Case (qsa_lab.build_case), got {type(case).__name__}")
+    _check_case(case)
     g = case.geometry
     dev = case.device
     grows, xrows = form_groups(case, group_rows, remainder_group_min)

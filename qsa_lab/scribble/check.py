@@ -12,7 +12,8 @@ bit-identical. A request whose output changes read another request's KV, at some
 
 Confirmation: a leak is re-run (a second clean run and a second poisoned run); only a leak that
 reproduces bit for bit is a leak, anything else is `unstable-control`. Two clean runs that differ
-make every read verdict `unstable-control`.
+make every read verdict `unstable-control`, and so does a clean run whose logprobs are all NaN or
+infinite (an attention that returns NaN everywhere): a filled run could not change them.
 
 Write guard, every run (guard.Scribbler): a row changed where no write may land is a `stray-write`.
 
@@ -24,6 +25,7 @@ The pieces: the regions (regions.py), the hooks that fill and guard (guard.py), 
 """
 from __future__ import annotations
 
+import math
 import time
 import traceback
 
@@ -61,6 +63,8 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
         cells = [Cell("read", r, p, ERROR, error=err or err2) for r in regions for p in payloads]
         return ScribbleReport(cells=cells, **meta)
     stable = same(clean, again)
+    unusable = ("two clean runs differ" if not stable else
+                "the clean run's logprobs are all NaN or infinite" if _all_nonfinite(clean) else "")
     # the write guard, from the clean runs: every region that some step held, checked at every step
     strays = guards[0].strays + [s for s in guards[1].strays if s not in guards[0].strays]
     for r in regions:
@@ -76,14 +80,19 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     judge = _Judge(engine, clean, strays, record=localise_leaks and not engine.graphs)
     for r in regions:
         for p in payloads:
-            if not stable:
-                cells.append(Cell("read", r, p, UNSTABLE,
-                                  error="two clean runs differ: no read verdict can be trusted"))
+            if unusable:
+                cells.append(Cell("read", r, p, UNSTABLE, error=f"{unusable}: no read verdict can be trusted"))
             elif r == OTHER:
                 cells.append(judge.other_requests(p))
             else:
                 cells.append(judge.region(r, p))
     return ScribbleReport(cells=cells, events=clean.events, moved_rows=guards[0].moved_rows, **meta)
+
+
+def _all_nonfinite(gen: Generation) -> bool:
+    """Every logprob of the generation NaN or infinite (and at least one logprob)."""
+    values = [v for lp in gen.logprobs.values() for v in lp]
+    return bool(values) and not any(math.isfinite(v) for v in values)
 
 
 def _names(arg: str, given, allowed: tuple, empty: bool = False) -> tuple:

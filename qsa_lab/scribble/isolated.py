@@ -8,6 +8,12 @@ runs the whole matrix and sends the report back. Nothing the function prints rea
 stdout (it goes to stderr, so `--json -` stays clean); the worker ignores Ctrl-C (the caller stops
 it), dies with the caller, and is killed after `timeout` seconds: then every read check is `error`.
 A function that cannot be imported is bad input: AttentionLoadError (a ValueError) naming `argument`.
+
+Before the matrix the worker holds the function to its contract (attention_contract): called once on
+the first step's clean input, the arguments paged|eager gets there, it must return what paged|eager
+returns, `(output, weights or None)` with `output` of paged|eager's shape and dtype, finite wherever
+paged|eager's is. A function that raises there or breaks the contract is bad input too (one line;
+the traceback in AttentionLoadError.detail).
 """
 from __future__ import annotations
 
@@ -35,7 +41,75 @@ def is_user_attention(attn) -> bool:
 
 
 class AttentionLoadError(ValueError):
-    """The user's attention function could not be imported (the message names the argument)."""
+    """The user's attention function could not be imported, raised on a clean input or broke the contract (the
+    message names the argument, one line); detail: the function's traceback, where it raised."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+
+#: what a user's function must return: paged|eager's (transformers' eager_paged_attention_forward)
+CONTRACT = ("(output, weights or None), output a tensor of paged|eager's shape [batch, query rows, heads, head dim] "
+            "and dtype, finite wherever paged|eager's is")
+
+
+def attention_contract(engine, spec: str, argument: str = "attn") -> tuple[str, str] | None:
+    """Call engine's user attention function once, on the first step's clean input (the arguments paged|eager
+    gets there, from one clean generation with paged|eager in the slot), beside paged|eager. -> None when it
+    returns what paged|eager returns (CONTRACT), else (one line naming the function and what it returned vs
+    what was expected, the traceback where it raised or '')."""
+    import traceback
+
+    import torch
+    from transformers import AttentionInterface
+
+    from .engines.base import NoHooks
+    from .engines.transformers import USER_SLOT
+
+    fn, reference = engine.user_attention, AttentionInterface._global_mapping[USER_SLOT]
+    seen = {}
+
+    class FirstStep(NoHooks):
+        def before_step(self, view):
+            seen["armed"] = view.step == 0
+
+    def probe(module, *args, **kwargs):
+        out = reference(module, *args, **kwargs)
+        if seen.get("armed") and "expected" not in seen:
+            seen["expected"] = out[0]
+            try:
+                seen["got"] = fn(module, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the user's mistake is the answer
+                seen["raised"] = (f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc())
+        return out
+
+    engine.user_attention = probe
+    try:
+        gen = engine.generate(FirstStep())
+    finally:
+        engine.user_attention = fn
+    where = f"{argument}: {spec}"
+    if "raised" in seen:
+        return f"{where} raised {seen['raised'][0]} on the first step's clean input; it must return {CONTRACT}", \
+            seen["raised"][1]
+    if "expected" not in seen:
+        raise RuntimeError(f"the clean run with paged|eager never reached a first step: {gen.error or 'no steps'}")
+    expected, got = seen["expected"], seen["got"]
+    want = f"{_dtype(expected)} tensor of shape {list(expected.shape)}"
+    out = got[0] if isinstance(got, (tuple, list)) and len(got) == 2 else None
+    if not torch.is_tensor(out):
+        what = (f"a {type(got).__name__} of {len(got)}" if isinstance(got, (tuple, list)) else type(got).__name__)
+        return f"{where} returned {what} on the first step's clean input; expected (output, weights or None) " \
+               f"with output a {want}, as paged|eager returns", ""
+    if out.shape != expected.shape or out.dtype != expected.dtype:
+        return f"{where} returned output a {_dtype(out)} tensor of shape {list(out.shape)} on the first step's clean " \
+               f"input; paged|eager returns a {want} there ([batch, query rows, heads, head dim])", ""
+    bad = int((~torch.isfinite(out) & torch.isfinite(expected)).sum())
+    if bad:
+        return f"{where} returned {bad} non-finite values of {out.numel()} on the first step's clean input, where " \
+               f"paged|eager's output is finite; it must return {CONTRACT}", ""
+    return None
 
 
 def build_engine(attn="paged|eager", attn_name: str | None = None, **settings):
@@ -77,10 +151,14 @@ def scribble_attention(attn: str, regions=REGIONS, payloads=PAYLOADS, localise_l
     if kind == "msg" and reply[0] == "ok":
         return reply[1]
     if kind == "msg" and reply[0] == "bad":
-        raise AttentionLoadError(reply[1])
+        raise AttentionLoadError(*reply[1:])
     problem = {"timeout": f"timed out after {timeout:g} s (its worker process was killed)",
                "eof": f"its worker process ended (exit code {reply}) before it answered"}.get(kind)
     return _failed_report(attn, SETTINGS | settings, regions, payloads, problem or reply[1])
+
+
+def _dtype(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _send(proc, msg):

@@ -40,10 +40,11 @@ def main() -> int:
     else:
         try:
             from qsa_lab.scribble.check import scribble
-            from qsa_lab.scribble.isolated import build_engine
+            from qsa_lab.scribble.isolated import attention_contract, build_engine
 
             engine = build_engine(attn=fn, attn_name=spec, **settings)
-            reply = ("ok", scribble(engine, regions, payloads, localise_leaks=localise))
+            breach = attention_contract(engine, spec, argument)     # held to its contract before the matrix
+            reply = ("bad", *breach) if breach else ("ok", scribble(engine, regions, payloads, localise_leaks=localise))
         except BaseException as e:  # noqa: BLE001 - the run's failure is its reply, whatever it was
             reply = ("failed", f"{type(e).__name__}: {e}".splitlines()[0] + "\n" + traceback.format_exc(limit=4))
     sys.stdout.flush()

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from qsa_lab.analysis import fingerprints as analysis
+from qsa_lab.analysis.cross_request import cross_request, leak_records, pivot_frame
 from qsa_lab.app import case_file as io
 from qsa_lab.model.case import Geometry, build_case
 from qsa_lab.app.cli import main
-from qsa_lab.model.plan import pad_fix, plan_groups
+from qsa_lab.model.plan import form_groups, pad_fix, plan_groups
 from qsa_lab.model.poison import apply_poison
 from qsa_lab.routes.run import NonFiniteQueryWarning, run_routes
 
@@ -110,12 +111,34 @@ API_CASES = [
     ("Playground(Params(preset='bogus'))", lambda r: _playground(preset="bogus"), ValueError, "preset"),
     ("Playground(Params(site='x'))", lambda r: _playground(site="x"), ValueError, "site"),
     ("Playground(Params(backend='CUDA'))", lambda r: _playground(backend="CUDA"), ValueError, "backend"),
+    ("form_groups(None)", lambda r: form_groups(None), TypeError, "case"),
+    ("leak_records(None)", lambda r: leak_records(None), TypeError, "records"),
+    ("pivot_frame(None, 2)", lambda r: pivot_frame(None, 2), TypeError, "records"),
+    ("pivot_frame(q_heads=99): no record has it", lambda r: pivot_frame(_cross_records(), q_heads=99), ValueError,
+     "q_heads"),
+    ("cross_request(requests=[])", lambda r: cross_request(GEOMETRY, requests=[]), ValueError, "requests"),
+    ("cross_request(requests=5)", lambda r: cross_request(GEOMETRY, requests=5), TypeError, "requests"),
+    ("TransformersEngine('str')", lambda r: _transformers_engine("str"), TypeError, "model"),
+    ("TransformersEngine(None)", lambda r: _transformers_engine(None), TypeError, "model"),
+    ("TransformersEngine(model, workload=None)", lambda r: _transformers_engine(..., None), TypeError, "workload"),
 ]
 if not torch.cuda.is_available():
     API_CASES.append(("build_case(device='cuda') without CUDA", lambda r: build_case(GEOMETRY, device="cuda"),
                       ValueError, "device"))
 
 _EXPORT_DIR = {}
+
+
+def _cross_records():
+    return cross_request(GEOMETRY, payloads=("nan",), requests=[0], routes=("xqa",), backend="emulate")
+
+
+def _transformers_engine(model, wl="chunked-prefill"):
+    pytest.importorskip("transformers")
+    from qsa_lab.scribble.engines.transformers import TransformersEngine
+    from qsa_lab.scribble.models import tiny_model, workload
+
+    return TransformersEngine(tiny_model() if model is ... else model, workload(wl) if isinstance(wl, str) else wl)
 
 
 def _export(name):

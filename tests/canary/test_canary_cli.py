@@ -39,6 +39,13 @@ def test_clean_kernels_exit_0(capsys):
     assert rc == 0 and "# 0 leaking of 12 checks (12 cells)" in out
 
 
+def test_a_name_given_twice_runs_once(capsys):
+    rc, out, _ = run(capsys, "--kernels", "qsa:xqa,qsa:xqa", "--regions", "null-block,null-block", "--payloads",
+                     "nan,nan", "--planes", "v,v", "--backend", "emulate", "--json", "-")
+    cells = [(r["kernel"], r["region"], r["plane"], r["payload"]) for r in json.loads(out)["results"]]
+    assert rc == 0 and cells == [("qsa:xqa", "null-block", "v", "nan")]
+
+
 @pytest.mark.parametrize("kernels, code", [("qsa:grouped", 1), ("qsa:xqa", 0)])
 def test_the_removed_fail_on_leak_runs_as_before_and_says_to_drop_it(capsys, kernels, code):
     """Scripts of earlier versions pass --fail-on-leak: the same run, the same exit code and

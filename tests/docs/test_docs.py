@@ -167,6 +167,18 @@ def test_every_documented_option_is_in_the_parser():
     assert not missing, "options the docs show but the parser lacks:\n" + "\n".join(missing)
 
 
+def test_no_page_shows_a_plain_python_m_qsa_lab():
+    """A plain `python -m qsa_lab` runs a qsa_lab.py lying in the current folder before any of the package's
+    code: the pages, the notebooks and the generated CLI reference show `qsa-lab` or `python -I -m qsa_lab`."""
+    texts = {str(p.relative_to(REPO)): p.read_text() for p in pages()}
+    texts |= {str(p.relative_to(REPO)): p.read_text() for p in sorted((REPO / "notebooks").glob("*.ipynb"))}
+    texts["the generated CLI reference"] = hook().cli_reference()
+    plain = re.compile(r"python3? -m qsa_lab")
+    shown_plain = [f"{name}: {line.strip()}" for name, text in texts.items() for line in text.splitlines()
+                   if plain.search(line)]
+    assert not shown_plain, "pages that show a plain python -m qsa_lab:\n" + "\n".join(shown_plain)
+
+
 def test_the_cli_reference_is_generated_from_the_parser():
     q = hook()
     page = q.cli_reference()

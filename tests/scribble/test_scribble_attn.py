@@ -58,3 +58,38 @@ def test_only_file_and_module_functions_are_user_attention():
         assert not is_user_attention(name), name
     with pytest.raises(AttentionLoadError, match="^attn: 'sdpa' is not file.py:function"):
         scribble_attention("sdpa")
+
+
+@pytest.mark.parametrize("function, problem", [
+    ("heads_first", "returned output a float32 tensor of shape [1, 4, 64, 16] on the first step's clean input; "
+                    "paged|eager returns a float32 tensor of shape [1, 64, 4, 16] there"),
+    ("nan_everywhere", "returned 4096 non-finite values of 4096 on the first step's clean input, where paged|eager's "
+                       "output is finite"),
+    ("mistaken", "raised KeyError: 'max_seqlen_x' on the first step's clean input; it must return (output, weights "
+                 "or None)"),
+])
+def test_an_attention_that_breaks_its_contract_is_bad_input_in_one_line_before_the_matrix(capfd, function, problem):
+    rc = main(["scribble", "--attn", f"{USER}:{function}", "--regions", "free-blocks", "--payloads", "nan"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and out == ""
+    assert err == f"qsa-lab: error: --attn: {USER}:{function} {problem}" + err.split(problem, 1)[1]
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_debug_adds_the_traceback_of_an_attention_that_raised(capfd):
+    rc = main(["scribble", "--attn", f"{USER}:mistaken", "--regions", "free-blocks", "--payloads", "nan", "--debug"])
+    err = capfd.readouterr().err
+    assert rc == 2 and err.startswith("Traceback") and 'kwargs["max_seqlen_x"]' in err
+    assert err.splitlines()[-1].startswith(f"qsa-lab: error: --attn: {USER}:mistaken raised KeyError")
+
+
+def test_a_control_that_is_all_nan_is_an_unstable_control_never_clean():
+    from qsa_lab.scribble.check import scribble
+    from qsa_lab.scribble.isolated import build_engine
+    from qsa_lab.support.loading import load_callable
+
+    nan_everywhere = load_callable(f"{USER}:nan_everywhere", "attn")       # in this process: no contract check
+    report = scribble(build_engine(attn=nan_everywhere), regions=("free-blocks",), payloads=("nan",))
+    read = [c for c in report.cells if c.check == "read"]
+    assert [c.verdict for c in read] == ["unstable-control"] and report.exit_code() == 3
+    assert "the clean run's logprobs are all NaN or infinite" in read[0].error

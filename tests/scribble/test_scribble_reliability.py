@@ -95,6 +95,11 @@ BAD = [(["--model", "{root}/empty"], "--model: {root}/empty holds no config.json
        (["--model", "{root}/truncated"], "--model: {root}/truncated/model.safetensors is truncated or damaged"),
        (["--model", "{root}/no-weights"], "--model: {root}/no-weights holds no weights"),
        (["--model", ""], "--model: empty"),
+       (["--engine", "vllm", "--model", "bogus"], "--model: 'bogus' is neither a built-in tiny model (llama-gqa, "
+                                                  "mistral-swa, mixtral-moe) nor a local folder"),
+       (["--engine", "vllm", "--model", "{root}/good"], "--model: {root}/good: head dim 16: vLLM 0.32.0's CPU "
+                                                        "attention runs head dims 32, 64, 80, 96, 112, 128, 160, 192, "
+                                                        "224, 256, 512 only"),
        (["--attn", ""], "--attn: empty"),
        (["--attn", "{root}/attention.py"], "--attn: '{root}/attention.py' names no function"),
        (["--attn", "os:"], "--attn: 'os:' names no function"),

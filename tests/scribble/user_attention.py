@@ -26,3 +26,20 @@ def one_more_key(module, query, key, value, attention_mask, scaling, **kwargs):
 def stuck(module, query, key, value, attention_mask, scaling, **kwargs):
     """Never returns."""
     time.sleep(3600)
+
+
+def heads_first(module, query, key, value, attention_mask, scaling, **kwargs):
+    """paged|eager's output in the wrong layout: [batch, heads, query rows, head dim]."""
+    out, weights = eager_paged_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
+    return out.transpose(1, 2), weights
+
+
+def nan_everywhere(module, query, key, value, attention_mask, scaling, **kwargs):
+    """paged|eager's layout and dtype, NaN everywhere."""
+    out, weights = eager_paged_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
+    return torch.full_like(out, float("nan")), weights
+
+
+def mistaken(module, query, key, value, attention_mask, scaling, **kwargs):
+    """A user's mistake: reads an argument that paged|eager is never given (KeyError on its first call)."""
+    return kwargs["max_seqlen_x"], None

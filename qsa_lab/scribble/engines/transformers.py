@@ -80,6 +80,12 @@ class TransformersEngine:
 
     def __init__(self, model, workload, attn="paged|eager", pad: bool = False, cuda_graph: bool = False,
                  check_version: bool = True, attn_name: str | None = None):
+        if not callable(getattr(model, "generate_batch", None)) or not hasattr(model, "config"):
+            raise TypeError(f"model: expected a transformers model (scribble.models.tiny_model or local_model), got "
+                            f"{type(model).__name__}")
+        if not callable(getattr(workload, "prompts", None)):
+            raise TypeError(f"workload: expected a workload (scribble.models.workload(name)), got "
+                            f"{type(workload).__name__}")
         if check_version:
             TRANSFORMERS.require()
         if cuda_graph and model.device.type != "cuda":

@@ -39,6 +39,29 @@ NOT_ON_VLLM = {
             "cache (the reuse workload shares one)",
 }
 
+#: the head dims vLLM 0.32's CPU attention runs (CPUAttentionBackend.get_supported_head_sizes); it refuses
+#: any other only once the model is loaded
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_models(transformers_models) -> tuple:
+    """The built-in models the vLLM adapter runs: the transformers adapter's (`transformers_models`) that
+    vLLM runs, then VLLM_ONLY_MODELS."""
+    return tuple(m for m in transformers_models if m not in NOT_ON_VLLM) + VLLM_ONLY_MODELS
+
+
+def cpu_attention_problem(config: dict) -> str | None:
+    """A checkpoint config (check_checkpoint's) whose head dim vLLM's CPU attention cannot run -> why, in
+    words; None when it can, or when the config gives no head dim to read."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    head_dim = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                        and heads else None)
+    if not isinstance(head_dim, int) or head_dim in CPU_HEAD_DIMS:
+        return None
+    return (f"head dim {head_dim}: vLLM {SUPPORTED_VLLM[-1]}'s CPU attention runs head dims "
+            f"{', '.join(map(str, CPU_HEAD_DIMS))} only")
+
 
 def checkout_env() -> Path:
     """Where `make vllm-env` puts the environment: `.venv-vllm` beside the folder holding qsa_lab."""
