@@ -43,11 +43,12 @@ demo: setup
 	$(PY) -m qsa_lab repro --out results --figures figures --force
 
 # the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise;
-# then the scribble's tests again under each other transformers version it supports
+# then the scribble's tests again under each other transformers version it supports; the 30 slowest
+# tests are listed at the end (where a change to the suite's time shows first)
 TEST_WORKERS ?= auto
 test: setup
 	bash scripts/setup_test_extras.sh "$(PY)"
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=30
 	bash scripts/test_other_transformers.sh "$(PY)" "$(ENV_DIR)" $(TEST_WORKERS)
 
 test-fast: setup

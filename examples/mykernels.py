@@ -22,22 +22,27 @@ from qsa_lab.canary import KernelSkipped
 def _attention(call, zero_unattended_v: bool) -> torch.Tensor:
     if call.kv_cache.dtype != torch.float16:
         raise KernelSkipped("this example reads fp16 KV caches only")
+    rows, q_heads, dim = call.q.shape
+    kv_heads = call.kv_cache.shape[-2]
+    group = q_heads // kv_heads                                            # GQA: query heads per KV head
     req = call.token_to_req.long()
-    pages = call.block_table.long()[req]                                   # [rows, max_pages] physical pages
-    kv = call.kv_cache[pages]                                              # [rows, max_pages, 2, page_size, kv_heads, D]
-    rows, max_pages, _, page_size, kv_heads, dim = kv.shape
-    group = call.q.shape[1] // kv_heads                                    # GQA: query heads per KV head
-    k = kv[:, :, 0].reshape(rows, max_pages * page_size, kv_heads, dim).repeat_interleave(group, dim=2)
-    v = kv[:, :, 1].reshape(rows, max_pages * page_size, kv_heads, dim).repeat_interleave(group, dim=2)
-    token = torch.arange(max_pages * page_size, device=kv.device)
-    seq_len = call.seq_lens.long()[req]
-    attend = (token[None, :] <= call.positions[:, None]) & (token[None, :] < seq_len[:, None])   # causal
-    scores = torch.einsum("rhd,rthd->rht", call.q.float(), k.float() * call.k_scale) * call.sm_scale
-    p = torch.softmax(scores.masked_fill(~attend[:, None, :], float("-inf")), dim=-1)
-    v = v.float() * call.v_scale
-    if zero_unattended_v:
-        v = v.masked_fill(~attend[:, :, None, None], 0.0)                 # the fix: no byte it ignores reaches P @ V
-    return torch.einsum("rht,rthd->rhd", p, v).to(torch.float16)
+    out = torch.empty(rows, q_heads, dim, dtype=torch.float16, device=call.q.device)
+    for r in req.unique().tolist():                                        # one request at a time
+        mine = (req == r).nonzero().squeeze(1)                             # its query rows
+        kv = call.kv_cache[call.block_table[r].long()]                     # [max_pages, 2, page_size, kv_heads, D]
+        k = kv[:, 0].reshape(-1, kv_heads, dim).float() * call.k_scale    # [tokens, kv_heads, D]
+        v = kv[:, 1].reshape(-1, kv_heads, dim).float() * call.v_scale
+        token = torch.arange(k.shape[0], device=kv.device)
+        attend = (token[None, :] <= call.positions[mine, None]) & (token[None, :] < call.seq_lens[r])  # causal
+        q = call.q[mine].float().view(len(mine), kv_heads, group, dim)     # each KV head's group of query heads
+        scores = torch.einsum("nhgd,thd->nhgt", q, k) * call.sm_scale
+        p = torch.softmax(scores.masked_fill(~attend[:, None, None, :], float("-inf")), dim=-1)
+        if zero_unattended_v:     # the fix: no byte a row ignores reaches its P @ V
+            o = torch.einsum("nhgt,nthd->nhgd", p, v.masked_fill(~attend[:, :, None, None], 0.0))
+        else:
+            o = torch.einsum("nhgt,thd->nhgd", p, v)
+        out[mine] = o.reshape(len(mine), q_heads, dim).to(torch.float16)
+    return out
 
 
 def paged_decode(call) -> torch.Tensor:

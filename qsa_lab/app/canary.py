@@ -237,6 +237,9 @@ def _inputs(args) -> dict:
 def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
     from qsa_lab.app.args import blame as _blame
 
+    if sys.stderr.isatty() and args.json != "-":    # the first second says what is coming (torch takes one or more)
+        named = ", ".join(k.text for k in kernels) if kernels else "every built-in kernel"
+        print(f"# canary: {named}: importing torch, building the case", file=sys.stderr, flush=True)
     from qsa_lab.canary.case import load_case  # torch from here on: every argument above was checked without it
     from qsa_lab.canary.runner import run_canary
     report_inputs = _inputs(args)

@@ -101,6 +101,21 @@ def check_args(args) -> dict:
             "json": outs.get("--json")}
 
 
+def _steps(settings):
+    """The progress of the poisoned runs on stderr: every geometry's requests x payloads with a code in
+    its cache's dtype (cross_request runs and tells one per such pair)."""
+    from qsa_lab.model.poison import PAYLOAD_BITS
+    from qsa_lab.support.progress import Steps
+
+    total = 0
+    for g in settings["geometries"]:
+        requests = g.requests if settings["requests"] is None else len(settings["requests"])
+        total += requests * sum((g.kv_dtype, p) in PAYLOAD_BITS for p in settings["payloads"])
+    print(f"# cross-request: {total} poisoned runs ({len(settings['geometries'])} query-head counts x requests x "
+          "payloads), every route each", file=sys.stderr)
+    return Steps(total)
+
+
 def run(args) -> int:
     s = check_args(args)
     from qsa_lab.analysis.cross_request import (MUST_BE_CLEAN, CrossRequestReport, cross_request, groups_of,
@@ -111,11 +126,12 @@ def run(args) -> int:
     with blame({}, "--backend"):
         backend = resolve_backend(args.backend, s["geometries"][0])
     quiet = args.json == "-"
+    steps = None if quiet else _steps(s)
     records, runs = [], []
     for g in s["geometries"]:
         with blame({"dims": "--dims", "requests": "--requests"}, "--q-heads"):
             got = cross_request(g, s["payloads"], s["requests"], s["routes"], backend, args.dims,
-                                progress=None if quiet else lambda t: print(f"# running {t}", file=sys.stderr))
+                                progress=steps and steps.step)
         records += got
         runs.append({"geometry": {**g.to_dict(), "request_rows": list(g.request_rows)}, "groups": groups_of(g)})
     report = CrossRequestReport(backend, args.mix, runs, records)

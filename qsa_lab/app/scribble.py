@@ -191,7 +191,7 @@ def run(args) -> int:
         if is_user_attention(args.attn):
             report = scribble_attention(args.attn, timeout=args.timeout, argument="--attn", **matrix, **engine)
         else:
-            report = scribble(build_engine(attn=args.attn, **engine), **matrix)
+            report = scribble(build_engine(attn=args.attn, **engine), **matrix, progress=_progress(args))
     except AttentionLoadError as e:
         if e.detail and getattr(args, "debug", False):     # the function's own traceback, where it raised
             print(e.detail, file=sys.stderr, end="")
@@ -203,6 +203,13 @@ def run(args) -> int:
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
         raise Failure(f"scribble: {type(e).__name__}: {e}") from e
     return _publish(report, args, settings)
+
+
+def _progress(args):
+    """Each generation as it starts, counted (support.progress), on a terminal's stderr and never under --json -."""
+    from qsa_lab.support.progress import Steps
+
+    return Steps(0).step if sys.stderr.isatty() and args.json != "-" else None
 
 
 def _require(gate) -> None:
@@ -253,7 +260,8 @@ def run_vllm(args, settings) -> int:
         folder = vllm_model(args.model, seed=args.seed) if builtin else args.model
         engine = VllmEngine(folder, vllm_workload(args.workload), prefix_caching=not args.no_prefix_caching,
                             dtype=args.dtype, remove_model_dir=builtin, label=args.model)
-        report = scribble(engine, settings["regions"], settings["payloads"], localise_leaks=not args.no_localise)
+        report = scribble(engine, settings["regions"], settings["payloads"], localise_leaks=not args.no_localise,
+                          progress=_progress(args))
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as e:   # the engine's own refusal: one line
         raise Failure(f"scribble: {type(e).__name__}: {e}") from e
     finally:

@@ -7,6 +7,7 @@ what the run adds up to are qsa_lab.canary.results (judge, LeakResult, CanaryRep
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import torch
@@ -194,6 +195,11 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     if not regions:
         raise ValueError(f"regions: every one asked for is empty in this case ({case.describe()})")
 
+    if progress:        # what runs, at once: the bar follows once the kernels are loaded
+        n = len(named)
+        print(f"# canary: {n} kernel{'s' if n > 1 else ''} x {len(regions) * len(planes)} cells ({len(regions)} "
+              f"regions x {','.join(planes)}), each {len(payloads) + 2} calls (2 controls + {','.join(payloads)}); "
+              f"case: {case.describe()}", file=sys.stderr, flush=True)
     qsa = any(isinstance(k, KernelName) and k.source == "qsa" for _, k in named)
     why = case.qsa_unsupported() if qsa else None
     device, qsa_backend, qsa_reason = resolve_devices(backend, case.geometry, qsa and why is None)

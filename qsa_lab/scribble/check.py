@@ -38,7 +38,24 @@ from .regions import OTHER, PAYLOADS, REGIONS
 from .report import Cell, ScribbleReport
 
 
-def _run(engine, hooks, record_attention=False) -> tuple[Generation, float, str]:
+class _Progress:
+    """The generations planned so far (`total`) and the caller's progress(what, total), told before each."""
+
+    def __init__(self, progress):
+        self.fn, self.total = progress, 2         # the two clean runs; the checks and confirmations add theirs
+
+    def plan(self, regions, payloads, families: int = 1) -> None:
+        """The two clean runs and one generation a read cell (other-requests: one a family of requests)."""
+        self.total = 2 + len(payloads) * sum(families if r == OTHER else 1 for r in regions)
+
+    def __call__(self, what: str) -> None:
+        if self.fn is not None:
+            self.fn(what, self.total)
+
+
+def _run(engine, hooks, record_attention=False, say=None, what="") -> tuple[Generation, float, str]:
+    if say is not None:
+        say(what)
     start = time.perf_counter()
     try:
         gen = engine.generate(hooks, record_attention=record_attention)
@@ -48,14 +65,18 @@ def _run(engine, hooks, record_attention=False) -> tuple[Generation, float, str]
     return gen, time.perf_counter() - start, err
 
 
-def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = True) -> ScribbleReport:
+def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = True, progress=None) -> ScribbleReport:
     """Every region x payload read check (other-requests: one request at a time), every leak confirmed by
     a re-run, plus the write guard, on one engine adapter. localise_leaks: record attention outputs in the
-    confirming re-runs to name the first step and layer where a leak shows (not under CUDA graphs)."""
+    confirming re-runs to name the first step and layer where a leak shows (not under CUDA graphs).
+    progress: None or fn(what, total) called before each generation: what it runs and how many
+    generations are planned so far (a confirmed leak adds its re-runs as they start)."""
     regions, payloads = _names("regions", regions, REGIONS), _names("payloads", payloads, PAYLOADS, empty=True)
+    say = _Progress(progress)
+    say.plan(regions, payloads)              # before the clean runs: other-requests counted as one family
     guards = [Scribbler(), Scribbler()]
-    clean, seconds, err = _run(engine, guards[0])
-    again, _, err2 = _run(engine, guards[1])
+    clean, seconds, err = _run(engine, guards[0], say=say, what="clean run")
+    again, _, err2 = _run(engine, guards[1], say=say, what="second clean run")
     cells = []
     meta = dict(engine=engine.name, reads_pool=engine.reads_pool, graphs=engine.graphs,
                 model=_model_name(engine.model), workload=engine.workload.to_dict(), control_seconds=seconds)
@@ -77,7 +98,8 @@ def scribble(engine, regions=REGIONS, payloads=PAYLOADS, localise_leaks: bool = 
     for s in strays:
         if s["region"] not in regions:          # owned rows or a region not asked for: still reported
             cells.append(Cell("write", s["region"], "-", STRAY_WRITE, strays=[s]))
-    judge = _Judge(engine, clean, strays, record=localise_leaks and not engine.graphs)
+    judge = _Judge(engine, clean, strays, record=localise_leaks and not engine.graphs, say=say)
+    say.plan(regions if stable else (), payloads, len(judge.families()))
     for r in regions:
         for p in payloads:
             if unusable:
@@ -120,24 +142,37 @@ def _with_strays(cell: Cell) -> Cell:
 class _Judge:
     """Runs the poisoned generations of one report against its clean run, and confirms every leak."""
 
-    def __init__(self, engine, clean: Generation, strays: list, record: bool):
+    def __init__(self, engine, clean: Generation, strays: list, record: bool, say=None):
         self.engine, self.clean, self.strays, self.record = engine, clean, strays, record
+        self.say = say or _Progress(None)
+
+    def families(self) -> dict:
+        """{family: its requests} of the clean run: the other-requests check poisons one family at a time."""
+        families = {}
+        for r in self.clean.tokens:
+            families.setdefault(self.clean.family(r), []).append(r)
+        return families
+
+    def _confirm(self, hooks, what: str):
+        """One confirming generation, counted in the plan as it starts."""
+        self.say.total += 1
+        return _run(self.engine, hooks, record_attention=self.record, say=self.say, what=f"confirming: {what}")
 
     def _new_strays(self, hooks) -> list:
         return [s for s in hooks.strays if s not in self.strays]
 
     def _control(self):
         """A second clean run for a confirmation -> (generation, problem text or '')."""
-        gen, _, err = _run(self.engine, Scribbler(), record_attention=self.record)
+        gen, _, err = self._confirm(Scribbler(), "a clean run")
         if err:
             return None, f"the confirming clean run failed: {err.strip().splitlines()[-1]}"
         if not same(gen, self.clean):
             return None, "the confirming clean run differs from the first: no read verdict can be trusted"
         return gen, ""
 
-    def _again(self, first: Generation, hooks) -> tuple:
+    def _again(self, first: Generation, hooks, what: str) -> tuple:
         """The poisoned run again -> (generation, problem text or '')."""
-        gen, _, err = _run(self.engine, hooks, record_attention=self.record)
+        gen, _, err = self._confirm(hooks, what)
         if err:
             return None, f"the confirming poisoned run failed: {err.strip().splitlines()[-1]}"
         if not same(gen, first):
@@ -146,7 +181,7 @@ class _Judge:
 
     def region(self, region: str, payload: str) -> Cell:
         hooks = Scribbler(region, payload)
-        gen, secs, err = _run(self.engine, hooks)
+        gen, secs, err = _run(self.engine, hooks, say=self.say, what=f"{region} / {payload}")
         if err:
             return Cell("read", region, payload, ERROR, error=err, seconds=secs)
         if hooks.filled_rows == 0:
@@ -157,7 +192,7 @@ class _Judge:
         if cell.verdict in READ_LEAKS:
             control, problem = self._control()
             if not problem:
-                second, problem = self._again(gen, Scribbler(region, payload))
+                second, problem = self._again(gen, Scribbler(region, payload), f"{region} / {payload}")
             if problem:
                 cell.verdict, cell.error = UNSTABLE, problem
             else:
@@ -166,15 +201,14 @@ class _Judge:
 
     def other_requests(self, payload: str) -> Cell:
         """One request's own rows at a time; a confirmed leak names each request that read them."""
-        families = {}
-        for r in self.clean.tokens:
-            families.setdefault(self.clean.family(r), []).append(r)
+        families = self.families()
         cell = Cell("read", OTHER, payload, NA)
         control, problems, errors, checked = None, [], [], False
         for victim in sorted(families):
             others = [r for r in self.clean.tokens if r not in families[victim]]
             hooks = Scribbler(OTHER, payload, victim=victim)
-            gen, secs, err = _run(self.engine, hooks)
+            what = f"{OTHER} / {payload}: request {victim}'s rows"
+            gen, secs, err = _run(self.engine, hooks, say=self.say, what=what)
             cell.seconds += secs
             if err:
                 errors.append(f"{victim}: {err.strip().splitlines()[-1]}")
@@ -191,7 +225,7 @@ class _Judge:
             if control is None:
                 control, problem = self._control()
             if not problem:
-                second, problem = self._again(gen, Scribbler(OTHER, payload, victim=victim))
+                second, problem = self._again(gen, Scribbler(OTHER, payload, victim=victim), what)
             if problem:
                 problems.append(f"{victim}: {problem}")
                 continue

@@ -38,6 +38,19 @@ def test_cross_request_json(capsys, tmp_path):
                              "leaking": len(leak)}
 
 
+
+def test_cross_request_progress_counts_runs_on_stderr(capsys):
+    """One line a poisoned run on stderr, counted of the total (q-heads x requests x payloads with a code:
+    e4m3 has no inf); none under --json -."""
+    assert main(["cross-request", "--q-heads", "2,6", "--requests", "0,2", "--payloads", "nan,inf", *SMALL]) == 0
+    out, err = capsys.readouterr()
+    lines = [x for x in err.splitlines() if x.startswith("# [")]
+    assert "# cross-request: 4 poisoned runs" in err and "# [" not in out
+    assert [x.split("]")[0] for x in lines] == [f"# [{i}/4" for i in range(1, 5)]
+    assert lines[0] == "# [1/4] q_heads 2, nan in request 0" and lines[-1].startswith("# [4/4] q_heads 6, nan in request 2 (about ")
+    assert main(["cross-request", "--q-heads", "6", "--requests", "1", "--payloads", "nan", "--json", "-", *SMALL]) == 0
+    assert capsys.readouterr().err == ""
+
 def test_cross_request_leak_in_a_route_that_must_stay_clean_exits_1(capsys, monkeypatch):
     """Exit 1 comes from the routes that must stay clean only: here xqa is made to read as leaking."""
     from qsa_lab.analysis import cross_request as xr

@@ -113,3 +113,18 @@ def test_cuda_backend_without_a_gpu_is_a_usage_error(capsys):
         pytest.skip("a GPU is visible")
     rc, _, err = run(capsys, "--kernels", "qsa:xqa", "--backend", "cuda")
     assert rc == 2 and err.startswith("qsa-lab: error: --backend: 'cuda' needs a CUDA GPU")
+
+
+def test_a_terminal_sees_what_runs_at_once_and_json_stdout_sees_none(capsys, monkeypatch):
+    """On a terminal: the kernels before torch loads, then the cells and calls once the case is built."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    argv = ["--kernels", "qsa:grouped,qsa:grouped+kernel_fix", "--payloads", "nan,inf", *FAST]
+    rc, _, err = run(capsys, *argv)
+    lines = [x for x in err.splitlines() if x.startswith("# canary: ")]
+    assert rc == 1 and lines[0] == "# canary: qsa:grouped, qsa:grouped+kernel_fix: importing torch, building the case"
+    assert lines[1].startswith("# canary: 2 kernels x 2 cells (1 regions x k,v), each 4 calls (2 controls + nan,inf); "
+                               "case: rows ")
+    rc, _, err = run(capsys, *argv, "--json", "-")
+    assert rc == 1 and "# canary" not in err

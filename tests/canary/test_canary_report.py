@@ -48,6 +48,14 @@ def window_report(tmp_path_factory):
     return once_per_run(tmp_path_factory, "window-report", build)
 
 
+@pytest.fixture(scope="module")
+def masked_report():
+    """The clean kernel on the window case, every payload: one run (a worker process) for the tests
+    that read it."""
+    return run_canary([MASKED], case=canary_case("fp16", attend="window:8", **GQA), backend="emulate",
+                      payloads=["nan", "inf", "max"])
+
+
 def test_report_has_figure_versions_case_spec_grouped_per_kernel_region_plane(window_report):
     report, out = window_report
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
@@ -68,12 +76,12 @@ def test_report_has_figure_versions_case_spec_grouped_per_kernel_region_plane(wi
     assert "backend None" not in md and "backend None" not in page
 
 
-def test_the_leak_matrix_fits_a_1280_px_window_and_never_says_backend_none():
+def test_the_leak_matrix_fits_a_1280_px_window_and_never_says_backend_none(masked_report):
     from PIL import Image
 
     from qsa_lab.canary.figures import leak_matrix
 
-    report = run_canary([MASKED], case=canary_case("fp16", attend="window:8", **GQA), payloads=["nan", "inf", "max"])
+    report = masked_report
     assert "backend" not in leak_matrix(report)["title"]   # no qsa route ran: no backend to name
     wide = report.to_json()
     wide["results"] = [dict(r, region=f"{r['region']}{i}") for i in range(4) for r in wide["results"]]
@@ -203,10 +211,8 @@ def test_cli_report_on_a_qsa_route_writes_replayable_calls(tmp_path, capsys):
         "qsa-lab: error: --report:") and "--force" in again.stderr
 
 
-def test_a_clean_kernel_gets_a_report_without_calls(tmp_path):
-    report = run_canary([MASKED], case=canary_case("fp16", attend="window:8", **GQA), backend="emulate",
-                        payloads=["nan"])
-    write_report(report, tmp_path / "r")
+def test_a_clean_kernel_gets_a_report_without_calls(masked_report, tmp_path):
+    write_report(masked_report, tmp_path / "r")
     assert "No leak: every check ran clean." in (tmp_path / "r" / "report.md").read_text()
     assert not (tmp_path / "r" / "calls").exists()
 
