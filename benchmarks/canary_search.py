@@ -27,6 +27,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's qsa_lab, as the other benchmarks
+
 REPO = Path(__file__).resolve().parents[1]
 #: (name, kernel, extra options, cells that count as the leak (region, plane or None), library, GPU)
 LEAKS = [
@@ -107,7 +109,8 @@ def run_search(kernel: str, extra: list, budget: str, seed: int, backend: str) -
         cmd = [sys.executable, "-m", "qsa_lab", "canary", "--search", "--kernels", kernel, *extra, "--budget", budget,
                "--seed", str(seed), "--backend", backend, "--json", str(out)]
         before, t0 = loadavg(), time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)   # this checkout's qsa_lab there too
         wall = time.perf_counter() - t0
         doc = json.loads(out.read_text()) if out.is_file() else None
     return {"command": " ".join(["qsa-lab", *cmd[3:-2]]), "exit_code": done.returncode, "wall_s": round(wall, 2),
