@@ -37,7 +37,7 @@ def test_a_changed_verdict_or_count_is_named(tmp_path, capsys):
 def test_not_a_leak_check_document_is_exit_2(tmp_path, capsys):
     diff = _write(tmp_path, "diff.json", {"schema": "qsa_lab.diff/1"})
     assert compare_verdicts.main([diff, _write(tmp_path, "a.json", CANARY)]) == 2
-    assert "diff.json: not a qsa_lab.canary/1 or qsa_lab.scribble/1 or qsa_lab.cross_request/1 document" \
+    assert "diff.json: not a qsa_lab.canary/1 or qsa_lab.scribble/1 or qsa_lab.cross_request/1 or qsa_lab.cross_request/2 document" \
         in capsys.readouterr().err
     assert compare_verdicts.main([str(tmp_path / "missing.json"), diff]) == 2
 
