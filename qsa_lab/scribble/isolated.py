@@ -50,14 +50,14 @@ class AttentionLoadError(ValueError):
 
 
 #: what a user's function must return: paged|eager's (transformers' eager_paged_attention_forward)
-CONTRACT = ("(output, weights or None), output a tensor of paged|eager's shape [batch, query rows, heads, head dim] "
+MUST_RETURN = ("(output, weights or None), output a tensor of paged|eager's shape [batch, query rows, heads, head dim] "
             "and dtype, finite wherever paged|eager's is")
 
 
 def attention_contract(engine, spec: str, argument: str = "attn") -> tuple[str, str] | None:
     """Call engine's user attention function once, on the first step's clean input (the arguments paged|eager
     gets there, from one clean generation with paged|eager in the slot), beside paged|eager. -> None when it
-    returns what paged|eager returns (CONTRACT), else (one line naming the function and what it returned vs
+    returns what paged|eager returns (MUST_RETURN), else (one line naming the function and what it returned vs
     what was expected, the traceback where it raised or '')."""
     import traceback
 
@@ -91,7 +91,7 @@ def attention_contract(engine, spec: str, argument: str = "attn") -> tuple[str, 
         engine.user_attention = fn
     where = f"{argument}: {spec}"
     if "raised" in seen:
-        return f"{where} raised {seen['raised'][0]} on the first step's clean input; it must return {CONTRACT}", \
+        return f"{where} raised {seen['raised'][0]} on the first step's clean input; it must return {MUST_RETURN}", \
             seen["raised"][1]
     if "expected" not in seen:
         raise RuntimeError(f"the clean run with paged|eager never reached a first step: {gen.error or 'no steps'}")
@@ -108,7 +108,7 @@ def attention_contract(engine, spec: str, argument: str = "attn") -> tuple[str, 
     bad = int((~torch.isfinite(out) & torch.isfinite(expected)).sum())
     if bad:
         return f"{where} returned {bad} non-finite values of {out.numel()} on the first step's clean input, where " \
-               f"paged|eager's output is finite; it must return {CONTRACT}", ""
+               f"paged|eager's output is finite; it must return {MUST_RETURN}", ""
     return None
 
 
