@@ -22,14 +22,14 @@
 #   *_TIMEOUT variable on its line in the code below, where it has one
 #
 # On a machine that gives one command 10 minutes, run it in parts, e.g.
-#   build tests sanitize | bench canary ptx | docs | complete-fix | thirdparty | reports | scribble | wheel
+#   build tests sanitize | bench canary ptx | docs | complete-fix | thirdparty | search | reports | scribble standalone | wheel
 # each part with its own --log (or the same one with --append).
 set -uo pipefail
 HERE=$PWD                      # relative --out and --log are the caller's
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-STAGES=(build tests docs sanitize bench canary thirdparty reports complete-fix scribble ptx wheel)
+STAGES=(build tests docs sanitize bench canary thirdparty search reports complete-fix scribble standalone ptx wheel)
 declare -A ABOUT=(
   [build]="build the compiled kernels (csrc/) for this GPU and print routes.compiled's status"
   [tests]="tests/gpu (the binding's bad-input tests in their own process), every test marked gpu, the tests that run on this machine's torch"
@@ -38,9 +38,11 @@ declare -A ABOUT=(
   [bench]="benchmarks/bench.py on every route and fix, and Nsight Compute counters of the grouped variants (when ncu is here)"
   [canary]="qsa-lab canary --backend cuda against data/canary_h200.json, real-model geometries (SDPA, Flex, MLA), the per-row rule"
   [thirdparty]="the canary on FlashInfer (and vLLM's Triton kernels with VLLM_SRC): the matrix, the per-row rule, the pytest plugin, --report"
+  [search]="qsa-lab canary --search from a blank start on each FlashInfer leak (benchmarks/canary_search.py): time to find, shrunk case"
   [reports]="the three FlashInfer leak reports travel: zipped, unpacked elsewhere, every replay and generated script exits as it should"
   [complete-fix]="the complete fixes: their cost, the upstream script through the shim, qsa-lab cross-request --backend cuda"
   [scribble]="the scribble under each supported transformers (CUDA graphs included) against evidence/scribble_h200/; vLLM's matrix (CPU) with its env"
+  [standalone]="the transformers standalone script (examples/scribble/) on CUDA, without and with CUDA graphs, with the carried transformers"
   [ptx]="the compute_70 PTX run check (PTX made by python tools/ptx70_check.py generate --out PTX_DIR)"
   [wheel]="a pip user's install: the wheel beside this torch, qsa-lab doctor, a fresh kernel build from its csrc/, tests/gpu on it"
 )
@@ -431,6 +433,52 @@ stage_thirdparty() {
     timeout "$(tmo 120)" $PY -m qsa_lab.canary.replay "$f" >>"$L/cli_report.log" 2>&1
     check "replay $(basename "$f") (leak reproduced)" 1 $?
   done
+}
+
+# each FlashInfer leak searched from a blank start, one process per target (its own budget, SEARCH_BUDGET, and
+# shrink); the JIT cache's size before each says what earlier searches of this run had already built
+stage_search() {
+  need_gpu || return
+  flashinfer || return
+  local t slug rc jit=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer targets
+  IFS=, read -ra targets <<<"${SEARCH_TARGETS:-FA2 prefill,CUDA-core decode,FA3 prefill}"   # names of canary_search.py's targets
+  for t in "${targets[@]}"; do
+    slug=$(echo "$t" | tr 'A-Z ' 'a-z_' | tr -cd 'a-z0-9_')
+    step "search: FlashInfer $t (budget ${SEARCH_BUDGET:-180s}; JIT cache before: $(du -sm "$jit" 2>/dev/null | cut -f1 || echo 0) MB)"
+    timeout "$(tmo ${SEARCH_TIMEOUT:-540})" $PY benchmarks/canary_search.py --only "$t" --backend cuda \
+      --leak-budget "${SEARCH_BUDGET:-180s}" --out "$L/search_$slug.json" >"$L/search_$slug.log" 2>&1
+    rc=$?; grep -v '^#' "$L/search_$slug.log" | head -1 | cut -c1-600
+    check "search $t ran to its end" 0 $rc
+    check "search $t: the leak found" found "$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['targets'][0]['status'])" \
+      "$L/search_$slug.json" 2>/dev/null || echo 'no JSON')"
+  done
+  $PY - "$OUTDIR/canary_search_flashinfer_$GPU.json" "$L"/search_*.json <<'EOF'
+import json, sys
+docs = [json.load(open(p)) for p in sys.argv[2:]]
+if docs:
+    rows = [t for d in docs for t in d["targets"] if t.get("status") != "not run"]
+    doc = {**docs[0], "targets": rows, "runs": len(docs)}
+    open(sys.argv[1], "w").write(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {sys.argv[1]}: {len(rows)} targets")
+EOF
+}
+
+# the transformers standalone script on CUDA: the carried transformers (TRANSFORMERS_WHEELS, with the wheels it
+# needs) installed into a folder of its own, first on the script's path; the script imports only it and torch
+stage_standalone() {
+  need_gpu || return
+  local wheels=${TRANSFORMERS_WHEELS:-.whl} target=${TMPDIR:-/tmp}/qsa_lab-standalone-transformers got
+  ls "$wheels"/transformers-*.whl >/dev/null 2>&1 || { skip "no transformers wheel in $wheels (carry transformers 5.24 or 5.25 and the wheels it needs)"; return; }
+  step "install $(cd "$wheels" && ls transformers-*.whl | head -1) and the wheels beside it into $target"
+  $PY -m pip install -q --no-index --no-deps --upgrade --target "$target" "$wheels"/*.whl >"$L/standalone_install.log" 2>&1 \
+    || { tail -3 "$L/standalone_install.log"; check "the carried transformers installs" 0 1; return 1; }
+  step "examples/scribble/transformers_other_requests.py on CUDA (scripts/scribble_script_runs.sh transformers PY cuda)"
+  ENGINE_PATH=$target timeout "$(tmo ${STANDALONE_TIMEOUT:-480})" bash scripts/scribble_script_runs.sh transformers "$PY" cuda \
+    >"$OUTDIR/runs_transformers_$GPU.log" 2>&1
+  grep -E '^# /|^\$|^exit|^LEAK|^CLEAN|^CANNOT' "$OUTDIR/runs_transformers_$GPU.log"
+  got=$(grep -E '^exit [0-9]+' "$OUTDIR/runs_transformers_$GPU.log" | cut -d' ' -f2 | tr -d ',' | paste -sd' ')
+  # without / with graphs x paged|eager, sdpa x as written (1), --workaround (0); then without the engine (3)
+  check "standalone script on CUDA: exit codes" "1 0 1 0 1 0 1 0 3" "$got"
 }
 
 stage_reports() {

@@ -4,7 +4,7 @@ Standalone: needs only transformers and torch. Written by qsa_lab's scribble rep
 itself is not needed. No network, no tokenizer.
 
     python transformers_other_requests.py                 # exit 1: the leak reproduces
-    python transformers_other_requests.py --workaround    # exit 0: a per-request attention
+    python transformers_other_requests.py --workaround    # exit 0: an attention that selects, not adds, its mask
     python transformers_other_requests.py --attn sdpa     # the other implementation that leaks
     python transformers_other_requests.py --device cuda --cuda-graph   # on a GPU, with CUDA graphs
     python transformers_other_requests.py --params '{"new_tokens": 2}' # another workload (JSON)
@@ -25,9 +25,10 @@ What it does:
    tell here (transformers missing or another version, a clean or control run that is not finite,
    or A itself finite: the NaN row did not reach the KV).
 
---workaround registers, in place of the implementation used, an attention that computes each
-request's rows against that request's own keys only (`cu_seq_lens_q` / `cu_seq_lens_k` say where
-each starts), so no other request's column enters a row's arithmetic.
+--workaround registers, in place of the implementation used, an attention that keeps every column
+masked for a row out of that row's arithmetic: the mask selects (a masked score is replaced, not
+added to) and P @ V sums only the attended columns, so no other request's value enters a row's sum.
+It has no host synchronisation, so it runs under CUDA graphs as well.
 """
 import argparse
 import json
@@ -68,27 +69,27 @@ def prompts(p, torch, top):
 
 
 def isolated_attention(module, query, key, value, attention_mask, scaling, **kwargs):
-    """The workaround: each request's query rows meet only its own key rows.
+    """The workaround: no column masked for a query row enters that row's arithmetic.
     query [1, heads, q_rows, dim]; key, value [1, kv_heads, k_rows, dim] (every request's rows, one
     after another); the mask [1, 1, q_rows, k_rows] (additive, or True where attended).
-    -> (output [1, q_rows, heads, dim], None); padded query rows past the last request get zeros."""
+    -> (output [1, q_rows, heads, dim], None). A masked score is replaced (not added to), and P @ V
+    sums only the attended columns, so 0 x NaN never happens; rows with no attended column (padding)
+    get zeros. No host synchronisation: it runs under CUDA graphs too."""
     import torch
 
-    cu_q, cu_k = kwargs["cu_seq_lens_q"].tolist(), kwargs["cu_seq_lens_k"].tolist()
     rep = query.shape[1] // key.shape[1]
-    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
-    for qs, qe, ks, ke in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
-        if qe == qs:
-            continue
-        k = key[:, :, ks:ke].repeat_interleave(rep, dim=1)
-        v = value[:, :, ks:ke].repeat_interleave(rep, dim=1)
-        scores = (query[:, :, qs:qe] @ k.transpose(-1, -2)).float() * scaling
-        if attention_mask is not None:
-            m = attention_mask[..., qs:qe, ks:ke]
-            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out[:, qs:qe] = (probs @ v).transpose(1, 2)
-    return out, None
+    k, v = key.repeat_interleave(rep, dim=1).float(), value.repeat_interleave(rep, dim=1).float()
+    scores = (query.float() @ k.transpose(-1, -2)) * scaling
+    if attention_mask is None:
+        allowed = torch.ones_like(scores, dtype=torch.bool)
+    elif attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    else:
+        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, 0.0)
+    terms = torch.where(allowed[..., None], probs[..., None] * v[:, :, None], 0.0)
+    return terms.sum(dim=-2).transpose(1, 2).to(query.dtype), None
 
 
 def build_model(folder, p, torch, transformers, device):
@@ -106,7 +107,7 @@ def build_model(folder, p, torch, transformers, device):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workaround", action="store_true",
-                    help="register a per-request attention in place of the implementation (expect exit 0)")
+                    help="register an attention that keeps masked columns out of each row (expect exit 0)")
     ap.add_argument("--attn", choices=("paged|eager", "sdpa"), help="the attention implementation (default PARAMS)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--cuda-graph", action="store_true", help="capture CUDA graphs (with --device cuda)")
@@ -159,7 +160,7 @@ def main(argv=None):
 
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {p['attn']} on {opts.device}"
           + (" with CUDA graphs" if opts.cuda_graph else "") + f", params {json.dumps(p)}"
-          + (", workaround: per-request attention" if opts.workaround else ""))
+          + (", workaround: masked columns kept out of each row" if opts.workaround else ""))
     if not finite(clean) or not finite(with_control):
         cannot_run("the clean or control run is not finite: cannot tell")
     if finite(with_bad[:1]):

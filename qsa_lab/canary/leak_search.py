@@ -88,6 +88,7 @@ class Limits:
     BUILTIN_LIMITS; anything else gets the canary's own ranges, bounded so each case stays small."""
     q_heads: tuple = (1, 2, 3, 4, 8, 16, 32)
     gqa: bool = True                    # KV heads any divisor of the query heads (False: one KV head)
+    max_group: int = 0                  # the most query heads a KV head may serve (0: no limit)
     head_dims: tuple = (16, 32, 64, 128)
     page_sizes: tuple = (4, 8, 16, 32)
     kv_dtypes: tuple = KV_DTYPES
@@ -106,9 +107,12 @@ class Limits:
         bad = [a for a in self.attends if a not in ATTENDS]
         if bad:
             raise ValueError(f"limits: attends {bad} unknown; choose from {ATTENDS}")
+        if not isinstance(self.max_group, int) or isinstance(self.max_group, bool) or self.max_group < 0:
+            raise ValueError(f"limits: max_group must be an int >= 0 (0: no limit), got {self.max_group!r}")
 
     def describe(self) -> str:
-        kv = "any divisor" if self.gqa else "1"
+        kv = ("1" if not self.gqa else f"a divisor, at most {self.max_group} query heads each" if self.max_group
+              else "any divisor")
         return (f"requests 1..{self.max_requests}, rows per request 1..{self.max_query_len}, q_heads "
                 f"{_values(self.q_heads)} (KV heads {kv}), head_dim {_values(self.head_dims)}, page_size "
                 f"{_values(self.page_sizes)}, context up to +{self.max_extra_context} tokens, kv_dtype "
@@ -122,11 +126,16 @@ def _values(v: tuple) -> str:
 
 _QSA = dict(q_heads=(1, 2, 3, 4, 8, 16), gqa=False, attends=("sparse",))   # one KV head, the sparse selection
 _DECODE = dict(attends=("dense", "window"), max_query_len=1)
+#: FlashInfer builds a kernel per head dim just in time: the head dims it documents (and vLLM's
+#: FlashInfer backend allows); its CUDA-core decode takes up to 8 query heads per KV head
+_FLASHINFER = dict(head_dims=(64, 128, 256))
 #: built-in kernels' limits: by full name, else by prefix ('qsa:'); what their adapters say they map
 BUILTIN_LIMITS = {
     "qsa:": _QSA,
     "torch:sdpa-cut": dict(attends=("dense",)),                 # it needs each row to attend a prefix
-    "flashinfer:decode": _DECODE, "flashinfer:decode-tc": _DECODE,
+    "flashinfer:": _FLASHINFER,
+    "flashinfer:decode": dict(_DECODE, **_FLASHINFER, max_group=8),
+    "flashinfer:decode-tc": dict(_DECODE, **_FLASHINFER),
     "vllm:unified": dict(attends=("dense", "window"), kv_dtypes=("fp16", "e4m3")),
     "vllm:unified-3d": dict(_DECODE, kv_dtypes=("fp16", "e4m3")),
 }
@@ -258,7 +267,8 @@ def strategy(limits: Limits, pins: dict, regions=None, planes=None, payloads=Non
         else:
             rows = tuple(draw(st.lists(st.integers(1, limits.max_query_len), min_size=requests, max_size=requests)))
         q_heads = draw(one("q_heads", limits.q_heads))
-        divisors = [d for d in range(1, q_heads + 1) if q_heads % d == 0] if limits.gqa else [1]
+        divisors = ([d for d in range(1, q_heads + 1) if q_heads % d == 0
+                     and (not limits.max_group or q_heads // d <= limits.max_group)] if limits.gqa else [1])
         kv_heads = draw(one("kv_heads", divisors))
         assume(q_heads % kv_heads == 0)
         low = min_context(rows)
@@ -382,7 +392,8 @@ def candidates(p: Params, limits: Limits, pins: dict) -> list:
         if "request_rows" in kw and "requests" in pins and len(kw["request_rows"]) != p.requests:
             return
         q = dataclasses.replace(p, **kw)
-        if q.context >= min_context(q.request_rows) and q.q_heads % q.kv_heads == 0:
+        if (q.context >= min_context(q.request_rows) and q.q_heads % q.kv_heads == 0
+                and (not limits.max_group or q.q_heads // q.kv_heads <= limits.max_group)):
             out.append(q)
 
     for i in range(len(rows)):
@@ -785,6 +796,9 @@ def _check_pins(pins: dict, lim: Limits, who: str) -> None:
                 need(False, arg, f"{_values(values)}")
     if "kv_heads" in pins and not lim.gqa:
         need(pins["kv_heads"] == 1, "kv_heads", "one KV head")
+    if lim.max_group and pins.get("q_heads") and pins.get("kv_heads"):
+        need(pins["q_heads"] <= lim.max_group * pins["kv_heads"], "q_heads",
+             f"at most {lim.max_group} query heads per KV head (--kv-heads {pins['kv_heads']})")
     if "query_len" in pins:
         need(1 <= pins["query_len"] <= lim.max_query_len, "query_len", f"1..{lim.max_query_len} rows per request")
     if "attend" in pins:

@@ -188,3 +188,33 @@ def test_a_search_writes_nothing_where_it_runs(tmp_path, monkeypatch):
     found = search("qsa:grouped+finite_pv", budget=3, seed=0, **EMULATE)
     assert len(found.cases) == 3
     assert list(tmp_path.iterdir()) == []     # no .hypothesis/ (example database, constants cache)
+
+
+def test_a_group_limit_holds_in_every_drawn_case_and_every_shrink_candidate():
+    """FlashInfer's CUDA-core decode serves at most 8 query heads per KV head: the search never
+    draws, nor shrinks to, a wider group, and a pin past it is refused naming the option."""
+    from hypothesis import given, settings
+
+    from qsa_lab.canary.leak_search import candidates, strategy
+
+    lim = limits_of("flashinfer:decode")
+    assert lim.max_group == 8 and lim.head_dims == (64, 128, 256) and lim.max_query_len == 1
+    assert limits_of("flashinfer:prefill").head_dims == (64, 128, 256)
+    assert "at most 8 query heads each" in lim.describe()
+    seen = []
+
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(strategy(lim, {}))
+    def draw(p):
+        seen.append(p)
+        assert p.q_heads // p.kv_heads <= 8 and p.head_dim in (64, 128, 256)
+        for q in candidates(p, lim, {}):
+            assert q.q_heads // q.kv_heads <= 8
+    draw()
+    assert any(p.q_heads >= 16 for p in seen)     # wide query heads were drawn, with enough KV heads
+    wide = [p for p in seen if p.q_heads >= 16]
+    assert all(p.kv_heads >= p.q_heads // 8 for p in wide)
+    with pytest.raises(ValueError, match="q_heads: .*at most 8 query heads per KV head"):
+        search("flashinfer:decode", budget=1, q_heads=32, kv_heads=1, backend="emulate")
+    with pytest.raises(ValueError, match="max_group"):
+        Limits(max_group=-1)

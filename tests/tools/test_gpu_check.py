@@ -12,8 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
-STAGES = ["build", "tests", "docs", "sanitize", "bench", "canary", "thirdparty", "reports", "complete-fix",
-          "scribble", "ptx", "wheel"]
+STAGES = ["build", "tests", "docs", "sanitize", "bench", "canary", "thirdparty", "search", "reports", "complete-fix",
+          "scribble", "standalone", "ptx", "wheel"]
 
 
 def gpu_check(*args, tmp_path, **env) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ of this checkout is on its path.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -62,6 +63,7 @@ def size(params: dict) -> dict:
 
 def run_script(python: str, script: Path, params: dict, workaround: bool = False, timeout: float = 600) -> int:
     """The script's exit code for `params` (124 when it ran past `timeout`)."""
+    python = os.path.abspath(python) if os.sep in python else python     # it runs from another folder
     cmd = [python, "-I", str(Path(script).resolve()), "--params", json.dumps(params)] + (["--workaround"] if workaround else [])
     with tempfile.TemporaryDirectory(prefix="qsa_lab-shrink-") as cwd:
         try:
