@@ -27,7 +27,7 @@ run() {
     local t0=$(date +%s.%N)
     PYTHONPATH="$path" "$py" "$@" 2>/dev/null | grep -v '^$'
     local rc=${PIPESTATUS[0]}
-    echo "exit $rc, $(printf '%.1f' "$(echo "$(date +%s.%N) - $t0" | bc)") s"
+    echo "exit $rc, $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}') s"
 }
 if [ "$device" = cuda ]; then
     for graph in "" --cuda-graph; do
