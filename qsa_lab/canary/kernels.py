@@ -82,12 +82,20 @@ def sdpa_kernel(name: str) -> Callable:
         if name != "math" and call.device.type != "cuda":
             raise KernelSkipped(f"SDPA backend {name!r} needs a CUDA GPU")
         q, k, v, mask = _dense_inputs(call)
-        try:
-            with force(getattr(SDPBackend, SDPA_BACKENDS[name])):
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                       scale=call.sm_scale)
-        except RuntimeError as e:  # the forced backend refuses these inputs (e.g. flash takes no mask)
-            raise KernelSkipped(f"SDPA backend {name!r} refused the inputs: {_first_line(e)}") from e
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                with force(getattr(SDPBackend, SDPA_BACKENDS[name])):
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                           scale=call.sm_scale)
+            except RuntimeError as e:  # the forced backend refuses these inputs (e.g. flash takes no mask):
+                # torch says why in warnings; they go into the one skip line, not onto the terminal
+                why = [(str(w.message).strip().splitlines() or [""])[0].split(" (Triggered")[0] for w in seen]
+                why = [w for w in why if w and "not used because" not in w and "runtime disabled" not in w]
+                raise KernelSkipped(f"SDPA backend {name!r} refused the inputs: {_first_line(e)}"
+                                    + (f" ({'; '.join(dict.fromkeys(why))})" if why else "")) from e
+        for w in seen:      # a call that ran: its warnings as they came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return out.squeeze(2)
     return run
 

@@ -356,3 +356,21 @@ def test_a_malformed_case_is_refused_before_any_kernel_runs():
         run_canary([honest_kernel], case=42, backend="emulate")
     with pytest.raises(FileNotFoundError, match="^case: no file"):
         run_canary([honest_kernel], case="no-such-case.safetensors", backend="emulate")
+
+
+def test_a_refusing_sdpa_backend_says_why_in_its_skip_line_and_prints_no_warning(monkeypatch, recwarn):
+    """torch explains a forced backend's refusal in warnings (one per backend, 'not used because'); the
+    canary folds the reason into the one skip line instead of printing them."""
+    import warnings
+
+    def refuse(*a, **k):
+        warnings.warn("Flash attention kernel not used because: (Triggered internally at x.cpp:1.)")
+        warnings.warn("Flash Attention does not support non-null attn_mask. (Triggered internally at y.h:2.)")
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", refuse)
+    rep = run_canary(["torch:sdpa-math"], regions=["null-block"], planes=["v"], payloads=["nan"], backend="emulate")
+    assert [s["reason"] for s in rep.skipped if s.get("kernel")] == [
+        "SDPA backend 'math' refused the inputs: RuntimeError: No available kernel. Aborting execution. "
+        "(Flash Attention does not support non-null attn_mask.)"]
+    assert [str(w.message) for w in recwarn if "attention" in str(w.message).lower()] == []
