@@ -1,6 +1,8 @@
-"""The write guard: a digest of every row of the pool before and after each step (and around
-warm-up), and after each step against before the next, with the engine's calls between steps digested
-too. A row that changed outside the step's own writes and the write trash, or between steps other than
+"""The write guard: every row of the pool compared, bit for bit, before and after each step (and around
+warm-up), and after each step against before the next, with the engine's calls between steps compared
+too. One copy of the pool, kept up to date, is what each comparison reads: a step's own writes are
+compared row by row first and the rest in one memory pass (memcmp on the CPU), which finds nothing
+unless a stray write landed. A row that changed outside the step's own writes and the write trash, or between steps other than
 by the engine's own restore or fork copy into rows a request owns next, is a `stray-write`, reported
 with where it landed (region, layer) and the engine call that wrote it.
 
@@ -25,14 +27,66 @@ def payload_value(dtype: torch.dtype, payload: str) -> float:
     return {"nan": math.nan, "inf": math.inf, "max": torch.finfo(dtype).max}[payload]
 
 
-def row_digest(pool: torch.Tensor) -> torch.Tensor:
-    """[rows] int64: a digest of each row's bytes (sum of 32-bit words times fixed odd weights, mod 2^64).
-    Any change confined to one word always changes it: an odd weight times a non-zero difference is
-    never 0 mod 2^64."""
-    words = pool.view(torch.int32) if (pool.shape[1] * pool.element_size()) % 4 == 0 else pool.view(torch.uint8)
-    g = torch.Generator().manual_seed(0x5C1B)
-    w = (torch.randint(0, 2 ** 62, (words.shape[1],), generator=g, dtype=torch.int64) * 2 + 1).to(pool.device)
-    return (words.to(torch.int64) * w).sum(dim=1)
+def pool_words(pool: torch.Tensor) -> torch.Tensor:
+    """The pool's bytes as [rows, words] of the widest integer type that divides a row (a view, no copy):
+    what the write guard compares, bit for bit, so NaN payloads and -0.0 compare as the bytes they are."""
+    raw = pool.view(torch.uint8)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if raw.shape[1] % dtype.itemsize == 0 and raw.storage_offset() % dtype.itemsize == 0:
+            return raw.view(dtype)
+    return raw
+
+
+def _memcmp():
+    try:
+        import ctypes
+        f = ctypes.CDLL(None).memcmp
+        f.restype, f.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        return f
+    except (OSError, AttributeError):       # no C library to open (e.g. Windows): torch.equal below
+        return None
+
+
+_MEMCMP = _memcmp()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two integer tensors of one shape hold the same bytes: one memory pass (memcmp on the CPU)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"pool: compared with a copy of another shape ({tuple(a.shape)} {a.dtype} {a.device} vs "
+                         f"{tuple(b.shape)} {b.dtype} {b.device}); the guard needs one pool for the whole run")
+    if _MEMCMP is not None and a.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
+        return _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0
+    return torch.equal(a, b)
+
+
+def changed_rows(words: torch.Tensor, copy: torch.Tensor, first: torch.Tensor | None = None,
+                 sync: bool = True) -> torch.Tensor | None:
+    """[rows] bool: the rows of `words` (pool_words of the pool) whose bytes differ from `copy`; None when no row
+    does. Exact: every changed bit of every row is seen (a copy, not a hash: nothing can collide).
+
+    sync: bring `copy` up to date with `words` (only the rows that differ are written).
+    first: rows likely to differ (a step's own writes), compared and copied on their own first, so that
+    the rest is one memory pass that usually finds nothing (needs sync)."""
+    if first is not None and not sync:
+        raise ValueError("first: rows compared first are copied first; pass sync=True")
+    hits = None
+    if first is not None and first.numel():
+        first = first.to(words.device)
+        now = words[first]
+        hit = (now != copy[first]).reshape(now.shape[0], -1).any(dim=1)
+        copy[first] = now
+        hits = first[hit]
+    out = None
+    if not same_bytes(words, copy):
+        out = (words != copy).reshape(words.shape[0], -1).any(dim=1)
+        if sync:
+            copy[out] = words[out]
+    if hits is not None and hits.numel():
+        if out is None:
+            out = torch.zeros(words.shape[0], dtype=torch.bool, device=words.device)
+        out[hits] = True
+    return out
 
 
 class Scribbler:
@@ -52,8 +106,9 @@ class Scribbler:
         self.strays = []                # {"step", "when", "call", "region", "layer", "rows", "count"}
         self._poisoned = None           # [rows] bool: rows holding our payload, not the engine's bytes
         self._shadow = None             # the engine's own bytes of those rows
-        self._before = None             # digest after our fills, before the step
-        self._after = None              # digest after the last step (or warm-up)
+        self._copy = None               # pool_words of the pool as the last hook left it: after our fills
+                                        # (before_step), after the step (after_step)
+        self._stepped = False           # a step (or warm-up) has run: the guard watches between steps
         self._last = None               # the label of that step
         self._calls = []                # (name, moves, changed rows) of the engine calls since then
         self._owner = None              # _owners() of the last step's view
@@ -62,12 +117,13 @@ class Scribbler:
     # ------------------------------------------------------------------ the hooks
     def before_step(self, view: StepView) -> None:
         pool = view.pool
+        words = pool_words(pool)
         if self._poisoned is None:
             self._poisoned = torch.zeros(pool.shape[0], dtype=torch.bool, device=pool.device)
-            self._shadow = torch.empty_like(pool)
-        if self._after is not None:
-            moved = row_digest(pool) != self._after
-            if moved.any():
+            self._shadow = torch.empty_like(pool) if self.payload is not None else None
+        if self._stepped:
+            moved = changed_rows(words, self._copy)
+            if moved is not None:
                 self._judge_moves(view, moved)
                 # what the engine wrote is its own: never overwritten with bytes we saved earlier
                 self.taken_back += int((self._poisoned & moved).sum())
@@ -77,6 +133,10 @@ class Scribbler:
         for name, rows in view.regions.items():
             if name in self.region_rows:
                 self.region_rows[name] += int(rows.numel())
+        if self._copy is None:
+            self._copy = words.clone()
+        if self.payload is None:          # a guard alone fills nothing, so nothing is ever restored
+            return
         rows = view.request_rows.get(self.victim) if self.region == OTHER else view.regions.get(self.region)
         target = torch.zeros_like(self._poisoned)
         if rows is not None and self.payload is not None and view.step != "warmup":   # nothing reads at warm-up
@@ -90,12 +150,14 @@ class Scribbler:
             pool[target] = payload_value(pool.dtype, self.payload)
             self.filled_rows += int(target.sum())
         self._poisoned = target
-        self._before = row_digest(pool)
+        written = torch.nonzero(restore | target).reshape(-1)     # the copy is the pool again: fills copied too
+        self._copy[written] = words[written]
 
     def after_step(self, view: StepView) -> None:
-        self._after = row_digest(view.pool)
-        self._last = view.step
-        changed = self._after != self._before
+        changed = changed_rows(pool_words(view.pool), self._copy, first=view.may_write)
+        self._stepped, self._last = True, view.step
+        if changed is None:
+            return
         self._poisoned &= ~changed            # the engine wrote these rows: its bytes now, not ours
         allowed = torch.zeros_like(changed)
         allowed[view.may_write.to(changed.device)] = True
@@ -105,14 +167,16 @@ class Scribbler:
 
     @contextlib.contextmanager
     def engine_call(self, name: str, pool: torch.Tensor, moves: bool):
-        """Digests around one of the engine's calls between steps, so a write there is named by it."""
-        if self._after is None:          # the engine is still being built: nothing to guard yet
+        """The pool compared around one of the engine's calls between steps, so a write there is named by it."""
+        if not self._stepped:            # the engine is still being built: nothing to guard yet
             yield
             return
-        start = row_digest(pool)
+        words = pool_words(pool)
+        # the pool as the last step left it (the usual case): the guard's copy is the start, no new copy
+        start = None if same_bytes(words, self._copy) else words.clone()
         yield
-        changed = row_digest(pool) != start
-        if changed.any():
+        changed = changed_rows(words, self._copy if start is None else start, sync=False)
+        if changed is not None:
             self._calls.append((name, moves, changed))
 
     # ------------------------------------------------------------------ between steps
