@@ -111,7 +111,7 @@ class Scribbler:
         self._stepped = False           # a step (or warm-up) has run: the guard watches between steps
         self._last = None               # the label of that step
         self._calls = []                # (name, moves, changed rows) of the engine calls since then
-        self._owner = None              # _owners() of the last step's view
+        self._last_view = None          # the last step's view: whose rows were whose (_owners, when needed)
         self._request_ids = {}          # request -> its number in _owners()
 
     # ------------------------------------------------------------------ the hooks
@@ -129,7 +129,7 @@ class Scribbler:
                 self.taken_back += int((self._poisoned & moved).sum())
                 self._poisoned &= ~moved
         self._calls = []
-        self._owner = self._owners(view)
+        self._last_view = view
         for name, rows in view.regions.items():
             if name in self.region_rows:
                 self.region_rows[name] += int(rows.numel())
@@ -154,14 +154,15 @@ class Scribbler:
         self._copy[written] = words[written]
 
     def after_step(self, view: StepView) -> None:
-        changed = changed_rows(pool_words(view.pool), self._copy, first=view.may_write)
+        # a step's own writes compared first, unless they are most of the pool (warm-up): one pass then
+        first = view.may_write if view.may_write.numel() * 4 < view.pool.shape[0] else None
+        changed = changed_rows(pool_words(view.pool), self._copy, first=first)
         self._stepped, self._last = True, view.step
         if changed is None:
             return
         self._poisoned &= ~changed            # the engine wrote these rows: its bytes now, not ours
-        allowed = torch.zeros_like(changed)
-        allowed[view.may_write.to(changed.device)] = True
-        stray = torch.nonzero(changed & ~allowed).reshape(-1).cpu()
+        changed[view.may_write.to(changed.device)] = False        # what the step may write is no stray
+        stray = torch.nonzero(changed).reshape(-1).cpu()
         if stray.numel():
             self.strays.extend(describe_strays(view, stray, f"during step {_step_name(view.step)}"))
 
@@ -204,8 +205,9 @@ class Scribbler:
                 legit |= changed
         # a request's written rows are never a move's target while it still holds them
         kept = torch.zeros_like(moved)
-        if self._owner is not None:
-            kept = (self._owner != -1) & (self._owner == self._owners(view))
+        if self._last_view is not None:
+            before = self._owners(self._last_view)
+            kept = (before != -1) & (before == self._owners(view))
         legit &= moved & ~unowned & ~kept
         self.moved_rows += int(legit.sum())
         stray = moved & ~legit
