@@ -174,7 +174,8 @@ class Scribbler:
             return
         words = pool_words(pool)
         # the pool as the last step left it (the usual case): the guard's copy is the start, no new copy
-        start = None if same_bytes(words, self._copy) else words.clone()
+        ours = words.shape == self._copy.shape and words.dtype == self._copy.dtype and words.device == self._copy.device
+        start = None if ours and same_bytes(words, self._copy) else words.clone()
         yield
         changed = changed_rows(words, self._copy if start is None else start, sync=False)
         if changed is not None:

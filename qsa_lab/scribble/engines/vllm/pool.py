@@ -159,14 +159,14 @@ class PoolMap:
         names = [family(r.name) if family else r.name for r in meta.requests]
         order = list(dict.fromkeys(names))
         codes, group, owner = self.labels(meta, [order.index(n) for n in names])
-        rows = torch.argsort(codes[self._cell], stable=True)
+        rows = torch.argsort(codes.index_select(0, self._cell), stable=True)
         counts = torch.zeros(len(ORDER), dtype=torch.int64).index_add_(0, codes.long(), self._cell_size)
         label = dict(zip(ORDER, rows.split(counts.tolist())))
         regions = {name: rows for name, rows in label.items() if name != OWNED}
         row_layer = self.layer[0] if self.layer.shape[0] == 1 else \
             self.layer.gather(0, group[self._block_of].reshape(1, -1)).reshape(-1)
         owned = label[OWNED]
-        owned_by = owner[self._cell[owned]]
+        owned_by = owner.index_select(0, self._cell.index_select(0, owned))
         request_rows = {name: owned[owned_by == k] for k, name in enumerate(order)}
         return StepView(step, self.pool, regions, owned,
                         regions["step-writes"], row_layer, [n for n, _ in meta.batch], [q for _, q in meta.batch],
