@@ -60,33 +60,27 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def changed_rows(words: torch.Tensor, copy: torch.Tensor, first: torch.Tensor | None = None,
-                 sync: bool = True) -> torch.Tensor | None:
+def changed_rows(words: torch.Tensor, copy: torch.Tensor, sync: bool = True) -> torch.Tensor | None:
     """[rows] bool: the rows of `words` (pool_words of the pool) whose bytes differ from `copy`; None when no row
-    does. Exact: every changed bit of every row is seen (a copy, not a hash: nothing can collide).
-
-    sync: bring `copy` up to date with `words` (only the rows that differ are written).
-    first: rows likely to differ (a step's own writes), compared and copied on their own first, so that
-    the rest is one memory pass that usually finds nothing (needs sync)."""
-    if first is not None and not sync:
-        raise ValueError("first: rows compared first are copied first; pass sync=True")
-    hits = None
-    if first is not None and first.numel():
-        first = first.to(words.device)
-        now = words[first]
-        hit = (now != copy[first]).reshape(now.shape[0], -1).any(dim=1)
-        copy[first] = now
-        hits = first[hit]
-    out = None
-    if not same_bytes(words, copy):
-        out = (words != copy).reshape(words.shape[0], -1).any(dim=1)
-        if sync:
-            copy[out] = words[out]
-    if hits is not None and hits.numel():
-        if out is None:
-            out = torch.zeros(words.shape[0], dtype=torch.bool, device=words.device)
-        out[hits] = True
+    does. Exact: every changed bit of every row is seen (a copy, not a hash: nothing can collide). One
+    memory pass when nothing changed. sync: bring `copy` up to date (only the rows that differ are written)."""
+    if same_bytes(words, copy):
+        return None
+    out = (words != copy).any(dim=1)
+    if sync:
+        rows = torch.nonzero(out).reshape(-1)
+        copy[rows] = words[rows]
     return out
+
+
+def sync_rows(words: torch.Tensor, copy: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """int64: those of `rows` whose bytes differ from `copy`, which is brought up to date on `rows`: a step's
+    own writes compared on their own, so that the rest of the pool is one memory pass (changed_rows)."""
+    rows = rows.to(words.device)
+    now = words[rows]
+    hit = (now != copy[rows]).any(dim=1)
+    copy[rows] = now
+    return rows[hit]
 
 
 class Scribbler:
@@ -154,15 +148,19 @@ class Scribbler:
         self._copy[written] = words[written]
 
     def after_step(self, view: StepView) -> None:
-        # a step's own writes compared first, unless they are most of the pool (warm-up): one pass then
-        first = view.may_write if view.may_write.numel() * 4 < view.pool.shape[0] else None
-        changed = changed_rows(pool_words(view.pool), self._copy, first=first)
+        words, writes = pool_words(view.pool), view.may_write
+        # a step's own writes compared on their own first, unless they are most of the pool (warm-up)
+        hits = sync_rows(words, self._copy, writes) if writes.numel() * 4 < words.shape[0] else None
+        rest = changed_rows(words, self._copy)
         self._stepped, self._last = True, view.step
-        if changed is None:
+        # rows the engine wrote hold its bytes now, not ours
+        if hits is not None:
+            self._poisoned[hits.to(self._poisoned.device)] = False
+        if rest is None:
             return
-        self._poisoned &= ~changed            # the engine wrote these rows: its bytes now, not ours
-        changed[view.may_write.to(changed.device)] = False        # what the step may write is no stray
-        stray = torch.nonzero(changed).reshape(-1).cpu()
+        self._poisoned &= ~rest
+        rest[writes.to(rest.device)] = False        # what the step may write is no stray
+        stray = torch.nonzero(rest).reshape(-1).cpu()
         if stray.numel():
             self.strays.extend(describe_strays(view, stray, f"during step {_step_name(view.step)}"))
 
