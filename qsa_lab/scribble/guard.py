@@ -2,9 +2,9 @@
 warm-up), and after each step against before the next, with the engine's calls between steps compared
 too. One copy of the pool, kept up to date, is what each comparison reads: a step's own writes are
 compared row by row first and the rest in one memory pass (memcmp on the CPU), which finds nothing
-unless a stray write landed. A row that changed outside the step's own writes and the write trash, or between steps other than
-by the engine's own restore or fork copy into rows a request owns next, is a `stray-write`, reported
-with where it landed (region, layer) and the engine call that wrote it.
+unless a stray write landed. A row that changed outside the step's own writes and the write trash, or
+between steps other than by the engine's own restore or fork copy into rows a request owns next, is a
+`stray-write`, reported with where it landed (region, layer) and the engine call that wrote it.
 
 The same hooks (`Scribbler`, the engine adapter's StepHooks) fill the read check's region with its
 payload before every step, and give every filled row its own bytes back when it leaves the region.
