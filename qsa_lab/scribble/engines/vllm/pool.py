@@ -1,4 +1,4 @@
-"""vLLM's KV pool sorted into the scribble's regions. Torch only: vLLM itself is not imported here.
+"""vLLM's KV pool sorted into the scribble's regions. Torch and numpy only: vLLM itself is not imported here.
 
 vLLM (0.32) keeps every layer's KV in ONE backing buffer; each attention layer sees a strided view
 of it whose first dimension is the block id. Inside a block, where token t's K and V bytes lie is
