@@ -1,9 +1,10 @@
 """What the scribble costs: a clean generation vs the same generation with one region scribbled.
 
 Method: the tiny model and workload of `qsa-lab scribble` (default llama-gqa, chunked-prefill); one untimed
-warm-up generation per mode, then `--repeats` generations each, wall clock (time.perf_counter, the
-device synchronised by transformers' synchronous batching before a generation returns); medians.
-Modes: `plain` (no hooks), `guard` (write guard only: a digest of every pool row around every step),
+warm-up generation per mode, then `--repeats` rounds of one generation per mode in turn, wall clock
+(time.perf_counter, the device synchronised by transformers' synchronous batching before a generation
+returns); medians.
+Modes: `plain` (no hooks), `guard` (write guard only: every pool row compared around every step),
 `scribble` (guard + one region filled before every step: read-trash, nan). A full matrix costs
 about (2 + regions x payloads + requests x payloads for other-requests) x the scribble time, plus two
 re-runs for each leak it confirms; `--matrix` also times one whole matrix (every region x payload),
@@ -29,18 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def time_modes(engine, repeats: int) -> dict:
     from qsa_lab.scribble.guard import Scribbler
     modes = {"plain": lambda: None, "guard": lambda: Scribbler(), "scribble": lambda: Scribbler("read-trash", "nan")}
-    out = {}
-    for name, hooks in modes.items():
+    for hooks in modes.values():
         engine.generate(hooks())                      # warm-up: allocator, graphs, first-call costs
-        times = []
-        for _ in range(repeats):
+    times, steps = {name: [] for name in modes}, {}
+    for _ in range(repeats):                          # the modes in turn: a change of load hits all of them
+        for name, hooks in modes.items():
             start = time.perf_counter()
             gen = engine.generate(hooks())
-            times.append(time.perf_counter() - start)
+            times[name].append(time.perf_counter() - start)
             if gen.error:
                 raise RuntimeError(f"{name}: {gen.error}")
-        out[name] = {"median_s": statistics.median(times), "min_s": min(times), "runs": times,
-                     "steps": len(gen.steps)}
+            steps[name] = len(gen.steps)
+    out = {name: {"median_s": statistics.median(t), "min_s": min(t), "runs": t, "steps": steps[name]}
+           for name, t in times.items()}
     for name in ("guard", "scribble"):
         out[name]["x_plain"] = out[name]["median_s"] / out["plain"]["median_s"]
     return out

@@ -45,8 +45,8 @@ def add_parser(sub, parents=()):
         help="poison every KV slot an engine does not own, at every step; guard every slot it must not write",
         description="Fill one region of a running engine's KV pool (or one live request's own rows, to judge the "
                     "others) before every step of a whole generation and compare tokens, logprobs and logits with "
-                    "a clean run, every leak confirmed by a second clean and a second filled run; hash every row "
-                    "around every step and between steps and report writes where none may land (stray-write). "
+                    "a clean run, every leak confirmed by a second clean and a second filled run; compare every row "
+                    "with a copy of the pool around every step and between steps and report writes where none may land (stray-write). "
                     "Engines: transformers' continuous batching (pip install 'qsa_lab[scribble]') and vLLM "
                     "(make vllm-env).")
     p.add_argument("--engine", default="transformers", choices=ENGINES,

@@ -18,7 +18,7 @@ vLLM (in its own environment, `make vllm-env`): VllmEngine(vllm_model("llama-gqa
 The floor plan (the canary's pattern):
 
     check.py        the run loop: scribble(), every region x payload, each leak confirmed
-    guard.py        the hooks that fill a region and guard every row (Scribbler, row_digest)
+    guard.py        the hooks that fill a region and guard every row (Scribbler, changed_rows)
     compare.py      what changed between two generations, and where it first shows
     report.py       ScribbleReport: cells, table, legend, JSON (on analysis.leaks' report base)
     regions.py      the regions, what each holds and which wins a row two claim, once; the payloads

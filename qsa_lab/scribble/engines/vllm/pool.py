@@ -1,4 +1,4 @@
-"""vLLM's KV pool sorted into the scribble's regions. Torch only: vLLM itself is not imported here.
+"""vLLM's KV pool sorted into the scribble's regions. Torch and numpy only: vLLM itself is not imported here.
 
 vLLM (0.32) keeps every layer's KV in ONE backing buffer; each attention layer sees a strided view
 of it whose first dimension is the block id. Inside a block, where token t's K and V bytes lie is
@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from ...regions import OWNED, RowLabels, precedence
@@ -99,20 +100,24 @@ class PoolMap:
         cell = self.block.long() * (block_size + 1) + torch.where(self.token >= 0, self.token, block_size).long()
         self._cell = torch.where(self.block >= 0, cell, num_blocks * (block_size + 1))
         self._block_of = self.block.clamp(min=0).long()
+        self._cell_size = torch.bincount(self._cell, minlength=num_blocks * (block_size + 1) + 1)
+        self._warmup = None
 
-    def labels(self, meta: StepMeta, family: list | None = None) -> tuple[RowLabels, torch.Tensor, torch.Tensor]:
-        """(label of every element (regions.RowLabels), group of every element's block, owner of every element: the number in
-        `family` (one per request of meta.requests; default its place there) of the family whose own
-        readable slot it is, -1 none, -2 a slot two families read)."""
+    def labels(self, meta: StepMeta, family: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's labels per cell of the [blocks, block_size + 1] table (column block_size: elements of no
+        token slot; one extra last cell: elements of no block, always free), flat: (label code of each cell
+        (an index of ORDER), group of each block, owner of each cell: the number in `family` (one per
+        request of meta.requests; default its place there) of the family whose own readable slot it is,
+        -1 none, -2 a slot two families read)."""
         nb, bs = self.num_blocks, self.block_size
-        table = RowLabels(torch.zeros((nb, bs + 1), dtype=torch.int8), ORDER)   # column bs: elements of no token slot
-        owner = torch.full((nb, bs + 1), -1, dtype=torch.int64)
-        group = torch.zeros(nb, dtype=torch.int64)
+        table = RowLabels(torch.zeros((nb, bs + 1), dtype=torch.int8), ORDER)
+        group = [0] * nb
         table.mark(meta.cached_free, "prefix-cache")
         for g, blocks in meta.window_freed.items():
             table.mark(blocks, "out-of-window")
-            group[blocks] = g
-        spans = []      # (block, group, visible from, written up to, written this step up to (token slots), family)
+            for b in blocks:
+                group[b] = g
+        spans = []      # (block, visible from, written up to, written this step up to (token slots), family)
         for k, r in enumerate(meta.requests):
             for g, blocks in enumerate(r.blocks):
                 window = meta.windows[g]
@@ -121,45 +126,68 @@ class PoolMap:
                     if b == meta.null_block:
                         continue
                     lo = i * bs
-                    spans.append((b, g, *(min(max(p - lo, 0), bs) for p in
-                                          (first_visible, r.computed, r.computed + r.scheduled)),
+                    spans.append((b, *(min(max(p - lo, 0), bs) for p in
+                                       (first_visible, r.computed, r.computed + r.scheduled)),
                                   k if family is None else family[k]))
-        for b, g, vis, done, step, f in spans:
-            table.mark(b, "unwritten-tail")
-            table.mark((b, slice(0, min(vis, done))), "out-of-window")
-            table.mark((b, slice(vis, done)), OWNED)
-            # a block another request is still filling can be a prefix-cache hit in the same step (vLLM
-            # registers a block's hash when its tokens are scheduled): those slots are step writes for both
-            table.mark((b, slice(done, step)), "step-writes")
-            group[b] = g
-            mine = owner[b, vis:done]
-            owner[b, vis:done] = torch.where((mine == -1) | (mine == f), f, -2)
+                    group[b] = g
+        codes = table.codes.reshape(-1)
+        owner = torch.full((nb * (bs + 1) + 1,), -1, dtype=torch.int64)
+        if spans:
+            # every span at once: its block is an unwritten tail, then by token slot out-of-window, owned
+            # (what it may read) and step writes (a block another request is still filling can be a
+            # prefix-cache hit in the same step: those slots are step writes for both)
+            span = torch.tensor(spans, dtype=torch.int64)
+            vis, done, step, fam = (span[:, i:i + 1] for i in range(1, 5))
+            t = torch.arange(bs + 1)
+            code = {name: torch.tensor(i, dtype=torch.int8) for i, name in enumerate(ORDER)}
+            mine = (vis <= t) & (t < done)
+            label = torch.where(t < torch.minimum(vis, done), code["out-of-window"], code["unwritten-tail"])
+            label = torch.where(mine, torch.maximum(label, code[OWNED]), label)
+            label = torch.where((done <= t) & (t < step), torch.maximum(label, code["step-writes"]), label)
+            cell = span[:, :1] * (bs + 1) + t
+            codes.scatter_reduce_(0, cell.reshape(-1), label.reshape(-1), "amax")
+            # a slot two families may read is nobody's alone
+            cell, fam = cell[mine], fam.expand_as(mine)[mine]
+            low = torch.full_like(owner, len(spans) + 2).scatter_reduce_(0, cell, fam, "amin")
+            owner = owner.scatter_reduce_(0, cell, fam, "amax")
+            owner = torch.where((owner >= 0) & (low != owner), -2, owner)
         table.mark(meta.null_block, "read-trash")
-        cells = RowLabels(torch.cat([table.codes.reshape(-1), torch.zeros(1, dtype=torch.int8)])[self._cell], ORDER)
-        owners = torch.cat([owner.reshape(-1), torch.tensor([-1])])
-        return cells, group[self._block_of], torch.where(cells.is_(OWNED), owners[self._cell], -1)
+        return torch.cat([codes, torch.zeros(1, dtype=torch.int8)]), torch.tensor(group, dtype=torch.int64), owner
 
     def view(self, step, meta: StepMeta, family=None) -> StepView:
         """The StepView of a step; `family(request name) -> family name` keys each request's own rows
-        (default: every request is its own family)."""
+        (default: every request is its own family). Every region in one pass: the elements sorted by
+        label (a stable sort keeps each region's rows ascending)."""
         names = [family(r.name) if family else r.name for r in meta.requests]
         order = list(dict.fromkeys(names))
-        label, group, owner = self.labels(meta, [order.index(n) for n in names])
-        regions = label.regions()
-        row_layer = self.layer[0] if self.layer.shape[0] == 1 else self.layer.gather(0, group.reshape(1, -1)).reshape(-1)
-        request_rows = {name: torch.nonzero(owner == k).reshape(-1) for k, name in enumerate(order)}
-        return StepView(step, self.pool, regions, label.rows(OWNED),
+        codes, group, owner = self.labels(meta, [order.index(n) for n in names])
+        # numpy's stable sort of 8-bit keys is a radix sort: faster than torch's here
+        rows = torch.from_numpy(numpy.argsort(codes.index_select(0, self._cell).numpy(), kind="stable"))
+        counts = torch.zeros(len(ORDER), dtype=torch.int64).index_add_(0, codes.long(), self._cell_size)
+        label = dict(zip(ORDER, rows.split(counts.tolist())))
+        regions = {name: rows for name, rows in label.items() if name != OWNED}
+        row_layer = self.layer[0] if self.layer.shape[0] == 1 else \
+            self.layer.gather(0, group[self._block_of].reshape(1, -1)).reshape(-1)
+        owned = label[OWNED]
+        # each family's own rows, ascending: owned rows sorted by family (-2: shared, first), stably
+        owned_by = owner.index_select(0, self._cell.index_select(0, owned)) + 2
+        key = owned_by.to(torch.int16) if len(order) < 32000 else owned_by      # 16-bit keys: a radix sort
+        mine = owned[torch.from_numpy(numpy.argsort(key.numpy(), kind="stable"))]
+        per_family = torch.bincount(owned_by, minlength=len(order) + 2).tolist()
+        request_rows = dict(zip(order, mine.split(per_family)[2:]))
+        return StepView(step, self.pool, regions, owned,
                         regions["step-writes"], row_layer, [n for n, _ in meta.batch], [q for _, q in meta.batch],
                         request_rows=request_rows)
 
     def warmup_view(self, pool: torch.Tensor) -> StepView:
         """Warm-up (and graph capture): no request owns anything and no row may change; the null
         block is the read trash, every other row a free block. `pool`: the rows to show ([elements, 1])."""
-        label = RowLabels(torch.zeros(self.block.shape, dtype=torch.int8), ORDER)
-        label.mark(self.block == 0, "read-trash")
-        regions = {name: label.rows(name) for name in ("free-blocks", "read-trash")}
+        if self._warmup is None:        # the same every generation
+            label = RowLabels(torch.zeros(self.block.shape, dtype=torch.int8), ORDER)
+            label.mark(self.block == 0, "read-trash")
+            self._warmup = {name: label.rows(name) for name in ("free-blocks", "read-trash")}
         none = torch.zeros(0, dtype=torch.int64)
-        return StepView("warmup", pool, regions, none, none, self.layer[0].clone())
+        return StepView("warmup", pool, dict(self._warmup), none, none, self.layer[0].clone())
 
 
 class Families:
