@@ -86,7 +86,10 @@ def main(argv=None):
     ap.add_argument("--params", default="{}", help="JSON object overriding PARAMS (another workload)")
     ap.add_argument("--any-version", action="store_true", help=f"run on a vLLM other than {TESTED}")
     opts = ap.parse_args(argv)
-    p = {**PARAMS, **json.loads(opts.params)}
+    try:
+        p = read_params(opts.params)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: --params: {e}\n")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # one process: the workaround patches it
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
@@ -152,5 +155,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
 '''
