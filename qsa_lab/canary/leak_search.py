@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from qsa_lab.analysis.leaks import CLEAN
-from qsa_lab.model.geometry import KV_DTYPES, LAYOUTS
+from qsa_lab.model.geometry import KV_DTYPES, LAYOUTS, RANGES
 
 SCHEMA = "qsa_lab.canary-search/1"
 DEFAULT_BUDGET = "60s"
@@ -783,6 +783,9 @@ def _check_pins(pins: dict, lim: Limits, who: str) -> None:
             # a pin outside the search's own values is fine where the canary accepts it (e.g. 256 heads)
             if arg in ("kv_dtype", "layout") or (arg == "q_heads" and not lim.gqa):
                 need(False, arg, f"{_values(values)}")
+    low, high = RANGES["requests"]
+    if "requests" in pins and not low <= pins["requests"] <= high:    # the canary's own range, checked here
+        raise ValueError(f"requests: must be in {low}..{high}, got {pins['requests']!r}")   # (0 is no request)
     if "kv_heads" in pins and not lim.gqa:
         need(pins["kv_heads"] == 1, "kv_heads", "one KV head")
     if "query_len" in pins:
