@@ -381,7 +381,10 @@ def load_case(path, attend=None) -> CanaryCase:
     ps = kv.shape[2]
     past = torch.arange(bt.shape[1]).unsqueeze(0) >= (-(-seq.long() // ps)).unsqueeze(1)
     bt[past] = 0
-    sel = t.get("selected", torch.full((rows, 0), -1, dtype=torch.int32)).to(torch.int32)
+    sel = t.get("selected", torch.full((rows, 0), -1, dtype=torch.int32))
+    if sel.dim() != 2 or sel.shape[0] != rows or sel.is_floating_point():
+        raise ValueError(f"selected: expected [rows={rows}, topk] integers in {path}, got {list(sel.shape)} {sel.dtype}")
+    sel = sel.to(torch.int32)
     geometry = None
     if "geometry" in meta:
         from qsa_lab.model.case import geometry_from_json

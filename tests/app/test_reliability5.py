@@ -15,3 +15,59 @@ def test_search_pins_requests_inside_the_canary_range_naming_it(capsys, value):
     blamed --rows."""
     assert main(["canary", "--search", "--kernels", "qsa:xqa", "--requests", value, "--budget", "1"]) == 2
     _one_line(capsys.readouterr().err, "--requests")
+
+
+# -- a received call file whose tensors disagree with each other ----------------------------------
+
+@pytest.fixture
+def call_file(tmp_path):
+    from qsa_lab.canary.calls import save_call
+    from qsa_lab.canary.case import canary_case
+    from qsa_lab.model.regions import region_slots
+
+    case = canary_case()
+    path = tmp_path / "calls" / "cell.safetensors"
+    save_call(path, case, "torch:sdpa-math", "stale-tail", "v", "nan", region_slots(case, "stale-tail"), None,
+              "nan-leak", {"nan": 1, "inf": 0, "finite_changed": 0}, {})
+    return path
+
+
+def _rewrite(path, **tensors):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, old = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    save_file({**old, **tensors}, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("change", ["empty", "flat", "float32"])
+def test_a_poisoned_pool_unlike_the_pool_is_bad_input(call_file, capsys, change):
+    """Before: an empty or reshaped kv_cache_poisoned was `qsa-lab: failed: IndexError` (exit 3); a float32
+    one replayed a verdict on a pool of another dtype."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(call_file), framework="pt") as f:
+        kv = f.get_tensor("kv_cache_poisoned")
+    _rewrite(call_file, kv_cache_poisoned={"empty": kv.flatten()[:0].clone(), "flat": kv.flatten().clone(),
+                                           "float32": kv.float()}[change])
+    assert main(["replay", str(call_file), "--backend", "emulate"]) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "CALL_FILE")
+    assert "kv_cache_poisoned" in err and str(torch.float16) in err
+
+
+@pytest.mark.parametrize("change", ["empty", "flat"])
+def test_a_case_file_whose_selections_have_no_rows_is_bad_input(call_file, capsys, change):
+    """Before: `canary --case` with an empty or 1-D `selected` was `qsa-lab: failed: IndexError` (exit 3)."""
+    from safetensors import safe_open
+
+    with safe_open(str(call_file), framework="pt") as f:
+        sel = f.get_tensor("selected")
+    _rewrite(call_file, selected={"empty": sel.flatten()[:0].clone(), "flat": sel.flatten().clone()}[change])
+    assert main(["canary", "--case", str(call_file), "--kernels", "torch:sdpa-math", "--regions", "stale-tail",
+                 "--payloads", "nan", "--planes", "v", "--backend", "emulate"]) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "--case")
+    assert "selected" in err
