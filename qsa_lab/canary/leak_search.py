@@ -38,6 +38,7 @@ SCHEMA = "qsa_lab.canary-search/1"
 DEFAULT_BUDGET = "60s"
 ATTENDS = ("dense", "window", "sink", "sparse")    # simplest first (the shrinker's order)
 PAYLOAD_ORDER = ("nan", "inf", "max")
+RANK = PAYLOAD_ORDER + ("zero",)    # every payload a search may be given, in the shrinker's order
 SHRINK_RUNS = 400     # canary runs one leak's shrinking may take
 #: the fields a caller may pin (the CLI's geometry options given beside --search)
 PINS = ("requests", "query_len", "q_heads", "kv_heads", "head_dim", "page_size", "context", "kv_dtype", "attend",
@@ -206,7 +207,7 @@ class Params:
                 self.head_dim,
                 ATTENDS.index(kind), param, self.free_pages, LAYOUTS.index(self.layout),
                 ("fp16", "e4m3", "e5m2").index(self.kv_dtype), len(self.regions), len(self.planes),
-                len(self.payloads), tuple(PAYLOAD_ORDER.index(p) for p in self.payloads), self.seed,
+                len(self.payloads), tuple(RANK.index(p) for p in self.payloads), self.seed,
                 self.request_rows)
 
     def describe(self) -> str:
@@ -283,7 +284,7 @@ def strategy(limits: Limits, pins: dict, regions=None, planes=None, payloads=Non
                       pins["free_pages"] if "free_pages" in pins else draw(st.integers(0, limits.max_free_pages)),
                       pins["seed"] if "seed" in pins else draw(st.integers(0, 1 << 16)),
                       have, tuple(planes or ("k", "v")),     # every region and plane: the shrinker narrows them
-                      tuple(sorted(draw(st.sets(st.sampled_from(usable), min_size=1)), key=PAYLOAD_ORDER.index)))
+                      tuple(sorted(draw(st.sets(st.sampled_from(usable), min_size=1)), key=RANK.index)))
     return params()
 
 
@@ -662,7 +663,7 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
     name = as_kernel_name(kernel) if not callable(kernel) else kernel
     regions = _names("regions", regions, REGIONS)
     planes = _names("planes", planes, PLANES)
-    payloads = _names("payloads", payloads, PAYLOAD_ORDER + ("zero",))
+    payloads = _names("payloads", payloads, RANK)
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     worker = _Persistent(name, timeout) if not callable(name) and not name.in_process else None
     try:
@@ -671,6 +672,7 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
             _limits(limits)    # names every unknown field
             lim = dataclasses.replace(lim, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in limits.items()})
         _check_pins(pins, lim, kernel_name(name))
+        _check_reachable(lim, pins, regions, payloads)
         _smallest(pins).case()     # a pin the canary refuses (head_dim 17, ...) is refused now, naming it
         return _search(name, worker or name, kernel_name(name), budget, seed, lim, pins, backend, regions, planes,
                        payloads, timeout, progress, shrink_runs)
@@ -795,6 +797,19 @@ def _check_pins(pins: dict, lim: Limits, who: str) -> None:
         kind = "sink" if spec.kind == "window" and spec.sink else spec.kind
         need(kind in lim.attends, "attend", f"attend {'/'.join(lim.attends)}")
         pins["attend"] = str(spec)
+
+
+def _check_reachable(lim: Limits, pins: dict, regions, payloads) -> None:
+    """Regions or payloads no case of the search can hold (a region the attention specs searched
+    never have, a payload no kv dtype searched has a code for) are refused, naming the option."""
+    kinds = [pins["attend"]] if "attend" in pins else [
+        {"dense": "dense", "sparse": "sparse", "window": "window:1", "sink": "window:1,sink:1"}[k] for k in lim.attends]
+    if regions and not any(_regions(spec, regions) for spec in kinds):
+        raise ValueError(f"regions: no case under attend {'/'.join(kinds)} has {','.join(regions)} (its regions: "
+                         f"{', '.join(dict.fromkeys(r for spec in kinds for r in _regions(spec, None)))})")
+    dtypes = [pins["kv_dtype"]] if "kv_dtype" in pins else list(lim.kv_dtypes)
+    if payloads and not any(_payloads(d, payloads) for d in dtypes):
+        raise ValueError(f"payloads: kv dtype {'/'.join(dtypes)} has no code for {','.join(payloads)}")
 
 
 # -- writing the findings -----------------------------------------------------------------------------

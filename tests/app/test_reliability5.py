@@ -71,3 +71,31 @@ def test_a_case_file_whose_selections_have_no_rows_is_bad_input(call_file, capsy
     err = capsys.readouterr().err
     _one_line(err, "--case")
     assert "selected" in err
+
+
+# -- canary --search: options that leave nothing to search --------------------------------------
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kernels", "qsa:grouped", "--regions", "out-of-window"], "--regions"),    # sparse only: never there
+    (["--kernels", "torch:sdpa-math", "--attend", "window:4", "--regions", "unselected"], "--regions"),
+    (["--kernels", "torch:sdpa-math", "--kv-dtype", "fp16", "--payloads", "max"], None),   # fp16 has max: runs
+    (["--kernels", "torch:sdpa-math", "--kv-dtype", "e4m3", "--payloads", "inf"], "--payloads"),   # E4M3: no Inf
+])
+def test_search_regions_or_payloads_no_case_holds_are_bad_input(capsys, argv, flag):
+    """Before: `qsa-lab: failed: Unsatisfiable: Unable to satisfy assumptions of test. 459 of 459 ...` (exit 3)."""
+    code = main(["canary", "--search", *argv, "--budget", "1", "--backend", "emulate"])
+    err = capsys.readouterr().err
+    if flag is None:
+        assert code in (0, 1) and "Unsatisfiable" not in err, err
+        return
+    assert code == 2, err
+    _one_line(err, flag)
+    assert ("no case under attend" if flag == "--regions" else "has no code for") in err
+
+
+def test_search_payload_zero_runs(capsys):
+    """Before: `--payloads zero` (a payload the canary accepts) was `canary --search: tuple.index(x): x not in tuple`."""
+    code = main(["canary", "--search", "--kernels", "torch:sdpa-math", "--payloads", "zero", "--budget", "1",
+                 "--backend", "emulate"])
+    out, err = capsys.readouterr()
+    assert code in (0, 1, 3) and "tuple.index" not in err and "search torch:sdpa-math" in out + err, err
