@@ -76,13 +76,13 @@ NAMES = ("report.md", "report.html", "leak_matrix.png", "canary.json", "calls", 
 MATRIX_MAX_PX = 1200   # the leak matrix's width cap: it fits a 1280-px window beside the page margins
 
 
-def check_report_dir(out_dir, force: bool = False, inputs: dict | None = None) -> Path:
+def check_report_dir(out_dir, force: bool = False, inputs: dict | None = None, outputs: dict | None = None) -> Path:
     """The report folder, checked before any work (qsa_lab.support.outputs.check_new_folder):
     absent or empty; with force, a report folder (NAMES only, no symlink among them); never a
-    folder holding one of `inputs` ({option: path}, e.g. --case, a kernel file)."""
+    folder holding one of `inputs` ({option: path}, e.g. --case, a kernel file) or `outputs` (--json)."""
     from qsa_lab.support.outputs import check_new_folder
 
-    return check_new_folder(out_dir, "report", force, NAMES, inputs)
+    return check_new_folder(out_dir, "report", force, NAMES, inputs, outputs)
 
 
 def write_report(report, out_dir, force: bool = False, minimize: bool = True, fns: dict | None = None,

@@ -99,3 +99,21 @@ def test_search_payload_zero_runs(capsys):
                  "--backend", "emulate"])
     out, err = capsys.readouterr()
     assert code in (0, 1, 3) and "tuple.index" not in err and "search torch:sdpa-math" in out + err, err
+
+
+# -- --json inside the --report folder ------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [
+    ["canary", "--kernels", "torch:sdpa-math", "--regions", "stale-tail", "--payloads", "nan", "--backend", "emulate"],
+    ["canary", "--search", "--kernels", "torch:sdpa-math", "--budget", "1", "--backend", "emulate"],
+    ["scribble", "--regions", "other-requests", "--payloads", "nan"],
+])
+def test_json_inside_the_report_folder_is_refused_before_any_work(tmp_path, capsys, command):
+    """Before: the whole run, then --json written into the (empty) report folder, then `--report: R is not
+    empty` (exit 2): the run lost and a stray file left."""
+    folder = tmp_path / "R"
+    folder.mkdir()
+    assert main([*command, "--report", str(folder), "--json", str(folder / "doc.json")]) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "--report")
+    assert "--json" in err and list(folder.iterdir()) == []
