@@ -117,3 +117,19 @@ def test_json_inside_the_report_folder_is_refused_before_any_work(tmp_path, caps
     err = capsys.readouterr().err
     _one_line(err, "--report")
     assert "--json" in err and list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["scribble", "--attn", "user_attention.py:heads_first"],
+                                     ["canary", "--kernels", "canary_kernels:reference"]])
+def test_a_timeout_beyond_a_week_is_bad_input(capsys, command):
+    """Before: `scribble --attn ... --timeout 1e99` ran, then `qsa-lab: failed: OverflowError: timestamp out of
+    range for platform time_t` (exit 3)."""
+    assert main([*command, "--timeout", "1e99"]) == 2
+    _one_line(capsys.readouterr().err, "--timeout")
+
+
+def test_scribble_attention_refuses_such_a_timeout():
+    from qsa_lab.scribble.isolated import scribble_attention
+
+    with pytest.raises(ValueError, match="timeout: must be a number of seconds in"):
+        scribble_attention("user_attention.py:heads_first", timeout=1e99)
