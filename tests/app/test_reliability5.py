@@ -133,3 +133,15 @@ def test_scribble_attention_refuses_such_a_timeout():
 
     with pytest.raises(ValueError, match="timeout: must be a number of seconds in"):
         scribble_attention("user_attention.py:heads_first", timeout=1e99)
+
+
+# -- cross-request: a list option naming one item twice --------------------------------------------
+
+@pytest.mark.parametrize("flag, value", [("--requests", "1,1"), ("--payloads", "nan,nan"), ("--routes", "xqa,xqa")])
+def test_cross_request_refuses_an_item_named_twice(capsys, flag, value):
+    """Before: `--requests 1,1` and `--payloads nan,nan` ran the request twice and doubled every count
+    (exit 0); `--routes xqa,xqa` was blamed on --q-heads."""
+    assert main(["cross-request", flag, value, "--q-heads", "2"]) == 2
+    err = capsys.readouterr().err
+    _one_line(err, flag)
+    assert "more than once" in err
