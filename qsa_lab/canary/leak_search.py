@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from qsa_lab.analysis.leaks import CLEAN
-from qsa_lab.model.geometry import KV_DTYPES, LAYOUTS, RANGES
+from qsa_lab.model.geometry import CANARY_RANGES, KV_DTYPES, LAYOUTS, RANGES
 
 SCHEMA = "qsa_lab.canary-search/1"
 DEFAULT_BUDGET = "60s"
@@ -82,6 +82,11 @@ def parse_budget(value) -> Budget:
 
 # -- what a kernel declares it supports ------------------------------------------------------------
 
+#: the integer fields of Limits and the values a kernel may declare
+LIMIT_INTS = {"max_requests": (1, 256), "max_query_len": (1, 256), "max_extra_context": (0, 1 << 16),
+              "max_free_pages": (0, 64)}
+
+
 @dataclass(frozen=True)
 class Limits:
     """The geometries a kernel supports, as far as the search explores them. A kernel declares
@@ -104,9 +109,23 @@ class Limits:
             v = getattr(self, name)
             if not isinstance(v, tuple) or not v:
                 raise ValueError(f"limits: {name} must be a non-empty tuple, got {v!r}")
-        bad = [a for a in self.attends if a not in ATTENDS]
-        if bad:
-            raise ValueError(f"limits: attends {bad} unknown; choose from {ATTENDS}")
+        for name, known in (("attends", ATTENDS), ("kv_dtypes", KV_DTYPES), ("layouts", LAYOUTS)):
+            bad = [a for a in getattr(self, name) if a not in known]
+            if bad:
+                raise ValueError(f"limits: {name} {bad} unknown; choose from {known}")
+        for name, (low, high) in (("q_heads", CANARY_RANGES["q_heads"]), ("head_dims", RANGES["head_dim"]),
+                                  ("page_sizes", RANGES["page_size"])):
+            step = 16 if name == "head_dims" else 1     # the canary's head dims are multiples of 16
+            bad = [v for v in getattr(self, name) if type(v) is not int or not low <= v <= high or v % step]
+            if bad:
+                raise ValueError(f"limits: {name} must hold ints in {low}..{high}"
+                                 + (" (multiples of 16)" if step > 1 else "") + f", got {bad}")
+        if not isinstance(self.gqa, bool):
+            raise ValueError(f"limits: gqa must be true or false, got {self.gqa!r}")
+        for name, (low, high) in LIMIT_INTS.items():   # bounded so each drawn case stays small
+            v = getattr(self, name)
+            if type(v) is not int or not low <= v <= high:
+                raise ValueError(f"limits: {name} must be an int in {low}..{high}, got {v!r}")
 
     def describe(self) -> str:
         kv = "any divisor" if self.gqa else "1"

@@ -1,5 +1,7 @@
 """Reliability V (issue 48): this round's new surfaces as a stranger uses them: bad input is one line
 naming the argument (exit 2), nothing checked is exit 3, a received file never chooses code to run."""
+import re
+
 import pytest
 
 from qsa_lab.app.cli import main
@@ -145,3 +147,25 @@ def test_cross_request_refuses_an_item_named_twice(capsys, flag, value):
     err = capsys.readouterr().err
     _one_line(err, flag)
     assert "more than once" in err
+
+
+@pytest.mark.parametrize("limits, said", [
+    ({"max_requests": -1}, "max_requests must be an int in 1..256"),      # was Hypothesis: max_value < min_value
+    ({"max_requests": 10 ** 9}, "max_requests must be an int in 1..256"),  # was Hypothesis: min_size too large
+    ({"kv_dtypes": ("int8",)}, "kv_dtypes ['int8'] unknown"),             # was Unsatisfiable, exit 3
+    ({"page_sizes": (3,)}, "page_sizes must hold ints in 4..1024"),        # was exit 3: no case ran a check
+    ({"head_dims": (24,)}, "multiples of 16"),
+    ({"gqa": "yes"}, "gqa must be true or false"),                         # was taken as true
+    ({"max_extra_context": 10 ** 12}, "max_extra_context must be an int in 0..65536"),   # was searched
+])
+def test_a_kernels_declared_limits_are_checked_naming_the_field(limits, said):
+    from qsa_lab.canary.leak_search import Limits, limits_of
+
+    def attn(call):
+        return None
+
+    attn.canary_limits = limits
+    with pytest.raises(ValueError, match=re.escape(said)):
+        limits_of(attn)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Limits(**limits)
