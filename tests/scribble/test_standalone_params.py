@@ -78,3 +78,17 @@ def test_an_engine_error_is_no_verdict(tmp_path, kind, fails, code, said):
     out = _run(_script(tmp_path, kind), env=env, isolate=False)
     assert out.returncode == code and out.stdout.strip().splitlines()[-1] == said, (out.stdout, out.stderr[-2000:])
     assert "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_modules_lying_beside_a_script_are_never_imported(tmp_path, kind):
+    """A report folder someone sent: `python scripts/<name>.py` puts scripts/ first on the import path.
+    Before: a json.py (or torch.py) lying there ran."""
+    script = _script(tmp_path, kind)
+    marks = tmp_path / "MARKS"
+    marks.mkdir()
+    for name in ("json", "math", "argparse", "tempfile", "torch", "transformers", "vllm", "safetensors"):
+        (tmp_path / f"{name}.py").write_text(f"import pathlib\npathlib.Path({str(marks / name)!r}).write_text('ran')\n")
+    out = subprocess.run([sys.executable, "-S", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert sorted(p.name for p in marks.iterdir()) == [], out.stderr
+    assert out.returncode == 3 and out.stdout.startswith("CANNOT RUN: "), (out.stdout, out.stderr)

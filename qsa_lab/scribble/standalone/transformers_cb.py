@@ -33,11 +33,18 @@ What it does:
 request's rows against that request's own keys only (`cu_seq_lens_q` / `cu_seq_lens_k` say where
 each starts), so no other request's column enters a row's arithmetic.
 """
-import argparse
-import json
-import math
+import os
 import sys
-import tempfile
+
+# Python puts this script's folder first on the import path: in a folder you received, a json.py or
+# torch.py lying beside this script must not be imported in place of the real one
+_here = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
 
 PARAMS = __PARAMS__
 TESTED = "__TESTED__"     # the transformers versions this script was generated and checked with

@@ -32,12 +32,18 @@ new_block_ids_to_zero, which vLLM 0.32 enables only for Mamba and mixed-precisio
 handed-out block holds no previous owner's bytes. The fix in the kernel: zero (or never load) V
 rows at or past seq_len in a request's last block before P @ V.
 """
-import argparse
-import json
-import math
 import os
 import sys
-import tempfile
+
+# Python puts this script's folder first on the import path: in a folder you received, a json.py or
+# torch.py lying beside this script must not be imported in place of the real one
+_here = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
 
 PARAMS = __PARAMS__
 TESTED = "__TESTED__"     # the vLLM version this script was generated and checked with
