@@ -235,7 +235,7 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
     from qsa_lab.canary.standalone import write_script
     from qsa_lab.model.regions import region_slots
 
-    calls, runners = [], {}
+    calls, runners, used = [], {}, set()
     device = torch.device(report.device) if report.device else torch.device("cpu")
     try:
         for e in _entries(report):
@@ -257,7 +257,12 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
                                                            r.payload, None, device)
                 except Exception as err:  # noqa: BLE001 - keep the whole region; say why
                     counts = {**counts, "minimize_error": f"{type(err).__name__}: {err}"}
-            name = call_stem(report.names.get(r.kernel, r.kernel), r.region, r.plane, r.payload)
+            name = stem = call_stem(report.names.get(r.kernel, r.kernel), r.region, r.plane, r.payload)
+            n = 1
+            while name in used:     # two kernel files of one name (a/k.py, b/k.py): one call file each
+                n += 1
+                name = f"{stem}_{n}"
+            used.add(name)
             save_call(out / "calls" / f"{name}.safetensors", report.case, r.kernel, r.region, r.plane, r.payload,
                       slots, None, verdict, counts, env, copy=kernel_files.get(r.kernel))
             n = int(slots.sum())

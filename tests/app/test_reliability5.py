@@ -169,3 +169,28 @@ def test_a_kernels_declared_limits_are_checked_naming_the_field(limits, said):
         limits_of(attn)
     with pytest.raises(ValueError, match=re.escape(said)):
         Limits(**limits)
+
+
+def test_two_kernel_files_of_one_name_keep_a_call_file_each(tmp_path, capsys):
+    """Before: a/k.py:attn and b/k.py:attn, both leaking, wrote one calls/k.attn__... file: the second
+    overwrote the first, and the first kernel's replay line replayed the other kernel's call."""
+    import json
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "k.py").write_text("import canary_kernels\n\ndef attn(call):\n"
+                                                "    return canary_kernels.zero_times_v(call)\n")
+    report = tmp_path / "R"
+    code = main(["canary", "--kernels", f"{tmp_path}/a/k.py:attn,{tmp_path}/b/k.py:attn", "--regions", "stale-tail",
+                 "--payloads", "nan", "--planes", "v", "--backend", "emulate", "--report", str(report)])
+    assert code == 1, capsys.readouterr().err
+    calls = sorted(p.name for p in (report / "calls").iterdir())
+    assert len(calls) == 2, calls
+    text = (report / "report.md").read_text()
+    lines = [x for x in text.splitlines() if x.startswith("qsa-lab replay calls/")]
+    assert len(lines) == 2 and len({x.split()[2] for x in lines}) == 2, lines
+    from qsa_lab.canary.calls import load_call
+
+    copies = {load_call(report / "calls" / c)[2].get("kernel_copy") for c in calls}
+    assert copies == {"kernels/k.py:attn", "kernels/k_2.py:attn"}, copies
+    assert json.loads((report / "canary.json").read_text())["schema"] == "qsa_lab.canary/1"
