@@ -38,7 +38,9 @@ class InstalledOnly:
             spec = finder.find_spec(name, rest, target)
             if spec is not None:
                 return spec
-        return None
+        # the install this .pth belongs to is gone (a removed checkout): the folder's copy is no stand-in
+        raise ModuleNotFoundError(f"No module named {name!r} outside the current folder (the installed one is "
+                                  f"missing; {sorted(added)} are not searched for it)", name=name)
 
     @classmethod
     def added_folders(cls) -> set:

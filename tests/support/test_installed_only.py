@@ -58,3 +58,11 @@ def test_the_pth_is_one_import_line_that_installs_the_finder_once(tmp_path):
     out = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["1", "InstalledOnly"], out.stdout + out.stderr
+
+
+def test_with_the_install_gone_the_folders_copy_is_no_stand_in(received, monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(received)] + [p for p in sys.path[1:] if p != str(ROOT)
+                                                         and not os.path.isdir(os.path.join(p, "qsa_lab"))])
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if "editable" not in repr(f).lower()])
+    with pytest.raises(ModuleNotFoundError, match="outside the current folder"):
+        InstalledOnly.find_spec("qsa_lab")
