@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from build_pth import PTH, SOURCE, pth_line
+from build_pth import MODULE, PTH, SOURCE, pth_line
 from qsa_lab.support.installed_only import InstalledOnly
 
 ROOT = Path(__file__).parents[2]
@@ -47,9 +47,10 @@ def test_a_path_entry_present_at_start_up_counts(received, monkeypatch):
 
 
 def test_the_pth_is_one_import_line_that_installs_the_finder_once(tmp_path):
-    line = pth_line(SOURCE.read_text())
+    line = pth_line()
     assert line.startswith("import ") and line.count("\n") == 1 and line.endswith("\n")
     (tmp_path / PTH).write_text(line)
+    (tmp_path / f"{MODULE}.py").write_text(SOURCE.read_text())
     code = ("import site, sys\n"
             "site.addsitedir(sys.argv[1]); site.addsitedir(sys.argv[1])\n"
             "print(sum(getattr(f, '__module__', '') == '_qsa_lab_installed_only' for f in sys.meta_path),"
