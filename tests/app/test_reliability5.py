@@ -194,3 +194,21 @@ def test_two_kernel_files_of_one_name_keep_a_call_file_each(tmp_path, capsys):
     copies = {load_call(report / "calls" / c)[2].get("kernel_copy") for c in calls}
     assert copies == {"kernels/k.py:attn", "kernels/k_2.py:attn"}, copies
     assert json.loads((report / "canary.json").read_text())["schema"] == "qsa_lab.canary/1"
+
+
+@pytest.mark.parametrize("key", ["sm_scale", "k_scale", "v_scale"])
+def test_a_header_scale_that_is_not_a_number_names_the_entry(call_file, capsys, key):
+    """Before: `could not convert string to float: 'null'` (Python's words, no entry named)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(call_file), framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys() if k != key}
+    save_file(tensors, str(call_file), metadata={**meta, key: "null"})
+    for argv, flag in ((["replay", str(call_file), "--backend", "emulate"], "CALL_FILE"),
+                       (["canary", "--case", str(call_file), "--kernels", "torch:sdpa-math", "--regions", "stale-tail",
+                         "--payloads", "nan", "--planes", "v", "--backend", "emulate"], "--case")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        _one_line(err, flag)
+        assert f"{key}: expected a number" in err and "convert string" not in err, err
