@@ -47,7 +47,10 @@ class InstalledOnly:
     def added_folders(cls) -> set:
         """The import path's entries, absent at start-up, that are the current folder or the
         folder of the script Python runs."""
-        here = {os.getcwd()}
+        try:
+            here = {os.getcwd()}
+        except OSError:         # the current folder was removed: '' and '.' still name it
+            here = set()
         if sys.argv and sys.argv[0] not in ("", "-c", "-m") and os.path.isfile(sys.argv[0]):
             here.add(os.path.dirname(os.path.abspath(sys.argv[0])))
         here = {os.path.realpath(h) for h in here}

@@ -67,3 +67,13 @@ def test_with_the_install_gone_the_folders_copy_is_no_stand_in(received, monkeyp
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if "editable" not in repr(f).lower()])
     with pytest.raises(ModuleNotFoundError, match="outside the current folder"):
         InstalledOnly.find_spec("qsa_lab")
+
+
+def test_a_removed_current_folder_is_no_error(received, monkeypatch):
+    def gone():
+        raise FileNotFoundError(2, "No such file or directory")
+
+    sys.path[0] = ""
+    monkeypatch.setattr(os, "getcwd", gone)
+    spec = InstalledOnly.find_spec("qsa_lab")
+    assert spec is not None and Path(spec.origin).resolve() == (ROOT / "qsa_lab" / "__init__.py").resolve()
