@@ -16,6 +16,10 @@ PY := .venv/bin/python
 RUN_HINT := run qsa-lab as .venv/bin/qsa-lab, or first 'source .venv/bin/activate' (once per shell)
 endif
 STAMP := $(ENV_DIR)/.qsa_lab-setup
+# the installed program, never `$(PY) -m qsa_lab`: `python -m` puts the current folder first on the
+# import path (harmless in this checkout, but the spelling gets copied), and `python -I -m` would also
+# drop a PYTHONPATH that a cluster's module system may use to provide torch
+QSA_LAB := $(ENV_DIR)/bin/qsa-lab
 # TORCH_FALLBACK, TORCH_CUDA12, TORCH_CUDA12_INDEX (empty: PyPI) reach scripts/choose_torch.py
 # from the command line or the environment as they are; unset, it uses its own defaults
 
@@ -39,8 +43,8 @@ $(STAMP): pyproject.toml scripts/choose_torch.py
 
 # demo regenerates results/ and figures/ (--force: it replaces its own earlier outputs)
 demo: setup
-	$(PY) -m qsa_lab doctor
-	$(PY) -m qsa_lab repro --out results --figures figures --force
+	$(QSA_LAB) doctor
+	$(QSA_LAB) repro --out results --figures figures --force
 
 # the tests run in parallel processes (pytest-xdist), one per core unless TEST_WORKERS says otherwise;
 # then the scribble's tests again under each other transformers version it supports; the 30 slowest
@@ -68,7 +72,7 @@ strip:
 	python3 scripts/strip_outputs.py
 
 doctor: setup
-	$(PY) -m qsa_lab doctor
+	$(QSA_LAB) doctor
 
 # wheel: the sdist and the wheel (csrc/, data/, notebooks/ inside) in dist/, with this env's setuptools
 wheel: setup

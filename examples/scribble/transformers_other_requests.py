@@ -30,11 +30,18 @@ masked for a row out of that row's arithmetic: the mask selects (a masked score 
 added to) and P @ V sums only the attended columns, so no other request's value enters a row's sum.
 It has no host synchronisation, so it runs under CUDA graphs as well.
 """
-import argparse
-import json
-import math
+import os
 import sys
-import tempfile
+
+# Python puts this script's folder first on the import path: in a folder you received, a json.py or
+# torch.py lying beside this script must not be imported in place of the real one
+_here = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
 
 PARAMS = {'prompt_lengths': [1, 1],
           'new_tokens': 1,
@@ -66,6 +73,57 @@ def prompts(p, torch, top):
     a[min(p["bad_at"], len(a) - 1)] = p["bad"]
     control = [1 if t == p["bad"] else t for t in a]
     return a, control, out[1:]
+
+
+#: what --params may set: integers within (low, high), the texts each may be, and the prompt lengths
+#: (request A and at least one reader, each 1 .. MAX_PROMPT tokens)
+INTS = {"new_tokens": (1, 4096), "layers": (1, 64), "page_size": (1, 1024), "blocks": (1, 1 << 16),
+        "batch_tokens": (1, 1 << 16), "vocab": (5, 1 << 17), "bad_at": (0, 1 << 14), "seed": (0, 2 ** 63 - 1)}
+TEXTS = {"attn": ("paged|eager", "sdpa"), "dtype": ("float32", "float16", "bfloat16")}
+MAX_PROMPT, MAX_REQUESTS = 1 << 14, 64
+
+
+def read_params(text):
+    """PARAMS with the JSON object `text` over them; ValueError naming what is wrong, before anything runs."""
+    try:
+        given = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f'must be a JSON object such as {{"new_tokens": 2}}, got {type(given).__name__}')
+    unknown = sorted(set(given) - set(PARAMS))
+    if unknown:
+        raise ValueError(f"unknown {unknown}; known: {sorted(PARAMS)}")
+    p = {**PARAMS, **given}
+    for key, value in p.items():
+        if key in INTS:
+            low, high = INTS[key]
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"{key} must be an integer from {low} to {high}, got {value!r}")
+        elif key in TEXTS and value not in TEXTS[key]:
+            raise ValueError(f"{key} must be one of {list(TEXTS[key])}, got {value!r}")
+        elif isinstance(PARAMS[key], bool) and type(value) is not bool:
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+    lengths = p["prompt_lengths"]
+    if (not isinstance(lengths, list) or not 2 <= len(lengths) <= MAX_REQUESTS
+            or any(type(n) is not int or not 1 <= n <= MAX_PROMPT for n in lengths)):
+        raise ValueError(f"prompt_lengths must list 2 to {MAX_REQUESTS} integers from 1 to {MAX_PROMPT} (request A, "
+                         f"then the readers), got {lengths!r}")
+    if type(p["bad"]) is not int or not 2 <= p["bad"] <= p["vocab"] - 3:
+        raise ValueError(f"bad must be an integer from 2 to vocab - 3 ({p['vocab'] - 3}), got {p['bad']!r}")
+    return p
+
+
+def run_main(main):
+    """Exit with main()'s code; anything it raises is no verdict: exit 3 (never 1, the leak's code)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("CANNOT RUN: interrupted")
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - an engine's error, whatever it is, tells nothing about the leak
+        cannot_run(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+    sys.exit(code)
 
 
 def isolated_attention(module, query, key, value, attention_mask, scaling, **kwargs):
@@ -114,7 +172,10 @@ def main(argv=None):
     ap.add_argument("--params", default="{}", help="JSON object overriding PARAMS (another workload)")
     ap.add_argument("--any-version", action="store_true", help=f"run on a transformers other than {TESTED}")
     opts = ap.parse_args(argv)
-    p = {**PARAMS, **json.loads(opts.params)}
+    try:
+        p = read_params(opts.params)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: --params: {e}\n")
     p["attn"] = opts.attn or p["attn"]
     try:
         import torch
@@ -178,4 +239,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -28,12 +28,18 @@ new_block_ids_to_zero, which vLLM 0.32 enables only for Mamba and mixed-precisio
 handed-out block holds no previous owner's bytes. The fix in the kernel: zero (or never load) V
 rows at or past seq_len in a request's last block before P @ V.
 """
-import argparse
-import json
-import math
 import os
 import sys
-import tempfile
+
+# Python puts this script's folder first on the import path: in a folder you received, a json.py or
+# torch.py lying beside this script must not be imported in place of the real one
+_here = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
 
 PARAMS = {'prompt_lengths': [2, 1],
           'new_tokens': 1,
@@ -65,6 +71,57 @@ def prompts(p, torch, top):
     a[min(p["bad_at"], len(a) - 1)] = p["bad"]
     control = [1 if t == p["bad"] else t for t in a]
     return a, control, out[1:]
+
+
+#: what --params may set: integers within (low, high), the texts each may be, and the prompt lengths
+#: (request A and at least one reader, each 1 .. MAX_PROMPT tokens)
+INTS = {"new_tokens": (1, 4096), "layers": (1, 64), "page_size": (1, 1024), "blocks": (1, 1 << 16),
+        "batch_tokens": (1, 1 << 16), "vocab": (5, 1 << 17), "bad_at": (0, 1 << 14), "seed": (0, 2 ** 63 - 1)}
+TEXTS = {"attn": ("paged|eager", "sdpa"), "dtype": ("float32", "float16", "bfloat16")}
+MAX_PROMPT, MAX_REQUESTS = 1 << 14, 64
+
+
+def read_params(text):
+    """PARAMS with the JSON object `text` over them; ValueError naming what is wrong, before anything runs."""
+    try:
+        given = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f'must be a JSON object such as {{"new_tokens": 2}}, got {type(given).__name__}')
+    unknown = sorted(set(given) - set(PARAMS))
+    if unknown:
+        raise ValueError(f"unknown {unknown}; known: {sorted(PARAMS)}")
+    p = {**PARAMS, **given}
+    for key, value in p.items():
+        if key in INTS:
+            low, high = INTS[key]
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"{key} must be an integer from {low} to {high}, got {value!r}")
+        elif key in TEXTS and value not in TEXTS[key]:
+            raise ValueError(f"{key} must be one of {list(TEXTS[key])}, got {value!r}")
+        elif isinstance(PARAMS[key], bool) and type(value) is not bool:
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+    lengths = p["prompt_lengths"]
+    if (not isinstance(lengths, list) or not 2 <= len(lengths) <= MAX_REQUESTS
+            or any(type(n) is not int or not 1 <= n <= MAX_PROMPT for n in lengths)):
+        raise ValueError(f"prompt_lengths must list 2 to {MAX_REQUESTS} integers from 1 to {MAX_PROMPT} (request A, "
+                         f"then the readers), got {lengths!r}")
+    if type(p["bad"]) is not int or not 2 <= p["bad"] <= p["vocab"] - 3:
+        raise ValueError(f"bad must be an integer from 2 to vocab - 3 ({p['vocab'] - 3}), got {p['bad']!r}")
+    return p
+
+
+def run_main(main):
+    """Exit with main()'s code; anything it raises is no verdict: exit 3 (never 1, the leak's code)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("CANNOT RUN: interrupted")
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - an engine's error, whatever it is, tells nothing about the leak
+        cannot_run(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+    sys.exit(code)
 
 
 def build_model(folder, p, torch, save_file):
@@ -107,7 +164,10 @@ def main(argv=None):
     ap.add_argument("--params", default="{}", help="JSON object overriding PARAMS (another workload)")
     ap.add_argument("--any-version", action="store_true", help=f"run on a vLLM other than {TESTED}")
     opts = ap.parse_args(argv)
-    p = {**PARAMS, **json.loads(opts.params)}
+    try:
+        p = read_params(opts.params)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: --params: {e}\n")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # one process: the workaround patches it
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
@@ -173,4 +233,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -63,13 +63,15 @@ def integer(text: str) -> int:
 
 
 def seconds(text: str) -> float:
-    """A number of seconds > 0 (finite)."""
+    """A number of seconds > 0 and below a week (support.processes.MAX_WAIT: a worker's longest wait)."""
+    from qsa_lab.support.processes import MAX_WAIT
+
     try:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    if not 0 < v < MAX_WAIT:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 and below {MAX_WAIT:g} (a week), got {text!r}")
     return v
 
 

@@ -247,7 +247,7 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
         from qsa_lab.canary.report import check_report_dir
 
         with _blame({"report": "--report"}, "--report"):
-            check_report_dir(args.report, args.force, report_inputs)
+            check_report_dir(args.report, args.force, report_inputs, {"--json": outs.get("--json")})
     if args.vllm_src:
         from qsa_lab.canary.adapters.vllm import set_source
 

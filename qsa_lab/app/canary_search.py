@@ -58,7 +58,7 @@ def run(args, flags: dict, geometry: dict, inputs: dict, quiet_stdout) -> int:
         from qsa_lab.support.outputs import check_new_folder
 
         with blame({"report": "--report"}, "--report"):
-            check_new_folder(args.report, "report", args.force, NAMES, inputs)
+            check_new_folder(args.report, "report", args.force, NAMES, inputs, {"--json": outs.get("--json")})
     from qsa_lab.canary.leak_search import DEFAULT_BUDGET, search, search_json
 
     pins = {k: v for k, v in geometry.items() if k != "seed"}

@@ -292,8 +292,9 @@ def cmd_notebooks(args) -> int:
 def cmd_lab(args) -> int:
     import importlib.util
     import subprocess
+    import tempfile
 
-    from qsa_lab.support.package_data import copy_notebooks, lab_command
+    from qsa_lab.support.package_data import copy_notebooks, lab_command, quiet_lab_args
 
     if importlib.util.find_spec("jupyterlab") is None:
         raise Failure("lab: JupyterLab is not installed here: pip install 'qsa_lab[lab]'")
@@ -301,8 +302,9 @@ def cmd_lab(args) -> int:
         for w in copy_notebooks(args.dir, keep=True):   # the user's own copies stay as they are
             print(f"# wrote {w}")
     extra = [f"--port={args.port}"] * (args.port is not None) + ["--no-browser"] * args.no_browser
-    server = subprocess.Popen(lab_command(args.dir, extra))
-    return _wait_forwarding_signals(server)
+    with tempfile.TemporaryDirectory(prefix="qsa_lab-lab-settings-") as settings:
+        server = subprocess.Popen(lab_command(args.dir, quiet_lab_args(settings) + extra))
+        return _wait_forwarding_signals(server)
 
 
 def _wait_forwarding_signals(child) -> int:

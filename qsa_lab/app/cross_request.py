@@ -75,6 +75,10 @@ def check_args(args) -> dict:
         unknown = [r for r in routes if r not in ROUTES]
         if not routes or unknown:
             raise UsageError(f"--routes: each one of {', '.join(ROUTES)}, got {args.routes!r}")
+    for flag, items in (("--payloads", payloads), ("--routes", routes or ()), ("--requests", args.requests or ())):
+        twice = sorted({str(x) for x in items if list(items).count(x) > 1})
+        if twice:     # each item is one run: twice would run it again and double every count
+            raise UsageError(f"{flag}: {', '.join(twice)} named more than once")
     over = {k: getattr(args, k) for k in ("context", "head_dim", "topk", "seed") if getattr(args, k) is not None}
     geometries = []
     for hq in args.q_heads:
@@ -129,7 +133,8 @@ def run(args) -> int:
     steps = None if quiet else _steps(s)
     records, runs = [], []
     for g in s["geometries"]:
-        with blame({"dims": "--dims", "requests": "--requests"}, "--q-heads"):
+        with blame({"dims": "--dims", "requests": "--requests", "routes": "--routes", "payloads": "--payloads"},
+                   "--q-heads"):
             got = cross_request(g, s["payloads"], s["requests"], s["routes"], backend, args.dims,
                                 progress=steps and steps.step)
         records += got

@@ -160,8 +160,8 @@ def check_args(args) -> dict:
     if args.report is not None:
         from qsa_lab.scribble.standalone.report import check_report_dir
 
-        with blame({}, "--report"):
-            check_report_dir(args.report, args.force)
+        with blame({"report": "--report"}, "--report"):
+            check_report_dir(args.report, args.force, {"--json": outs.get("--json")})
     return {"regions": _csv(args.regions, REGIONS, "--regions"), "payloads": _csv(args.payloads, PAYLOADS, "--payloads"),
             "json": outs.get("--json")}
 

@@ -159,7 +159,11 @@ def load_call(path) -> tuple:
         if mla and (v_head_dim is None or v_head_dim > control.head_dim):
             raise ValueError(f"path: {path}: its header says MLA with v_head_dim {v_head_dim}: it needs one of at most "
                              f"the head dim {control.head_dim}")
-        poisoned = dataclasses.replace(control.clone(), kv_cache=extra["kv_cache_poisoned"].contiguous())
+        hit = extra["kv_cache_poisoned"]
+        if hit.shape != control.kv_cache.shape or hit.dtype != control.kv_cache.dtype:
+            raise ValueError(f"path: {path}: kv_cache_poisoned: expected kv_cache's {list(control.kv_cache.shape)} "
+                             f"{control.kv_cache.dtype}, got {list(hit.shape)} {hit.dtype}")
+        poisoned = dataclasses.replace(control.clone(), kv_cache=hit.contiguous())
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - any unreadable header is bad input

@@ -381,7 +381,10 @@ def load_case(path, attend=None) -> CanaryCase:
     ps = kv.shape[2]
     past = torch.arange(bt.shape[1]).unsqueeze(0) >= (-(-seq.long() // ps)).unsqueeze(1)
     bt[past] = 0
-    sel = t.get("selected", torch.full((rows, 0), -1, dtype=torch.int32)).to(torch.int32)
+    sel = t.get("selected", torch.full((rows, 0), -1, dtype=torch.int32))
+    if sel.dim() != 2 or sel.shape[0] != rows or sel.is_floating_point():
+        raise ValueError(f"selected: expected [rows={rows}, topk] integers in {path}, got {list(sel.shape)} {sel.dtype}")
+    sel = sel.to(torch.int32)
     geometry = None
     if "geometry" in meta:
         from qsa_lab.model.case import geometry_from_json
@@ -390,8 +393,14 @@ def load_case(path, attend=None) -> CanaryCase:
             geometry = geometry_from_json(meta["geometry"])
         except (TypeError, ValueError):
             geometry = None
-    scale = {k: float(t[k]) if k in t else float(meta.get(k, 1.0)) for k in SCALES}
-    sm = float(meta["sm_scale"]) if "sm_scale" in meta else None
+    def number(key, default):
+        try:
+            return float(meta.get(key, default))
+        except ValueError:     # the header is text: say which entry, not Python's float() words
+            raise ValueError(f"{key}: expected a number in {path}'s header, got {meta[key]!r}") from None
+
+    scale = {k: float(t[k]) if k in t else number(k, 1.0) for k in SCALES}
+    sm = number("sm_scale", None) if "sm_scale" in meta else None
     spec = attend if attend is not None else ("sparse" if sel.shape[1] else "dense")
     case = CanaryCase(q, kv.contiguous(), scale["k_scale"], scale["v_scale"], bt, seq, t2r, positions, sel,
                       kv_dtype=kv_dtype, spec=spec, sm_scale=sm, geometry=geometry,

@@ -32,12 +32,13 @@ import time
 from dataclasses import dataclass, field
 
 from qsa_lab.analysis.leaks import CLEAN
-from qsa_lab.model.geometry import KV_DTYPES, LAYOUTS
+from qsa_lab.model.geometry import CANARY_RANGES, KV_DTYPES, LAYOUTS, RANGES
 
 SCHEMA = "qsa_lab.canary-search/1"
 DEFAULT_BUDGET = "60s"
 ATTENDS = ("dense", "window", "sink", "sparse")    # simplest first (the shrinker's order)
 PAYLOAD_ORDER = ("nan", "inf", "max")
+RANK = PAYLOAD_ORDER + ("zero",)    # every payload a search may be given, in the shrinker's order
 SHRINK_RUNS = 400     # canary runs one leak's shrinking may take
 #: the fields a caller may pin (the CLI's geometry options given beside --search)
 PINS = ("requests", "query_len", "q_heads", "kv_heads", "head_dim", "page_size", "context", "kv_dtype", "attend",
@@ -81,6 +82,11 @@ def parse_budget(value) -> Budget:
 
 # -- what a kernel declares it supports ------------------------------------------------------------
 
+#: the integer fields of Limits and the values a kernel may declare
+LIMIT_INTS = {"max_requests": (1, 256), "max_query_len": (1, 256), "max_extra_context": (0, 1 << 16),
+              "max_free_pages": (0, 64), "max_group": (0, 1 << 12)}
+
+
 @dataclass(frozen=True)
 class Limits:
     """The geometries a kernel supports, as far as the search explores them. A kernel declares
@@ -104,11 +110,23 @@ class Limits:
             v = getattr(self, name)
             if not isinstance(v, tuple) or not v:
                 raise ValueError(f"limits: {name} must be a non-empty tuple, got {v!r}")
-        bad = [a for a in self.attends if a not in ATTENDS]
-        if bad:
-            raise ValueError(f"limits: attends {bad} unknown; choose from {ATTENDS}")
-        if not isinstance(self.max_group, int) or isinstance(self.max_group, bool) or self.max_group < 0:
-            raise ValueError(f"limits: max_group must be an int >= 0 (0: no limit), got {self.max_group!r}")
+        for name, known in (("attends", ATTENDS), ("kv_dtypes", KV_DTYPES), ("layouts", LAYOUTS)):
+            bad = [a for a in getattr(self, name) if a not in known]
+            if bad:
+                raise ValueError(f"limits: {name} {bad} unknown; choose from {known}")
+        for name, (low, high) in (("q_heads", CANARY_RANGES["q_heads"]), ("head_dims", RANGES["head_dim"]),
+                                  ("page_sizes", RANGES["page_size"])):
+            step = 16 if name == "head_dims" else 1     # the canary's head dims are multiples of 16
+            bad = [v for v in getattr(self, name) if type(v) is not int or not low <= v <= high or v % step]
+            if bad:
+                raise ValueError(f"limits: {name} must hold ints in {low}..{high}"
+                                 + (" (multiples of 16)" if step > 1 else "") + f", got {bad}")
+        if not isinstance(self.gqa, bool):
+            raise ValueError(f"limits: gqa must be true or false, got {self.gqa!r}")
+        for name, (low, high) in LIMIT_INTS.items():   # bounded so each drawn case stays small
+            v = getattr(self, name)
+            if type(v) is not int or not low <= v <= high:
+                raise ValueError(f"limits: {name} must be an int in {low}..{high}, got {v!r}")
 
     def describe(self) -> str:
         kv = ("1" if not self.gqa else f"a divisor, at most {self.max_group} query heads each" if self.max_group
@@ -215,7 +233,7 @@ class Params:
                 self.head_dim,
                 ATTENDS.index(kind), param, self.free_pages, LAYOUTS.index(self.layout),
                 ("fp16", "e4m3", "e5m2").index(self.kv_dtype), len(self.regions), len(self.planes),
-                len(self.payloads), tuple(PAYLOAD_ORDER.index(p) for p in self.payloads), self.seed,
+                len(self.payloads), tuple(RANK.index(p) for p in self.payloads), self.seed,
                 self.request_rows)
 
     def describe(self) -> str:
@@ -293,7 +311,7 @@ def strategy(limits: Limits, pins: dict, regions=None, planes=None, payloads=Non
                       pins["free_pages"] if "free_pages" in pins else draw(st.integers(0, limits.max_free_pages)),
                       pins["seed"] if "seed" in pins else draw(st.integers(0, 1 << 16)),
                       have, tuple(planes or ("k", "v")),     # every region and plane: the shrinker narrows them
-                      tuple(sorted(draw(st.sets(st.sampled_from(usable), min_size=1)), key=PAYLOAD_ORDER.index)))
+                      tuple(sorted(draw(st.sets(st.sampled_from(usable), min_size=1)), key=RANK.index)))
     return params()
 
 
@@ -673,7 +691,7 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
     name = as_kernel_name(kernel) if not callable(kernel) else kernel
     regions = _names("regions", regions, REGIONS)
     planes = _names("planes", planes, PLANES)
-    payloads = _names("payloads", payloads, PAYLOAD_ORDER + ("zero",))
+    payloads = _names("payloads", payloads, RANK)
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     worker = _Persistent(name, timeout) if not callable(name) and not name.in_process else None
     try:
@@ -682,6 +700,7 @@ def search(kernel, budget=DEFAULT_BUDGET, seed: int = 0, *, backend: str = "auto
             _limits(limits)    # names every unknown field
             lim = dataclasses.replace(lim, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in limits.items()})
         _check_pins(pins, lim, kernel_name(name))
+        _check_reachable(lim, pins, regions, payloads)
         _smallest(pins).case()     # a pin the canary refuses (head_dim 17, ...) is refused now, naming it
         return _search(name, worker or name, kernel_name(name), budget, seed, lim, pins, backend, regions, planes,
                        payloads, timeout, progress, shrink_runs)
@@ -794,6 +813,9 @@ def _check_pins(pins: dict, lim: Limits, who: str) -> None:
             # a pin outside the search's own values is fine where the canary accepts it (e.g. 256 heads)
             if arg in ("kv_dtype", "layout") or (arg == "q_heads" and not lim.gqa):
                 need(False, arg, f"{_values(values)}")
+    low, high = RANGES["requests"]
+    if "requests" in pins and not low <= pins["requests"] <= high:    # the canary's own range, checked here
+        raise ValueError(f"requests: must be in {low}..{high}, got {pins['requests']!r}")   # (0 is no request)
     if "kv_heads" in pins and not lim.gqa:
         need(pins["kv_heads"] == 1, "kv_heads", "one KV head")
     if lim.max_group and pins.get("q_heads") and pins.get("kv_heads"):
@@ -806,6 +828,19 @@ def _check_pins(pins: dict, lim: Limits, who: str) -> None:
         kind = "sink" if spec.kind == "window" and spec.sink else spec.kind
         need(kind in lim.attends, "attend", f"attend {'/'.join(lim.attends)}")
         pins["attend"] = str(spec)
+
+
+def _check_reachable(lim: Limits, pins: dict, regions, payloads) -> None:
+    """Regions or payloads no case of the search can hold (a region the attention specs searched
+    never have, a payload no kv dtype searched has a code for) are refused, naming the option."""
+    kinds = [pins["attend"]] if "attend" in pins else [
+        {"dense": "dense", "sparse": "sparse", "window": "window:1", "sink": "window:1,sink:1"}[k] for k in lim.attends]
+    if regions and not any(_regions(spec, regions) for spec in kinds):
+        raise ValueError(f"regions: no case under attend {'/'.join(kinds)} has {','.join(regions)} (its regions: "
+                         f"{', '.join(dict.fromkeys(r for spec in kinds for r in _regions(spec, None)))})")
+    dtypes = [pins["kv_dtype"]] if "kv_dtype" in pins else list(lim.kv_dtypes)
+    if payloads and not any(_payloads(d, payloads) for d in dtypes):
+        raise ValueError(f"payloads: kv dtype {'/'.join(dtypes)} has no code for {','.join(payloads)}")
 
 
 # -- writing the findings -----------------------------------------------------------------------------

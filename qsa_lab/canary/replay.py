@@ -20,7 +20,8 @@ Run it as `qsa-lab replay` inside a received folder, never as `python -m qsa_lab
 `python -m` puts the current folder first on the import path, so a `qsa_lab/` folder lying there
 would be imported in place of this one (on Python 3.11+ `python -P -m ...` is safe too). Run as a
 module anyway, this file takes the current folder off the path before it imports anything else
-(qsa_lab.support.safepath), which stops a `shlex.py` or `torch.py` there, not a `qsa_lab/`.
+(qsa_lab.support.safepath), which stops a `shlex.py` or `torch.py` there; an installed qsa_lab's .pth
+(qsa_lab.support.installed_only) keeps a `qsa_lab.py` or `qsa_lab/` there from being imported at all.
 """
 import sys   # no `from __future__ import` either: it would import a __future__.py lying in the folder
 

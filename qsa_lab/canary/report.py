@@ -76,13 +76,13 @@ NAMES = ("report.md", "report.html", "leak_matrix.png", "canary.json", "calls", 
 MATRIX_MAX_PX = 1200   # the leak matrix's width cap: it fits a 1280-px window beside the page margins
 
 
-def check_report_dir(out_dir, force: bool = False, inputs: dict | None = None) -> Path:
+def check_report_dir(out_dir, force: bool = False, inputs: dict | None = None, outputs: dict | None = None) -> Path:
     """The report folder, checked before any work (qsa_lab.support.outputs.check_new_folder):
     absent or empty; with force, a report folder (NAMES only, no symlink among them); never a
-    folder holding one of `inputs` ({option: path}, e.g. --case, a kernel file)."""
+    folder holding one of `inputs` ({option: path}, e.g. --case, a kernel file) or `outputs` (--json)."""
     from qsa_lab.support.outputs import check_new_folder
 
-    return check_new_folder(out_dir, "report", force, NAMES, inputs)
+    return check_new_folder(out_dir, "report", force, NAMES, inputs, outputs)
 
 
 def write_report(report, out_dir, force: bool = False, minimize: bool = True, fns: dict | None = None,
@@ -235,7 +235,7 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
     from qsa_lab.canary.standalone import write_script
     from qsa_lab.model.regions import region_slots
 
-    calls, runners = [], {}
+    calls, runners, used = [], {}, set()
     device = torch.device(report.device) if report.device else torch.device("cpu")
     try:
         for e in _entries(report):
@@ -257,7 +257,12 @@ def _leak_calls(report, out: Path, env: dict, minimize: bool, fns: dict, progres
                                                            r.payload, None, device)
                 except Exception as err:  # noqa: BLE001 - keep the whole region; say why
                     counts = {**counts, "minimize_error": f"{type(err).__name__}: {err}"}
-            name = call_stem(report.names.get(r.kernel, r.kernel), r.region, r.plane, r.payload)
+            name = stem = call_stem(report.names.get(r.kernel, r.kernel), r.region, r.plane, r.payload)
+            n = 1
+            while name in used:     # two kernel files of one name (a/k.py, b/k.py): one call file each
+                n += 1
+                name = f"{stem}_{n}"
+            used.add(name)
             save_call(out / "calls" / f"{name}.safetensors", report.case, r.kernel, r.region, r.plane, r.payload,
                       slots, None, verdict, counts, env, copy=kernel_files.get(r.kernel))
             n = int(slots.sum())

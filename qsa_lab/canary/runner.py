@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from qsa_lab.model.poison import PAYLOADS, int_list, payload_bits
-from qsa_lab.support.processes import torch_threads
+from qsa_lab.support.processes import MAX_WAIT, torch_threads
 from qsa_lab.model.regions import REGIONS, check_region, region_parts, region_referenced, regions_of
 from qsa_lab.canary.case import CanaryCase, as_canary_case, canary_case, load_case
 from qsa_lab.canary.execution import DEFAULT_TIMEOUT, InProcess, Worker
@@ -25,7 +25,7 @@ from qsa_lab.canary.names import KernelName, as_kernel_name
 from qsa_lab.canary.results import CanaryReport, LeakResult, available_payloads, judge
 from qsa_lab.analysis.leaks import ERROR
 
-MAX_TIMEOUT = 7 * 24 * 3600.0    # a week: a longer wait is no timeout (and overflows the thread and select waits)
+MAX_TIMEOUT = MAX_WAIT    # a week: a longer wait is no timeout (and overflows the thread and select waits)
 DEFAULT_PAYLOADS = ("nan", "inf", "max")
 PLANES = {"k": 0, "v": 1}
 #: what a kernel reads the pool through (its attribute `paged_inputs`): the block table with its

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from qsa_lab.analysis.leaks import ERROR
 from qsa_lab.support.loading import FILE, FunctionNameError, parse_function_name, user_function_kind
-from qsa_lab.support.processes import end, read_reply, send, spawn
+from qsa_lab.support.processes import MAX_WAIT, end, read_reply, send, spawn
 
 from .regions import PAYLOADS, POOL_REGIONS, REGIONS
 
@@ -135,6 +135,8 @@ def scribble_attention(attn: str, regions=REGIONS, payloads=PAYLOADS, localise_l
     unknown = set(settings) - set(SETTINGS)
     if unknown:
         raise TypeError(f"scribble_attention: unknown settings {sorted(unknown)}; choose from {sorted(SETTINGS)}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < MAX_WAIT:
+        raise ValueError(f"timeout: must be a number of seconds in (0, {MAX_WAIT:g}), got {timeout!r}")
     try:
         kind, path, _ = parse_function_name(attn)
     except FunctionNameError as e:

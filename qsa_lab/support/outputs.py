@@ -222,11 +222,13 @@ def writing(path, arg: str = "path", force: bool = False):
         signals.untrack(tmp)
 
 
-def check_new_folder(path, arg: str, force: bool = False, names=(), inputs: dict | None = None) -> Path:
+def check_new_folder(path, arg: str, force: bool = False, names=(), inputs: dict | None = None,
+                     outputs: dict | None = None) -> Path:
     """Refuse, before any work, a folder `writing_folder` may not publish at `path` (ValueError
     naming arg): a symlink, a file, a folder that is not empty (without force), and with force
     one holding anything but `names` or any of them as a symlink; or one that holds an input
-    ({option: path}: it would be replaced with the folder)."""
+    ({option: path}: it would be replaced with the folder) or would hold another output of the
+    command ({option: path}, e.g. --json: written first, it would block or be lost with the folder)."""
     if path is None or (isinstance(path, str) and not path.strip()):
         raise ValueError(f"{arg}: empty path")
     folder = Path(os.fspath(path))
@@ -238,6 +240,11 @@ def check_new_folder(path, arg: str, force: bool = False, names=(), inputs: dict
         if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
             raise ValueError(f"{arg}: {_show(folder)} holds the input {opt} {_show(given)}; writing the folder "
                              "would replace it (choose another folder)")
+    for opt, given in (outputs or {}).items():
+        real, top = os.path.realpath(os.fspath(given or "")), os.path.realpath(folder)
+        if given is not None and (real == top or real.startswith(top.rstrip(os.sep) + os.sep)):
+            raise ValueError(f"{arg}: {_show(folder)} would hold the {opt} file {_show(given)}; the folder is written "
+                             f"whole, so write {opt} outside it")
     if st is None:
         parent = folder.parent
         if parent.exists():

@@ -10,6 +10,7 @@ own top-level folders. This module is the only place that knows either layout.
 from __future__ import annotations
 
 import importlib.resources
+import json
 import os
 import sys
 from pathlib import Path
@@ -107,6 +108,20 @@ def copy_notebooks(dest, *, force: bool = False, keep: bool = False) -> list[Pat
         for s, t in zip(sources, targets):
             write_bytes(t, s.read_bytes(), "dest", force=force)
     return targets
+
+
+#: JupyterLab's settings defaults for `qsa-lab lab`, as scripts/lab_settings/overrides.json gives them to
+#: `make lab`: no "official Jupyter news?" toast over the notebooks (Lab asks while fetchNews is "none",
+#: whatever news_url says) and no update check; a setting the user saves still wins
+LAB_OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
+
+
+def quiet_lab_args(settings_dir) -> list[str]:
+    """Write LAB_OVERRIDES into `settings_dir` (a folder of the command's own) -> the options that make
+    JupyterLab read them there (it replaces the environment's <app_dir>/settings, which a pip or conda
+    install leaves empty) and fetch no news."""
+    (Path(settings_dir) / "overrides.json").write_text(json.dumps(LAB_OVERRIDES, indent=2) + "\n")
+    return [f"--LabApp.app_settings_dir={settings_dir}", "--LabApp.news_url=None"]
 
 
 def lab_command(notebook_dir, extra=()) -> list[str]:

@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+#: the longest wait on a worker: a week (a longer one is no timeout, and overflows the thread and select waits)
+MAX_WAIT = 7 * 24 * 3600.0
+
 
 def send(stream, obj) -> None:
     blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

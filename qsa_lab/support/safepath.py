@@ -23,9 +23,10 @@ def refuse_shadowed(command: str, package: str = "qsa_lab") -> None:
     installed copy, an editable install's folder, a PYTHONPATH entry), i.e. a `qsa_lab/` lying in
     the current folder was imported in its place. Everything else it would import stays unrun.
 
-    (A `qsa_lab.py` or a `qsa_lab/__init__.py` lying there has run already when this runs: only
-    `qsa-lab`, `python -I -m` or `python -P -m` keep those from running.) In a checkout run from its
-    root, the editable install or PYTHONPATH finds this very folder: allowed."""
+    (A `qsa_lab.py` or a `qsa_lab/__init__.py` lying there has run already when this runs: an installed
+    qsa_lab's .pth (support.installed_only) keeps them from being imported at all, as do `qsa-lab`,
+    `python -I -m` and `python -P -m`; this is the check for where that file is not read.) In a
+    checkout run from its root, the editable install or PYTHONPATH finds this very folder: allowed."""
     here = getattr(sys.modules.get(package), "__file__", None)
     there = None
     for finder in sys.meta_path:        # the package as an import would find it now, cwd dropped

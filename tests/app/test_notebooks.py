@@ -422,3 +422,70 @@ def test_07_scribble_finds_the_read_trash_dependency(tmp_path):
     else:
         assert SKIPPED in shown, shown
 
+
+
+def test_qsa_lab_lab_starts_jupyterlab_without_the_news_toast(tmp_path):
+    """`qsa-lab lab` (issue 48): the settings `make lab` gives JupyterLab (scripts/lab_settings), so
+    no "official Jupyter news?" toast lies over the notebooks: Lab's defaults become fetchNews "false"."""
+    import secrets
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    pytest.importorskip("jupyterlab")
+    repo = Path(__file__).resolve().parents[2]
+    assert package_data.LAB_OVERRIDES == json.loads((repo / "scripts" / "lab_settings" / "overrides.json").read_text())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token, settings = secrets.token_hex(8), tmp_path / "settings"
+    settings.mkdir()
+    env = dict(os.environ, **{k: str(tmp_path / k) for k in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR",
+                                                             "JUPYTER_RUNTIME_DIR")})
+    cmd = package_data.lab_command(tmp_path, package_data.quiet_lab_args(settings) + [
+        "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}"])
+    with open(tmp_path / "server.log", "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification?token={token}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    got = json.loads(r.read())
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+                time.sleep(0.3)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    defaults = {k: v["default"] for k, v in got["schema"]["properties"].items()}   # Lab's own: "none", True
+    assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, defaults
+
+
+def test_qsa_lab_lab_passes_the_quiet_settings(tmp_path, monkeypatch):
+    """The command itself gives JupyterLab the overrides (read while the server runs, removed after)."""
+    import subprocess
+
+    from qsa_lab.app.cli import main
+
+    pytest.importorskip("jupyterlab")
+    seen = {}
+
+    class Server:
+        def __init__(self, argv):
+            where = next(a.split("=", 1)[1] for a in argv if a.startswith("--LabApp.app_settings_dir="))
+            seen.update(argv=argv, where=where, overrides=json.loads((Path(where) / "overrides.json").read_text()))
+
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Server)
+    assert main(["lab", str(tmp_path / "nb"), "--no-browser"]) == 0
+    assert seen["overrides"] == package_data.LAB_OVERRIDES and "--LabApp.news_url=None" in seen["argv"]
+    assert not Path(seen["where"]).exists()

@@ -111,6 +111,8 @@ def test_sdist_and_wheel_carry_csrc_data_and_notebooks(built):
     for name in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "environment.yml"):
         assert name in in_sdist, name
     assert "setup.py" not in in_sdist
+    # at the top: site-packages reads the .pth at start-up, and its line imports the finder's module
+    assert {"qsa_lab-installed-only.pth", "_qsa_lab_installed_only.py"} <= in_wheel
     # developer tooling and measured evidence stay in the repository
     tools = sorted(p.name for p in (REPO / "tools").glob("*.py"))
     evidence = sorted(p.name for p in (REPO / "evidence").iterdir() if p.name != "README.md")
@@ -165,6 +167,26 @@ def test_installed_copy_resolves_every_kernel_source_and_notebook(venv, elsewher
     assert sorted(p.name for p in copied.iterdir()) == sorted(_layout()["notebooks"])
     again = _run([venv / "qsa-lab", "notebooks", copied], elsewhere)
     assert again.returncode == 2 and "--force" in again.stderr    # never overwritten without --force
+
+
+HOSTILE = "import pathlib\npathlib.Path({path!r}).write_text('ran')\nraise SystemExit('the folder ran')\n"
+
+
+@pytest.mark.parametrize("planted", ["qsa_lab.py", "qsa_lab/__init__.py"])
+def test_python_m_runs_the_installed_copy_past_a_qsa_lab_in_the_current_folder(venv, elsewhere, planted):
+    """`python -m` puts the current folder first on the path; the wheel's .pth makes `import qsa_lab`
+    skip it, so a received folder's qsa_lab.py (which would run before any line of the package) never runs."""
+    marker = elsewhere.parent / f"MARKER-{elsewhere.name}"
+    (elsewhere / planted).parent.mkdir(exist_ok=True)
+    (elsewhere / planted).write_text(HOSTILE.format(path=str(marker)))
+    for argv, said in ((["-m", "qsa_lab", "--help"], "usage: qsa-lab"),
+                       (["-m", "qsa_lab.canary.replay", "--help"], "usage: python -m qsa_lab.canary.replay"),
+                       (["-c", "import qsa_lab; print(qsa_lab.__file__)"], str(venv.parent))):
+        res = _ok(_run([venv / "python", *argv], elsewhere), f"python {argv}")
+        assert said in res.stdout and not marker.exists(), (argv, res.stdout, res.stderr)
+    # the finder answers for qsa_lab alone: another module in the folder is found there as usual
+    (elsewhere / "mine.py").write_text("X = 1\n")
+    _ok(_run([venv / "python", "-c", "import mine"], elsewhere), "import mine")
 
 
 PLUGIN = "qsa_lab.canary.pytest_plugin"

@@ -216,5 +216,5 @@ def test_a_group_limit_holds_in_every_drawn_case_and_every_shrink_candidate():
     assert all(p.kv_heads >= p.q_heads // 8 for p in wide)
     with pytest.raises(ValueError, match="q_heads: .*at most 8 query heads per KV head"):
         search("flashinfer:decode", budget=1, q_heads=32, kv_heads=1, backend="emulate")
-    with pytest.raises(ValueError, match="max_group"):
+    with pytest.raises(ValueError, match="limits: max_group must be an int in 0..4096"):
         Limits(max_group=-1)

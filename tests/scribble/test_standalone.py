@@ -42,7 +42,7 @@ def test_a_generated_script_imports_only_its_engine_torch_and_the_standard_libra
 def test_a_script_carries_its_parameters_and_refuses_unknown_ones():
     text = script_text("transformers-other-requests", {"new_tokens": 3})
     params = next(ast.literal_eval(node.value) for node in ast.parse(text).body
-                  if isinstance(node, ast.Assign) and node.targets[0].id == "PARAMS")
+                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PARAMS")
     assert params == {**DEFAULTS["transformers-other-requests"], "new_tokens": 3}
     with pytest.raises(ValueError, match="params: unknown"):
         script_text("transformers-other-requests", {"pool": 3})

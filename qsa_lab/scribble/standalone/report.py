@@ -110,11 +110,12 @@ def script_kind(report, cell) -> tuple | None:
     return None
 
 
-def check_report_dir(folder, force: bool = False):
-    """The report folder, checked before any work (qsa_lab.support.outputs.check_new_folder)."""
+def check_report_dir(folder, force: bool = False, outputs: dict | None = None):
+    """The report folder, checked before any work (qsa_lab.support.outputs.check_new_folder); never
+    one that would hold another output (`outputs`, {option: path}: --json)."""
     from qsa_lab.support.outputs import check_new_folder
 
-    return check_new_folder(folder, "report", force, NAMES)
+    return check_new_folder(folder, "report", force, NAMES, outputs=outputs)
 
 
 def write_report(report, folder, force: bool = False, check: bool = True, shrink: bool = False,

@@ -34,11 +34,18 @@ masked for a row out of that row's arithmetic: the mask selects (a masked score 
 added to) and P @ V sums only the attended columns, so no other request's value enters a row's sum.
 It has no host synchronisation, so it runs under CUDA graphs as well.
 """
-import argparse
-import json
-import math
+import os
 import sys
-import tempfile
+
+# Python puts this script's folder first on the import path: in a folder you received, a json.py or
+# torch.py lying beside this script must not be imported in place of the real one
+_here = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
 
 PARAMS = __PARAMS__
 TESTED = "__TESTED__"     # the transformers versions this script was generated and checked with
@@ -93,7 +100,10 @@ def main(argv=None):
     ap.add_argument("--params", default="{}", help="JSON object overriding PARAMS (another workload)")
     ap.add_argument("--any-version", action="store_true", help=f"run on a transformers other than {TESTED}")
     opts = ap.parse_args(argv)
-    p = {**PARAMS, **json.loads(opts.params)}
+    try:
+        p = read_params(opts.params)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: --params: {e}\n")
     p["attn"] = opts.attn or p["attn"]
     try:
         import torch
@@ -157,5 +167,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
 '''

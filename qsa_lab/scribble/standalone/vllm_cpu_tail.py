@@ -32,12 +32,18 @@ new_block_ids_to_zero, which vLLM 0.32 enables only for Mamba and mixed-precisio
 handed-out block holds no previous owner's bytes. The fix in the kernel: zero (or never load) V
 rows at or past seq_len in a request's last block before P @ V.
 """
-import argparse
-import json
-import math
 import os
 import sys
-import tempfile
+
+# Python puts this script's folder first on the import path: in a folder you received, a json.py or
+# torch.py lying beside this script must not be imported in place of the real one
+_here = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
 
 PARAMS = __PARAMS__
 TESTED = "__TESTED__"     # the vLLM version this script was generated and checked with
@@ -86,7 +92,10 @@ def main(argv=None):
     ap.add_argument("--params", default="{}", help="JSON object overriding PARAMS (another workload)")
     ap.add_argument("--any-version", action="store_true", help=f"run on a vLLM other than {TESTED}")
     opts = ap.parse_args(argv)
-    p = {**PARAMS, **json.loads(opts.params)}
+    try:
+        p = read_params(opts.params)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: --params: {e}\n")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # one process: the workaround patches it
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
@@ -152,5 +161,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
 '''
