@@ -51,6 +51,7 @@ NOT_RUN = [
     (r"^qsa-lab lab\b", "JupyterLab, interactive (tests/e2e opens it)", None),
     (r"benchmarks/bench_cpu\.py", "minutes of timed whole processes beside a base commit", None),
     (r"benchmarks/bench_playground\.py", "minutes of timed redraws", None),
+    (r"benchmarks/track\.py", "minutes of timed whole processes against their floors", None),
     (r"tools/ptx70_check\.py generate\b", "CUDA 12 NVRTC wheels (`pip install --group nvrtc`)", None),
     (r"benchmarks/tile_rig\.py (build|run)\b", "a GPU", "GPU"),
     (r"^python3? -m venv\b", "set-up: a new environment", None),
