@@ -22,6 +22,7 @@ says how blocks are read):
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -50,6 +51,7 @@ NOT_RUN = [
     (r"^qsa-lab lab\b", "JupyterLab, interactive (tests/e2e opens it)", None),
     (r"benchmarks/bench_cpu\.py", "minutes of timed whole processes beside a base commit", None),
     (r"benchmarks/bench_playground\.py", "minutes of timed redraws", None),
+    (r"benchmarks/track\.py", "minutes of timed whole processes against their floors", None),
     (r"tools/ptx70_check\.py generate\b", "CUDA 12 NVRTC wheels (`pip install --group nvrtc`)", None),
     (r"benchmarks/tile_rig\.py (build|run)\b", "a GPU", "GPU"),
     (r"^python3? -m venv\b", "set-up: a new environment", None),
@@ -113,8 +115,25 @@ def shows(printed: str, shown: list[str]) -> str | None:
     return None
 
 
-def run_block(block: Block, folder: Path) -> None:
-    """Run one block in `folder` (the page's folder)."""
+#: commands that read only the checkout and write nothing (several pages show them): each runs once per test
+#: run, in a fresh folder of its own, and every page that shows it reads that run (tests/run_once.py)
+PURE = re.compile(r"^qsa-lab (canary|diff|doctor)(\s+(--?[\w-]+|[\w:,.+-]+|examples/[\w./:-]+))*$")
+WRITES = re.compile(r"--(json|report|save|out|figures|case)\b")
+
+
+def shared_run(shared, cmd: Command) -> tuple[int, str]:
+    """(exit status, what it printed) of a PURE command, run once per test run."""
+    from run_once import once_per_run
+
+    def run(folder: Path) -> tuple[int, str]:
+        out = subprocess.run(argv_here(cmd), cwd=fresh_folder(folder), env=_env(folder), capture_output=True,
+                             text=True, timeout=TIMEOUT_S)
+        return out.returncode, out.stdout + out.stderr
+    return once_per_run(shared, "docs-cmd-" + hashlib.sha256(cmd.line.encode()).hexdigest()[:16], run)
+
+
+def run_block(block: Block, folder: Path, shared=None) -> None:
+    """Run one block in `folder` (the page's folder); `shared`: pytest's tmp_path_factory, for PURE commands."""
     if block.lang == "python":
         name = block.file_name()
         if name:
@@ -126,7 +145,7 @@ def run_block(block: Block, folder: Path) -> None:
         return
     for cmd in block.commands():
         if cmd.program == "cd":
-            folder = folder / cmd.argv[1]
+            folder, shared = folder / cmd.argv[1], None        # a PURE command's `examples/` is the page folder's
             assert folder.is_dir(), f"{block.where}: `{cmd.line}`: no such folder here"
             continue
         if cmd.program in SETUP:
@@ -139,11 +158,14 @@ def run_block(block: Block, folder: Path) -> None:
             if cmd.program in ("python", "python3") and cmd.argv[1].endswith(".py") and (REPO / cmd.argv[1]).exists():
                 help_has_options(block, cmd)
             continue
-        out = subprocess.run(argv_here(cmd), cwd=folder, env=_env(folder), capture_output=True, text=True,
-                             timeout=TIMEOUT_S)
-        printed = out.stdout + out.stderr
-        assert out.returncode in expected_exit(cmd), \
-            f"{block.where}: `{cmd.line}` exits {out.returncode}, expected {expected_exit(cmd)}:\n{printed[-3000:]}"
+        if shared is not None and PURE.match(cmd.line) and not WRITES.search(cmd.line):
+            returncode, printed = shared_run(shared, cmd)
+        else:
+            out = subprocess.run(argv_here(cmd), cwd=folder, env=_env(folder), capture_output=True, text=True,
+                                 timeout=TIMEOUT_S)
+            returncode, printed = out.returncode, out.stdout + out.stderr
+        assert returncode in expected_exit(cmd), \
+            f"{block.where}: `{cmd.line}` exits {returncode}, expected {expected_exit(cmd)}:\n{printed[-3000:]}"
         missing = shows(printed, cmd.output)
         assert missing is None, f"{block.where}: `{cmd.line}` does not print\n  {missing}\nit printed:\n{printed[-3000:]}"
 
@@ -168,12 +190,12 @@ RUN_PAGES = [p for p in pages() if any(b.lang == "python" or b.lang in SHELL for
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=where)
-def test_a_page_runs_as_shown(page, tmp_path):
+def test_a_page_runs_as_shown(page, tmp_path, tmp_path_factory):
     """Each block of the page, in order, in one fresh folder."""
     folder = fresh_folder(tmp_path)
     for block in blocks(page):
         if block.lang == "python" or block.lang in SHELL:
-            run_block(block, folder)
+            run_block(block, folder, tmp_path_factory)
 
 
 def test_every_block_says_what_it_is():

@@ -1,0 +1,52 @@
+"""benchmarks/track.py: the JSON it writes (rows against their floor, beside a base), on trivial commands
+(no timing is asserted: only the shape, the interleaving's counts and the exit-code checks)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def track(monkeypatch):
+    spec = importlib.util.spec_from_file_location("track", REPO / "benchmarks" / "track.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "ROWS", {"noop": ("a process that does nothing", ["-c", "pass"], ["-c", "pass"], {0}),
+                                      "leaks": ("exits 1", ["-c", "raise SystemExit(1)"], ["-c", "pass"], {1})})
+    monkeypatch.setattr(mod, "DEFAULT_ROWS", ["noop", "leaks"])
+    return mod
+
+
+def test_quick_run_writes_each_row_beside_its_floor_and_the_base(track, tmp_path):
+    out = tmp_path / "t.json"
+    assert track.main(["--quick", "--base", str(REPO), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "qsa_lab.track/1" and doc["quick"] is True
+    assert {"python", "torch", "cpu_count"} <= set(doc["machine"]) and len(doc["load_before"]) == 3
+    assert set(doc["commits"]) == {"current", "base"} and list(doc["rows"]) == ["noop", "leaks"]
+    for name, row in doc["rows"].items():
+        assert row["reps"] == 2 and len(row["load_before"]) == len(row["load_after"]) == 3
+        for side in ("floor", "current", "base"):
+            s = row[side]
+            assert len(s["runs"]) == 2 and s["min_s"] <= s["median_s"] <= s["max_s"]
+        assert row["current"]["exit"] == row["base"]["exit"] == ([0] if name == "noop" else [1])
+        assert row["current"]["x_floor"] == pytest.approx(row["current"]["median_s"] / row["floor"]["median_s"])
+        assert row["x_base"] == pytest.approx(row["current"]["median_s"] / row["base"]["median_s"])
+
+
+def test_an_unexpected_exit_code_stops_the_row_naming_it(track):
+    rows = {"bad": ("exits 2", ["-c", "raise SystemExit(2)"], ["-c", "pass"], {0, 1})}
+    with pytest.raises(RuntimeError, match=r"bad \(current.*exit 2, expected \[0, 1\]"):
+        track.track_row("bad", 1, {"current": REPO}, track.sys.executable, None, 1, rows=rows)
+
+
+@pytest.mark.parametrize("argv, message", [(["--rows", "nope"], "--rows: unknown"), (["--reps", "0"], "--reps: must be"),
+                                           (["--base", "no-such-ref-xyz"], "--base: 'no-such-ref-xyz' is neither")])
+def test_bad_arguments_are_one_line_naming_the_argument(track, tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        track.main([*argv, "--json", str(tmp_path / "t.json")])
