@@ -3,9 +3,10 @@
 `python -m qsa_lab ...`, `python -m qsa_lab.canary.replay ...` and `python -c` put the current
 folder (a script: its own folder) first on the import path, so a `qsa_lab.py` or `qsa_lab/` lying in
 a folder someone sent would be imported, and run, before any line of the package could object.
-The wheel and the editable install therefore carry a copy of this file as the top-level module
-`_qsa_lab_installed_only` and a `.pth` file whose one line imports it while Python starts, before
-the current folder joins the path (tools/build_pth.py writes both): it puts `InstalledOnly` first on
+The wheel and the editable install therefore carry a copy of this file as the module
+`_qsa_lab_installed_only.finder` (in a namespace package: tools/build_pth.py says why) and a `.pth`
+file whose one line imports it while Python starts, before the current folder joins the path (tools/build_pth.py writes both): it puts
+`InstalledOnly` first on
 `sys.meta_path`.
 
 `InstalledOnly` answers for the one name `qsa_lab` (any other import costs one string comparison):
@@ -66,5 +67,5 @@ def install() -> None:
         sys.meta_path.insert(0, InstalledOnly)
 
 
-if __name__ == "_qsa_lab_installed_only":   # the installed copy, imported by the .pth line (tools/build_pth.py)
+if __name__ == "_qsa_lab_installed_only.finder":   # the installed copy, imported by the .pth line (tools/build_pth.py)
     install()

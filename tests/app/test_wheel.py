@@ -112,7 +112,7 @@ def test_sdist_and_wheel_carry_csrc_data_and_notebooks(built):
         assert name in in_sdist, name
     assert "setup.py" not in in_sdist
     # at the top: site-packages reads the .pth at start-up, and its line imports the finder's module
-    assert {"qsa_lab-installed-only.pth", "_qsa_lab_installed_only.py"} <= in_wheel
+    assert {"qsa_lab-installed-only.pth", "_qsa_lab_installed_only/finder.py"} <= in_wheel
     # developer tooling and measured evidence stay in the repository
     tools = sorted(p.name for p in (REPO / "tools").glob("*.py"))
     evidence = sorted(p.name for p in (REPO / "evidence").iterdir() if p.name != "README.md")

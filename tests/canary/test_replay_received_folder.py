@@ -177,18 +177,19 @@ def _copy_of_qsa_lab(folder: Path, planted: str) -> Path:
     return marker
 
 
-@pytest.mark.parametrize("argv, planted", [
-    (["-m", "qsa_lab", "--help"], "app/cli.py"),
-    (["-m", "qsa_lab.canary.replay", "calls/cell.safetensors"], "canary/calls.py")])
-def test_python_m_refuses_a_qsa_lab_copy_in_the_current_folder(report, argv, planted):
-    """`python -m` imports the folder's qsa_lab/ in place of the installed one: the entry point sees
-    that and exits 2 in one line before it imports the rest of the copy."""
+@pytest.mark.parametrize("argv, planted, runs", [
+    (["-m", "qsa_lab", "--help"], "app/cli.py", (0, "usage:")),
+    (["-m", "qsa_lab.canary.replay", "calls/cell.safetensors"], "canary/calls.py", (1, "verdict nan-leak"))])
+def test_python_m_refuses_a_qsa_lab_copy_in_the_current_folder(report, argv, planted, runs):
+    """`python -m` would import the folder's qsa_lab/ in place of the installed one: with the install's
+    .pth read, the installed one runs as asked (exit code, output); without it, the entry point sees the
+    copy and exits 2 in one line before it imports the rest of it."""
     marker = _copy_of_qsa_lab(report, planted)
     env = {"PATH": str(Path(sys.executable).parent), "HOME": str(report), "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, *argv], cwd=report, env=env, capture_output=True, text=True, timeout=300)
     assert not marker.exists(), "the folder's copy of qsa_lab ran"
     if _pth_read():   # an install that carries qsa_lab-installed-only.pth: the copy is never imported
-        assert "refused" not in out.stderr and "usage:" in out.stdout + out.stderr, out.stderr
+        assert "refused" not in out.stderr and out.returncode == runs[0] and runs[1] in out.stdout, out.stderr
         return
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "refused" in out.stderr and "current folder" in out.stderr
@@ -196,7 +197,7 @@ def test_python_m_refuses_a_qsa_lab_copy_in_the_current_folder(report, argv, pla
 
 def _pth_read() -> bool:
     """Whether this interpreter's install read qsa_lab's .pth (qsa_lab.support.installed_only)."""
-    return any(getattr(f, "__module__", "") == "_qsa_lab_installed_only" for f in sys.meta_path)
+    return any(getattr(f, "__module__", "") == "_qsa_lab_installed_only.finder" for f in sys.meta_path)
 
 
 def test_python_m_runs_the_checkout_from_its_root():

@@ -53,7 +53,7 @@ def test_the_pth_is_one_import_line_that_installs_the_finder_once(tmp_path):
     (tmp_path / f"{MODULE}.py").write_text(SOURCE.read_text())
     code = ("import site, sys\n"
             "site.addsitedir(sys.argv[1]); site.addsitedir(sys.argv[1])\n"
-            "print(sum(getattr(f, '__module__', '') == '_qsa_lab_installed_only' for f in sys.meta_path),"
+            "print(sum(getattr(f, '__module__', '') == '_qsa_lab_installed_only.finder' for f in sys.meta_path),"
             " sys.meta_path[0].__name__)\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
