@@ -27,12 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from qsa_lab.analysis.leaks import LEAKS, NA, LeakReport, spans, verdict_of
-from qsa_lab.model.case import Geometry, build_case
+from qsa_lab.model.case import Geometry, build_case, validate_case
 from qsa_lab.model.geometry import PAYLOADS
 from qsa_lab.model.plan import plan_groups
 from qsa_lab.model.poison import PAYLOAD_BITS, poison_request
 from qsa_lab.routes.labels import COMPLETE_FIXES, ROUTES
-from qsa_lab.routes.run import check_routes, run_routes
+from qsa_lab.routes.reuse import CleanUnits
+from qsa_lab.routes.run import check_routes, resolve_backend, run_routes_planned, warn_nonfinite_query
 
 SCHEMA = "qsa_lab.cross_request/2"    # /1 named its verdicts own / leak / clean / n/a
 OWN_ROWS = "the poisoned request's own rows: no leak check (as_reference compares them with the reference)"
@@ -52,23 +53,29 @@ def judge(result, request: int, payload: str) -> list[dict]:
     rows the request's rows holding a NaN or Inf, elements / nan / inf the non-finite elements of its rows."""
     case = result.case
     req = case.token_to_req.cpu().long()
+    n_req = case.geometry.requests
     ref = result.reference64
+    own = req == request
+    ref_nan, ref_inf = torch.isnan(ref[own]), torch.isinf(ref[own])
     out = []
     for route, o in result.outputs.items():
-        bad = nonfinite_rows(o)
-        for k in range(case.geometry.requests):
-            mine = req == k
-            rows = torch.nonzero(bad & mine).flatten().tolist()
-            mine_out = o.float()[mine]
-            got = {"nan": int(torch.isnan(mine_out).sum()), "inf": int(torch.isinf(mine_out).sum())}
-            rec = {"route": route, "payload": payload, "poisoned_request": request, "request": k, "rows": rows,
+        nan, inf = torch.isnan(o), torch.isinf(o)          # fp16: NaN and Inf as in o.float()
+        per_row = torch.stack([nan.flatten(1).sum(dim=1), inf.flatten(1).sum(dim=1)], dim=1)    # [rows, 2]
+        per_req = torch.zeros(n_req, 2, dtype=torch.int64).index_add_(0, req, per_row).tolist()
+        bad = (per_row.sum(dim=1) > 0).tolist()
+        rows_of = [[] for _ in range(n_req)]
+        for row, (k, b) in enumerate(zip(req.tolist(), bad)):
+            if b:
+                rows_of[k].append(row)
+        for k in range(n_req):
+            got = {"nan": per_req[k][0], "inf": per_req[k][1]}
+            rec = {"route": route, "payload": payload, "poisoned_request": request, "request": k, "rows": rows_of[k],
                    "elements": got["nan"] + got["inf"], **got}
             if k == request:
-                same = (torch.equal(torch.isnan(o[mine]), torch.isnan(ref[mine]))
-                        and torch.equal(torch.isinf(o[mine]), torch.isinf(ref[mine])))
+                same = torch.equal(nan[own], ref_nan) and torch.equal(inf[own], ref_inf)
                 rec.update(verdict=NA, as_reference=same, note=OWN_ROWS)
             else:
-                rec.update(verdict=verdict_of(got), as_reference=not rows)
+                rec.update(verdict=verdict_of(got), as_reference=not rows_of[k])
             out.append(rec)
     return out
 
@@ -99,6 +106,14 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
     if "reference" not in routes:
         routes = ("reference",) + routes   # the judge compares a poisoned request's own rows with it
     base = build_case(geometry)
+    validate_case(base)
+    warn_nonfinite_query(base)
+    backend = resolve_backend(backend, geometry)
+    dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
+    plan = plan_groups(base.to(dev))   # a plan reads no cache byte: one for every poisoned run
+    # what the runs share (token lists, request_groups' plan) and, emulated, every unit of the
+    # emulation that reads no poisoned byte (routes.reuse): computed once per geometry
+    memo = {"units": CleanUnits(base)} if backend == "emulate" else {}
     meta = {"q_heads": geometry.q_heads, "kv_dtype": geometry.kv_dtype}
     records = []
     for payload in payloads:
@@ -110,7 +125,9 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
         for r in requests:
             if progress:
                 progress(f"q_heads {geometry.q_heads}, {payload} in request {r}")
-            result = run_routes(poison_request(base, r, payload, dims), routes, backend)
+            case = poison_request(base, r, payload, dims)
+            validate_case(case)
+            result = run_routes_planned(case, routes, backend, plan, memo=memo)
             records += [{**meta, **rec} for rec in judge(result, r, payload)]
     return records
 
