@@ -214,6 +214,27 @@ def pivot_frame(records, q_heads: int):
     '*' when the poisoned request's own rows are not non-finite exactly where the reference's are."""
     import pandas as pd
 
+    return pd.DataFrame.from_dict(_pivot(records, q_heads), orient="index")
+
+
+def pivot_text(records, q_heads: int) -> str:
+    """pivot_frame(records, q_heads).to_string(), without pandas (the command's terminal table):
+    route names left-aligned, each column right-aligned to its widest cell or header (cells with
+    pandas' leading space), one space apart."""
+    table = _pivot(records, q_heads)
+    cols = list(dict.fromkeys(c for row in table.values() for c in row))
+    if any(len(row) != len(cols) for row in table.values()):   # a missing cell: pandas writes NaN
+        return pivot_frame(records, q_heads).to_string()
+    left = max(len(r) for r in table)
+    width = {c: max(len(c), *(1 + len(row[c]) for row in table.values())) for c in cols}
+    lines = [" " * left + "".join(" " + c.rjust(width[c]) for c in cols)]
+    lines += [route.ljust(left) + "".join(" " + (" " + row[c]).rjust(width[c]) for c in cols)
+              for route, row in table.items()]
+    return "\n".join(lines)
+
+
+def _pivot(records, q_heads: int) -> dict:
+    """{route: {column: cell}} of pivot_frame."""
     _check_records(records)
     present = sorted({r.get("q_heads") for r in records}, key=str)
     if q_heads not in present:
@@ -232,6 +253,5 @@ def pivot_frame(records, q_heads: int):
             cell["own"] = r["as_reference"]
         elif r["rows"]:
             cell["leaks"].append(f"r{r['request']}:{spans(r['rows'])}")
-    table = {route: {col: (" ".join(c["leaks"]) or "-") + ("" if c["own"] else " *")
-                     for col in cols if (c := cells.get((route, col)))} for route in routes}
-    return pd.DataFrame.from_dict(table, orient="index")
+    return {route: {col: (" ".join(c["leaks"]) or "-") + ("" if c["own"] else " *")
+                    for col in cols if (c := cells.get((route, col)))} for route in routes}

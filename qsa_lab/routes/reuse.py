@@ -26,7 +26,7 @@ class CleanUnits:
     def __init__(self, base):
         self.base = base
         self.kept = {}            # key -> (signature, output)
-        self.changed = None       # [tokens + 1, 2] bool: the token's bytes differ from the base's, per plane (K, V)
+        self.changed = None       # planes -> [tokens + 1] bool: the token's bytes differ from the base's there
         self.computed = self.reused = 0
 
     def bind(self, case) -> "CleanUnits":
@@ -41,7 +41,8 @@ class CleanUnits:
         a = case.kv_cache.view(torch.uint8).reshape(pages, 2, ps, -1)
         b = base.kv_cache.view(torch.uint8).reshape(pages, 2, ps, -1)
         differ = (a != b).any(dim=-1).transpose(1, 2).reshape(-1, 2).cpu()   # [pages * ps, 2]
-        self.changed = torch.cat([differ, differ.new_zeros(1, 2)])          # the decode's zero row: never written
+        differ = torch.cat([differ, differ.new_zeros(1, 2)])                # the decode's zero row: never written
+        self.changed = {(0, 1): differ.any(dim=1), (0,): differ[:, 0].contiguous(), (1,): differ[:, 1].contiguous()}
         return self
 
     def __call__(self, key, tokens: torch.Tensor, compute, signature=(), planes=(0, 1)):
@@ -51,8 +52,8 @@ class CleanUnits:
         token."""
         if self.changed is None:
             raise RuntimeError("CleanUnits: bind(case) before running a unit")
-        tokens = tokens.reshape(-1).cpu().long()
-        if tokens.numel() and bool(self.changed[tokens][:, list(planes)].any()):
+        changed = self.changed[tuple(sorted(set(planes)))]
+        if bool(changed.any()) and bool(changed.index_select(0, tokens.reshape(-1).cpu().long()).any()):
             self.computed += 1
             return compute()
         hit = self.kept.get(key)
