@@ -22,6 +22,7 @@ route's output is judged request by request, one record each:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,8 @@ def judge(result, request: int, payload: str) -> list[dict]:
     ref_nan, ref_inf = torch.isnan(ref[own]), torch.isinf(ref[own])
     out = []
     for route, o in result.outputs.items():
-        nan, inf = torch.isnan(o), torch.isinf(o)          # fp16: NaN and Inf as in o.float()
+        of = o.float()
+        nan, inf = torch.isnan(of), torch.isinf(of)
         per_row = torch.stack([nan.flatten(1).sum(dim=1), inf.flatten(1).sum(dim=1)], dim=1)    # [rows, 2]
         per_req = torch.zeros(n_req, 2, dtype=torch.int64).index_add_(0, req, per_row).tolist()
         bad = (per_row.sum(dim=1) > 0).tolist()
@@ -105,7 +107,7 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
     routes = check_routes(ROUTES if routes is None else routes)
     if "reference" not in routes:
         routes = ("reference",) + routes   # the judge compares a poisoned request's own rows with it
-    base = build_case(geometry)
+    base = _built(geometry)
     validate_case(base)
     warn_nonfinite_query(base)
     backend = resolve_backend(backend, geometry)
@@ -130,6 +132,13 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
             result = run_routes_planned(case, routes, backend, plan, memo=memo)
             records += [{**meta, **rec} for rec in judge(result, r, payload)]
     return records
+
+
+@functools.lru_cache(maxsize=1)
+def _built(geometry: Geometry):
+    """build_case(geometry), kept for groups_of after cross_request of the same geometry (both only
+    read it: poison_request writes a copy)."""
+    return build_case(geometry)
 
 
 def leak_records(records, routes=None) -> list[dict]:
@@ -176,7 +185,7 @@ class CrossRequestReport(LeakReport):
 def groups_of(geometry: Geometry) -> list[dict]:
     """The consecutive groups of 8 rows upstream's host route forms, each with the requests it holds
     and whether it mixes requests: [{"group", "rows", "requests", "mixed"}]."""
-    case = build_case(geometry.replace(group_rows="consecutive"))
+    case = _built(geometry.replace(group_rows="consecutive"))
     plan = plan_groups(case, "consecutive")
     req = case.token_to_req.cpu()
     out = []

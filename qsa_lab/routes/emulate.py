@@ -92,9 +92,9 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     state = lambda: _softmax_state(q, kv_cache, k_scale, v_scale, group_rows, toks[0], masks, seq_len,  # noqa: E731
                                    kv_dtype, sm_scale)
     if units is None:
-        dead, attended, p16, e, inactive, row_sum, scale, lse = state()
+        dead, attended, p16, e, inactive, row_sum, scale, lse, operands = state()
     else:
-        dead, attended, p16, e, inactive, row_sum, scale, lse = units(
+        dead, attended, p16, e, inactive, row_sum, scale, lse, operands = units(
             (unit_key, "softmax"), toks[0], state, (group_rows, masks, seq_len, panels[0][0]), planes=(0,))
     owner = _equal_panels(panels)
     done = {}
@@ -105,7 +105,7 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
             V.masked_fill_(dead, 0.0)
         hit = None
         if panels[i][1] == "finite_pv":
-            hit = _finite_pv(V, p16, attended)   # V's non-finite values zeroed in place
+            hit = _finite_pv(V, p16, attended, operands)   # V's non-finite values zeroed in place
         # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
         pv = torch.matmul(p16, V)                                              # [G, nt, R, D]
         del V
@@ -124,8 +124,9 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
 
 def _softmax_state(q, kv_cache, k_scale, v_scale, group_rows, toks, masks, seq_len, kv_dtype, sm_scale):
     """What every variant of a chunk shares and V does not enter (_grouped_chunk, steps 1-4):
-    -> (dead, attended, p16, exp_diff, inactive, row_sum, scale, lse). toks: the first panel's
-    tokens [G, nt, 32] (the attended ones are the same in every panel)."""
+    -> (dead, attended, p16, exp_diff, inactive, row_sum, scale, lse, operands), operands a dict
+    where _finite_pv keeps what it derives from the state. toks: the first panel's tokens
+    [G, nt, 32] (the attended ones are the same in every panel)."""
     G, cap = masks.shape
     _, hq, D = q.shape
     nt = cap // TILE_ENTRIES
@@ -166,10 +167,10 @@ def _softmax_state(q, kv_cache, k_scale, v_scale, group_rows, toks, masks, seq_l
         row_sum = row_sum * exp_diff[:, t] + tile_sum[:, t]
     scale = torch.where(row_sum > 0, torch.tensor(v_scale, dtype=f32) / row_sum, 0.0)
     lse = torch.where(row_sum > 0, run_max[:, -1] + torch.log(row_sum), MASKED_SCORE).view(G, GROUP, hq)
-    return dead, attended, p16, exp_diff.unsqueeze(-1), ~active.unsqueeze(-1), row_sum, scale, lse
+    return dead, attended, p16, exp_diff.unsqueeze(-1), ~active.unsqueeze(-1), row_sum, scale, lse, {}
 
 
-def _finite_pv(V, p16, attended):
+def _finite_pv(V, p16, attended, operands=None):  # operands: a dict kept with p16 and attended
     """finite_pv's P @ V operands: V's non-finite values replaced by 0 (in place), and for every row
     the IEEE sum of p * v over the non-finite values it attends, at the head dims that hold a
     non-finite value (the others hit nothing) -> None when V holds none, else (tiles, hit, add):
@@ -182,8 +183,11 @@ def _finite_pv(V, p16, attended):
     if not dims.numel():
         return None
     Vd = V.index_select(-1, dims)                                              # [G, nt, 32, d]
-    att = attended.float()                                                     # [G, nt, R, 32]
-    weighted = (attended & (p16 > 0)).float()
+    operands = {} if operands is None else operands
+    if "att" not in operands:
+        operands["att"] = attended.float()                                     # [G, nt, R, 32]
+        operands["weighted"] = (attended & (p16 > 0)).float()
+    att, weighted = operands["att"], operands["weighted"]
     pos, neg = (Vd == torch.inf).float(), (Vd == -torch.inf).float()
     nan = (torch.matmul(att, torch.isnan(Vd).float()) > 0) | (torch.matmul(att - weighted, pos + neg) > 0)
     up, down = torch.matmul(weighted, pos) > 0, torch.matmul(weighted, neg) > 0
