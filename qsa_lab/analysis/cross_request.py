@@ -58,15 +58,20 @@ def judge(result, request: int, payload: str) -> list[dict]:
     ref = result.reference64
     own = req == request
     ref_nan, ref_inf = torch.isnan(ref[own]), torch.isinf(ref[own])
+    routes = list(result.outputs)
+    if not routes:
+        return []
+    outs = torch.stack([result.outputs[r] for r in routes]).float()     # [routes, rows, Hq, D]: one pass for all
+    nans, infs = torch.isnan(outs), torch.isinf(outs)
+    per_row = torch.stack([nans.flatten(2).sum(dim=2), infs.flatten(2).sum(dim=2)], dim=2)   # [routes, rows, 2]
+    per_reqs = torch.zeros(len(routes), n_req, 2, dtype=torch.int64).index_add_(1, req, per_row).tolist()
+    bads = (per_row.sum(dim=2) > 0).tolist()
+    req_of_row = req.tolist()
     out = []
-    for route, o in result.outputs.items():
-        of = o.float()
-        nan, inf = torch.isnan(of), torch.isinf(of)
-        per_row = torch.stack([nan.flatten(1).sum(dim=1), inf.flatten(1).sum(dim=1)], dim=1)    # [rows, 2]
-        per_req = torch.zeros(n_req, 2, dtype=torch.int64).index_add_(0, req, per_row).tolist()
-        bad = (per_row.sum(dim=1) > 0).tolist()
+    for i, route in enumerate(routes):
+        per_req, bad, nan, inf = per_reqs[i], bads[i], nans[i], infs[i]
         rows_of = [[] for _ in range(n_req)]
-        for row, (k, b) in enumerate(zip(req.tolist(), bad)):
+        for row, (k, b) in enumerate(zip(req_of_row, bad)):
             if b:
                 rows_of[k].append(row)
         for k in range(n_req):
