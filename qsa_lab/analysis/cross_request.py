@@ -22,17 +22,19 @@ route's output is judged request by request, one record each:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from qsa_lab.analysis.leaks import LEAKS, NA, LeakReport, spans, verdict_of
-from qsa_lab.model.case import Geometry, build_case
+from qsa_lab.model.case import Geometry, build_case, validate_case
 from qsa_lab.model.geometry import PAYLOADS
 from qsa_lab.model.plan import plan_groups
 from qsa_lab.model.poison import PAYLOAD_BITS, poison_request
 from qsa_lab.routes.labels import COMPLETE_FIXES, ROUTES
-from qsa_lab.routes.run import check_routes, run_routes
+from qsa_lab.routes.reuse import CleanUnits
+from qsa_lab.routes.run import check_routes, resolve_backend, run_routes_planned, warn_nonfinite_query
 
 SCHEMA = "qsa_lab.cross_request/2"    # /1 named its verdicts own / leak / clean / n/a
 OWN_ROWS = "the poisoned request's own rows: no leak check (as_reference compares them with the reference)"
@@ -52,23 +54,35 @@ def judge(result, request: int, payload: str) -> list[dict]:
     rows the request's rows holding a NaN or Inf, elements / nan / inf the non-finite elements of its rows."""
     case = result.case
     req = case.token_to_req.cpu().long()
+    n_req = case.geometry.requests
     ref = result.reference64
+    own = req == request
+    ref_nan, ref_inf = torch.isnan(ref[own]), torch.isinf(ref[own])
+    routes = list(result.outputs)
+    if not routes:
+        return []
+    outs = torch.stack([result.outputs[r] for r in routes]).float()     # [routes, rows, Hq, D]: one pass for all
+    nans, infs = torch.isnan(outs), torch.isinf(outs)
+    per_row = torch.stack([nans.flatten(2).sum(dim=2), infs.flatten(2).sum(dim=2)], dim=2)   # [routes, rows, 2]
+    per_reqs = torch.zeros(len(routes), n_req, 2, dtype=torch.int64).index_add_(1, req, per_row).tolist()
+    bads = (per_row.sum(dim=2) > 0).tolist()
+    req_of_row = req.tolist()
     out = []
-    for route, o in result.outputs.items():
-        bad = nonfinite_rows(o)
-        for k in range(case.geometry.requests):
-            mine = req == k
-            rows = torch.nonzero(bad & mine).flatten().tolist()
-            mine_out = o.float()[mine]
-            got = {"nan": int(torch.isnan(mine_out).sum()), "inf": int(torch.isinf(mine_out).sum())}
-            rec = {"route": route, "payload": payload, "poisoned_request": request, "request": k, "rows": rows,
+    for i, route in enumerate(routes):
+        per_req, bad, nan, inf = per_reqs[i], bads[i], nans[i], infs[i]
+        rows_of = [[] for _ in range(n_req)]
+        for row, (k, b) in enumerate(zip(req_of_row, bad)):
+            if b:
+                rows_of[k].append(row)
+        for k in range(n_req):
+            got = {"nan": per_req[k][0], "inf": per_req[k][1]}
+            rec = {"route": route, "payload": payload, "poisoned_request": request, "request": k, "rows": rows_of[k],
                    "elements": got["nan"] + got["inf"], **got}
             if k == request:
-                same = (torch.equal(torch.isnan(o[mine]), torch.isnan(ref[mine]))
-                        and torch.equal(torch.isinf(o[mine]), torch.isinf(ref[mine])))
+                same = torch.equal(nan[own], ref_nan) and torch.equal(inf[own], ref_inf)
                 rec.update(verdict=NA, as_reference=same, note=OWN_ROWS)
             else:
-                rec.update(verdict=verdict_of(got), as_reference=not rows)
+                rec.update(verdict=verdict_of(got), as_reference=not rows_of[k])
             out.append(rec)
     return out
 
@@ -98,7 +112,15 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
     routes = check_routes(ROUTES if routes is None else routes)
     if "reference" not in routes:
         routes = ("reference",) + routes   # the judge compares a poisoned request's own rows with it
-    base = build_case(geometry)
+    base = _built(geometry)
+    validate_case(base)
+    warn_nonfinite_query(base)
+    backend = resolve_backend(backend, geometry)
+    dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
+    plan = plan_groups(base.to(dev))   # a plan reads no cache byte: one for every poisoned run
+    # what the runs share (token lists, request_groups' plan) and, emulated, every unit of the
+    # emulation that reads no poisoned byte (routes.reuse): computed once per geometry
+    memo = {"units": CleanUnits(base)} if backend == "emulate" else {}
     meta = {"q_heads": geometry.q_heads, "kv_dtype": geometry.kv_dtype}
     records = []
     for payload in payloads:
@@ -110,9 +132,18 @@ def cross_request(geometry: Geometry, payloads=DEFAULT_PAYLOADS, requests=None, 
         for r in requests:
             if progress:
                 progress(f"q_heads {geometry.q_heads}, {payload} in request {r}")
-            result = run_routes(poison_request(base, r, payload, dims), routes, backend)
+            case = poison_request(base, r, payload, dims)
+            validate_case(case)
+            result = run_routes_planned(case, routes, backend, plan, memo=memo)
             records += [{**meta, **rec} for rec in judge(result, r, payload)]
     return records
+
+
+@functools.lru_cache(maxsize=1)
+def _built(geometry: Geometry):
+    """build_case(geometry), kept for groups_of after cross_request of the same geometry (both only
+    read it: poison_request writes a copy)."""
+    return build_case(geometry)
 
 
 def leak_records(records, routes=None) -> list[dict]:
@@ -159,7 +190,7 @@ class CrossRequestReport(LeakReport):
 def groups_of(geometry: Geometry) -> list[dict]:
     """The consecutive groups of 8 rows upstream's host route forms, each with the requests it holds
     and whether it mixes requests: [{"group", "rows", "requests", "mixed"}]."""
-    case = build_case(geometry.replace(group_rows="consecutive"))
+    case = _built(geometry.replace(group_rows="consecutive"))
     plan = plan_groups(case, "consecutive")
     req = case.token_to_req.cpu()
     out = []
@@ -197,6 +228,27 @@ def pivot_frame(records, q_heads: int):
     '*' when the poisoned request's own rows are not non-finite exactly where the reference's are."""
     import pandas as pd
 
+    return pd.DataFrame.from_dict(_pivot(records, q_heads), orient="index")
+
+
+def pivot_text(records, q_heads: int) -> str:
+    """pivot_frame(records, q_heads).to_string(), without pandas (the command's terminal table):
+    route names left-aligned, each column right-aligned to its widest cell or header (cells with
+    pandas' leading space), one space apart."""
+    table = _pivot(records, q_heads)
+    cols = list(dict.fromkeys(c for row in table.values() for c in row))
+    if any(len(row) != len(cols) for row in table.values()):   # a missing cell: pandas writes NaN
+        return pivot_frame(records, q_heads).to_string()
+    left = max(len(r) for r in table)
+    width = {c: max(len(c), *(1 + len(row[c]) for row in table.values())) for c in cols}
+    lines = [" " * left + "".join(" " + c.rjust(width[c]) for c in cols)]
+    lines += [route.ljust(left) + "".join(" " + (" " + row[c]).rjust(width[c]) for c in cols)
+              for route, row in table.items()]
+    return "\n".join(lines)
+
+
+def _pivot(records, q_heads: int) -> dict:
+    """{route: {column: cell}} of pivot_frame."""
     _check_records(records)
     present = sorted({r.get("q_heads") for r in records}, key=str)
     if q_heads not in present:
@@ -215,6 +267,5 @@ def pivot_frame(records, q_heads: int):
             cell["own"] = r["as_reference"]
         elif r["rows"]:
             cell["leaks"].append(f"r{r['request']}:{spans(r['rows'])}")
-    table = {route: {col: (" ".join(c["leaks"]) or "-") + ("" if c["own"] else " *")
-                     for col in cols if (c := cells.get((route, col)))} for route in routes}
-    return pd.DataFrame.from_dict(table, orient="index")
+    return {route: {col: (" ".join(c["leaks"]) or "-") + ("" if c["own"] else " *")
+                    for col in cols if (c := cells.get((route, col)))} for route in routes}

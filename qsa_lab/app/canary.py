@@ -254,9 +254,6 @@ def _run(args, outs: dict, kernels: list, geometry: dict, second=None) -> int:
         with _blame({"path": "--vllm-src"}, "--vllm-src"):
             set_source(args.vllm_src)
 
-    if second is not None and args.json != "-":
-        import pandas  # noqa: F401 - the matrix printed at the end needs it; this process is ahead of the second one
-
     case = None
     if args.case:
         with _blame({"attend": "--attend"}, "--case"):

@@ -123,7 +123,7 @@ def _steps(settings):
 def run(args) -> int:
     s = check_args(args)
     from qsa_lab.analysis.cross_request import (MUST_BE_CLEAN, CrossRequestReport, cross_request, groups_of,
-                                                pivot_frame)
+                                                pivot_text)
     from qsa_lab.routes.run import resolve_backend
     from qsa_lab.support.outputs import write_text
 
@@ -158,7 +158,7 @@ def run(args) -> int:
                 break
             print(f"\n# {g.q_heads} query heads: other requests' rows that went non-finite, per poisoned request "
                   "(* = the poisoned request's own rows are not non-finite exactly as the reference's)")
-            print(pivot_frame(records, g.q_heads).to_string())
+            print(pivot_text(records, g.q_heads))
         print()
         leaky = sorted({r["route"] for r in report.leaks()})
         print(f"# routes that gave another request's row a non-finite value: {', '.join(leaky) or 'none'}")

@@ -134,14 +134,14 @@ def notes(report) -> list[str]:
 def matrix(report, width: int = WIDTH) -> str:
     """Kernels down; region, plane and payload across, one mark per verdict
     (qsa_lab.plotting.verdicts), wrapped by region into blocks no wider than `width`."""
-    df = report.frame()
-    if df.empty:
+    results = report.results      # read directly: no pandas import for a terminal table
+    if not results:
         return "(no results)"
-    kernels = list(dict.fromkeys(df.kernel))
-    regions = list(dict.fromkeys(df.region))
-    planes = list(dict.fromkeys(df.plane))
-    payloads = list(dict.fromkeys(df.payload))
-    mark = {(r.kernel, r.region, r.plane, r.payload): MARKS[r.verdict] for r in df.itertuples()}
+    kernels = list(dict.fromkeys(r.kernel for r in results))
+    regions = list(dict.fromkeys(r.region for r in results))
+    planes = list(dict.fromkeys(r.plane for r in results))
+    payloads = list(dict.fromkeys(r.payload for r in results))
+    mark = {(r.kernel, r.region, r.plane, r.payload): MARKS[r.verdict] for r in results}
     label = lambda k: k if len(k) <= LABEL_MAX else "..." + k[-(LABEL_MAX - 3):]   # noqa: E731
     left = max(len("payload"), *(len(label(k)) for k in kernels)) + 2
 

@@ -69,15 +69,17 @@ def _check_variant(variant):
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, kv_dtype, sm_scale):
+def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, kv_dtype, sm_scale,
+                   units=None, unit_key=None):
     """One chunk of groups through the grouped kernel, for several (microblocks, variant) at once.
 
     What the variants share is computed once: they differ only in the panel rows that no query
     of the group attends (padding entries repointed by pad_fix; rows zeroed by kernel_fix /
     never loaded by masked_load) and in how P @ V treats non-finite values (finite_pv), and
     unattended scores are select-masked, so S, the maxima, P and the sums are the same for every
-    variant; only V and with it P @ V differ, and panels whose P @ V is the same (_equal_panels)
-    share one. -> [(out, lse)] per panel."""
+    variant (_softmax_state, which reads K only: with `units`, a routes.reuse.CleanUnits, it is
+    taken from them when no K byte it reads changed); only V and with it P @ V differ, and panels
+    whose P @ V is the same (_equal_panels) share one. -> [(out, lse)] per panel."""
     G, cap = masks.shape
     _, hq, D = q.shape
     nt = cap // TILE_ENTRIES
@@ -87,9 +89,53 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
     # 1. panels [G, nt, 32, D]: token j of a tile is entry j//4, token j%4
     arange4 = torch.arange(4, device=dev)
     toks = [(mb.long().unsqueeze(-1) * 4 + arange4).view(G, nt, 32) for mb, _ in panels]
+    state = lambda: _softmax_state(q, kv_cache, k_scale, v_scale, group_rows, toks[0], masks, seq_len,  # noqa: E731
+                                   kv_dtype, sm_scale)
+    if units is None:
+        dead, attended, p16, e, inactive, row_sum, scale, lse, operands = state()
+    else:
+        dead, attended, p16, e, inactive, row_sum, scale, lse, operands = units(
+            (unit_key, "softmax"), toks[0], state, (group_rows, masks, seq_len, panels[0][0]), planes=(0,))
+    owner = _equal_panels(panels)
+    done = {}
+    for i in dict.fromkeys(owner):  # each distinct panel once
+        zeroed = panels[i][1] in ZEROING
+        V = token_values(kv_cache, toks[0 if zeroed else i], 1, kv_dtype)  # zeroed rows: the token read is moot
+        if zeroed:
+            V.masked_fill_(dead, 0.0)
+        hit = None
+        if panels[i][1] == "finite_pv":
+            hit = _finite_pv(V, p16, attended, operands)   # V's non-finite values zeroed in place
+        # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
+        pv = torch.matmul(p16, V)                                              # [G, nt, R, D]
+        del V
+        pv.masked_fill_(inactive, 0.0)                                         # inactive M-tiles: no P@V
+        O = torch.zeros(G, R, D, dtype=f32, device=dev)
+        for t in range(nt):  # the kernel's accumulation order: O = O * exp_diff + P@V
+            O.mul_(e[:, t]).add_(pv[:, t])
+            if hit is not None and t in hit[0]:  # finite_pv: the non-finite values each row attends here
+                dims, where, add = hit[0][t], hit[1], hit[2]
+                O[..., dims] = torch.where(where[:, t], O[..., dims] + add[:, t], O[..., dims])
+        # 6. output: 0 for a row that attended nothing (an empty slot's P@V may hold 0 * NaN)
+        out = torch.where(row_sum.unsqueeze(-1) > 0, O * scale.unsqueeze(-1), 0.0)
+        done[i] = out.to(torch.float16).view(G, GROUP, hq, D)
+    return [(done[i], lse) for i in owner]
+
+
+def _softmax_state(q, kv_cache, k_scale, v_scale, group_rows, toks, masks, seq_len, kv_dtype, sm_scale):
+    """What every variant of a chunk shares and V does not enter (_grouped_chunk, steps 1-4):
+    -> (dead, attended, p16, exp_diff, inactive, row_sum, scale, lse, operands), operands a dict
+    where _finite_pv keeps what it derives from the state. toks: the first panel's tokens
+    [G, nt, 32] (the attended ones are the same in every panel)."""
+    G, cap = masks.shape
+    _, hq, D = q.shape
+    nt = cap // TILE_ENTRIES
+    R = GROUP * hq
+    dev = q.device
+    f32 = torch.float32
     # kernel_fix zeroes unattended rows after the load, masked_load never loads them: same panel
     dead = unattended_tokens(masks).view(G, nt, 32, 1)
-    K = token_values(kv_cache, toks[0], 0, kv_dtype)  # attended rows are the same in every panel
+    K = token_values(kv_cache, toks, 0, kv_dtype)  # attended rows are the same in every panel
     # 2. active M-tiles of each tile (tiles past seq_len are never walked)
     mt_bits = tile_active_m_tiles(masks, seq_len, hq)
     row_tile = torch.arange(R, device=dev) // 16
@@ -121,48 +167,36 @@ def _grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq
         row_sum = row_sum * exp_diff[:, t] + tile_sum[:, t]
     scale = torch.where(row_sum > 0, torch.tensor(v_scale, dtype=f32) / row_sum, 0.0)
     lse = torch.where(row_sum > 0, run_max[:, -1] + torch.log(row_sum), MASKED_SCORE).view(G, GROUP, hq)
-    inactive, e = ~active.unsqueeze(-1), exp_diff.unsqueeze(-1)
-    owner = _equal_panels(panels)
-    done = {}
-    for i in dict.fromkeys(owner):  # each distinct panel once
-        zeroed = panels[i][1] in ZEROING
-        V = token_values(kv_cache, toks[0 if zeroed else i], 1, kv_dtype)  # zeroed rows: the token read is moot
-        if zeroed:
-            V.masked_fill_(dead, 0.0)
-        hit = None
-        if panels[i][1] == "finite_pv":
-            hit, add, V = _finite_pv(V, p16, attended)
-        # 5. P @ V on fp16 values, fp32 accumulate: 0 * NaN = NaN survives here
-        pv = torch.matmul(p16, V)                                              # [G, nt, R, D]
-        del V
-        pv.masked_fill_(inactive, 0.0)                                         # inactive M-tiles: no P@V
-        O = torch.zeros(G, R, D, dtype=f32, device=dev)
-        for t in range(nt):  # the kernel's accumulation order: O = O * exp_diff + P@V
-            O.mul_(e[:, t]).add_(pv[:, t])
-            if hit is not None:  # finite_pv: the non-finite values each row attends in this tile
-                O = torch.where(hit[:, t], O + add[:, t], O)
-        # 6. output: 0 for a row that attended nothing (an empty slot's P@V may hold 0 * NaN)
-        out = torch.where(row_sum.unsqueeze(-1) > 0, O * scale.unsqueeze(-1), 0.0)
-        done[i] = out.to(torch.float16).view(G, GROUP, hq, D)
-    return [(done[i], lse) for i in owner]
+    return dead, attended, p16, exp_diff.unsqueeze(-1), ~active.unsqueeze(-1), row_sum, scale, lse, {}
 
 
-def _finite_pv(V, p16, attended):
-    """finite_pv's P @ V operands: V's non-finite values replaced by 0, and for every row the IEEE
-    sum of p * v over the non-finite values it attends: hit [G, nt, R, D] bool where there is one,
-    add [G, nt, R, D] its value (NaN, +Inf or -Inf). Counted by 0/1 matrix products (exact):
-    NaN when the row attends a NaN, an Inf whose p is 0 in fp16 (0 * Inf) or Infs of both signs."""
+def _finite_pv(V, p16, attended, operands=None):  # operands: a dict kept with p16 and attended
+    """finite_pv's P @ V operands: V's non-finite values replaced by 0 (in place), and for every row
+    the IEEE sum of p * v over the non-finite values it attends, at the head dims that hold a
+    non-finite value (the others hit nothing) -> None when V holds none, else (tiles, hit, add):
+    tiles {tile: those dims} for each tile where some row attends one, hit [G, nt, R, d] bool
+    where a row does, add [G, nt, R, d] the sum (NaN, +Inf or -Inf). Counted by 0/1 matrix
+    products (exact): NaN when the row attends a NaN, an Inf whose p is 0 in fp16 (0 * Inf) or
+    Infs of both signs."""
     nonfinite = ~torch.isfinite(V)                                             # [G, nt, 32, D]
-    if not bool(nonfinite.any()):
-        return None, None, V
-    att = attended.float()                                                     # [G, nt, R, 32]
-    weighted = (attended & (p16 > 0)).float()
-    pos, neg = (V == torch.inf).float(), (V == -torch.inf).float()
-    nan = (torch.matmul(att, torch.isnan(V).float()) > 0) | (torch.matmul(att - weighted, pos + neg) > 0)
+    dims = torch.nonzero(nonfinite.flatten(0, 2).any(dim=0)).flatten()
+    if not dims.numel():
+        return None
+    Vd = V.index_select(-1, dims)                                              # [G, nt, 32, d]
+    operands = {} if operands is None else operands
+    if "att" not in operands:
+        operands["att"] = attended.float()                                     # [G, nt, R, 32]
+        operands["weighted"] = (attended & (p16 > 0)).float()
+    att, weighted = operands["att"], operands["weighted"]
+    pos, neg = (Vd == torch.inf).float(), (Vd == -torch.inf).float()
+    nan = (torch.matmul(att, torch.isnan(Vd).float()) > 0) | (torch.matmul(att - weighted, pos + neg) > 0)
     up, down = torch.matmul(weighted, pos) > 0, torch.matmul(weighted, neg) > 0
     nan |= up & down
+    hit = nan | up | down
     add = torch.where(nan, torch.nan, torch.where(up, torch.inf, -torch.inf))
-    return nan | up | down, add, V.masked_fill(nonfinite, 0.0)
+    V.masked_fill_(nonfinite, 0.0)
+    tiles = torch.nonzero(hit.transpose(0, 1).flatten(1).any(dim=1)).flatten().tolist()
+    return {t: dims for t in tiles}, hit, add
 
 
 def _equal_panels(panels) -> list:
@@ -189,10 +223,13 @@ def grouped_forward(q, kv_cache, k_scale, v_scale, group_rows, microblocks, mask
     return (out, lse) if return_lse else out
 
 
-def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, *, kv_dtype, sm_scale):
+def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, masks, seq_len, *, kv_dtype, sm_scale,
+                         units=None, unit_key=None):
     """grouped_forward for several kernel variants and plans of one case at once: `panels` is a
     list of (microblocks, variant), plans that differ only in their padding entries (a plan and
-    its pad_fix) -> [(out, lse)], each bit for bit what grouped_forward gives it alone."""
+    its pad_fix) -> [(out, lse)], each bit for bit what grouped_forward gives it alone.
+    units: a routes.reuse.CleanUnits bound to this case: a chunk of groups that reads none of the
+    tokens where the cache differs from its base's is taken from it (unit_key names the pass)."""
     for _, variant in panels:
         _check_variant(variant)
     G, cap = masks.shape
@@ -206,8 +243,17 @@ def grouped_forward_many(q, kv_cache, k_scale, v_scale, group_rows, panels, mask
     parts = []
     for g0 in range(0, G, step):
         sl = slice(g0, g0 + step)
-        parts.append(_grouped_chunk(q, kv_cache, k_scale, v_scale, group_rows[sl], [(mb[sl], v) for mb, v in panels],
-                                    masks[sl], seq_len[sl], kv_dtype, sm_scale))
+        chunk = [(mb[sl], v) for mb, v in panels]
+        key = ("grouped", unit_key, g0, step, tuple(v for _, v in chunk))
+        run = lambda sl=sl, chunk=chunk, key=key: _grouped_chunk(  # noqa: E731
+            q, kv_cache, k_scale, v_scale, group_rows[sl], chunk, masks[sl], seq_len[sl], kv_dtype, sm_scale,
+            units, key)
+        if units is None:
+            parts.append(run())
+            continue
+        blocks = torch.cat([mb.reshape(-1) for mb, _ in chunk]).long()
+        tokens = (blocks.unsqueeze(-1) * 4 + torch.arange(4, device=blocks.device)).flatten()
+        parts.append(units(key, tokens, run, (group_rows[sl], masks[sl], seq_len[sl], *(mb for mb, _ in chunk))))
     result = []
     for i in range(len(panels)):
         if parts:

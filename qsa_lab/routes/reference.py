@@ -34,25 +34,41 @@ def by_rows(device, elements: int) -> bool:
     return torch.device(device).type == "cpu" and 2 * 8 * elements > BATCH_BYTES
 
 
-def every_row(case: Case, index, count, width: int, *, reference: bool = True, xqa: bool = False) -> tuple:
+def every_row(case: Case, index, count, width: int, *, reference: bool = True, xqa: bool = False,
+              units=None) -> tuple:
     """-> (reference64 or None, XQA output or None) of every row from its token lists (index,
     count: plan.xqa_tokens), gathered once for both over `width` slots (XQA's partition padding
     included; the reference reads the first index.shape[1]): the whole batch at once, or one
     row at a time on one torch thread where by_rows says so (the same bits either way:
-    tests/routes/test_reference_batching.py)."""
+    tests/routes/test_reference_batching.py). units: a routes.reuse.CleanUnits bound to this case:
+    a batch (a row, or all of them) that reads none of the tokens where the cache differs from
+    its base's is taken from it."""
     T, rows = index.shape[1], case.q.shape[0]
     one_by_one = by_rows(case.q.device, rows * width * case.q.shape[-1])
     q64 = case.q.double() if reference else None
     ref = torch.empty_like(q64) if reference else None
     out = torch.empty_like(case.q) if xqa else None
+
+    def batch(part):
+        K, V, valid = gather_tokens(case.kv_cache, index[part], count[part], case.kv_dtype, width=width)
+        r = reference_rows(case, q64[part], K, V, valid, T) if reference else None
+        x = xqa_from_tokens(case.q[part], K, V, valid, case.k_scale, case.v_scale, kv_dtype=case.kv_dtype,
+                            sm_scale=case.sm_scale) if xqa else None
+        return r, x
+
+    slots = torch.arange(T, device=index.device)
     with torch_threads(1) if one_by_one else contextlib.nullcontext():
         for part in [slice(n, n + 1) for n in range(rows)] if one_by_one else [slice(None)]:
-            K, V, valid = gather_tokens(case.kv_cache, index[part], count[part], case.kv_dtype, width=width)
+            if units is None:
+                r, x = batch(part)
+            else:
+                tokens = index[part][slots < count[part].long().unsqueeze(1)]   # the slots it reads
+                r, x = units(("rows", part.start, part.stop, width, reference, xqa), tokens,
+                             lambda part=part: batch(part), (index[part], count[part]))
             if reference:
-                ref[part] = reference_rows(case, q64[part], K, V, valid, T)
+                ref[part] = r
             if xqa:
-                out[part] = xqa_from_tokens(case.q[part], K, V, valid, case.k_scale, case.v_scale,
-                                            kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
+                out[part] = x
     return ref, out
 
 

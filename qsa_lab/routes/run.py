@@ -207,7 +207,9 @@ def run_routes_planned(case: Case, routes, backend: str, plan: GroupedPlan, *, p
     """run_routes for a caller that checked its inputs already: `case` validated, `routes` and
     `backend` resolved, `plan` made from this case on the backend's device. memo: a dict kept
     across calls on cases that differ only in the cache's bytes (the canary's), where the token
-    lists, which do not depend on those bytes, are kept."""
+    lists, which do not depend on those bytes, are kept; with memo["units"] a routes.reuse.CleanUnits
+    of a base case, the emulation takes from it every unit that reads none of the bytes where
+    `case`'s cache differs from the base's (cross-request's poisoned runs)."""
     impl = backend_module(backend)
     dev = torch.device("cuda") if backend == "cuda" else torch.device("cpu")
     run_case = case.to(dev)
@@ -250,6 +252,8 @@ def emulated_routes(case: Case, routes, plan: GroupedPlan, fixed_plan, *, refere
     'reference' is not asked for (else None). remainder=False: the grouped routes' XQA rows are
     left unset (emulated_remainder gives them). bar: iterated instead of `routes` (a progress bar)."""
     memo = {} if memo is None else memo
+    if memo.get("units") is not None:  # cases differing from a base case only in the cache's bytes
+        memo["units"].bind(case)
     ref, xqa = _every_row(case, memo, reference or "reference" in routes, "xqa" in routes)
     grouped = [r for r in routes if r in GROUPED]
     outputs = {}
@@ -271,7 +275,7 @@ def _every_row(case: Case, memo: dict, reference: bool, xqa: bool) -> tuple:
         memo["xqa_tokens"] = xqa_tokens(case)
     index, count = memo["xqa_tokens"]
     return every_row(case, index, count, emulate.xqa_width(index.shape[1], case.kv_dtype), reference=reference,
-                     xqa=xqa)
+                     xqa=xqa, units=memo.get("units"))
 
 
 def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict, key: str = "rest_tokens") -> torch.Tensor:
@@ -284,8 +288,13 @@ def emulated_remainder(case: Case, plan: GroupedPlan, memo: dict, key: str = "re
     if key not in memo:
         memo[key] = xqa_tokens(case, plan.xqa_rows)
     token_index, token_count = memo[key]
-    return emulate.xqa_forward(case.q[plan.xqa_rows], case.kv_cache, case.k_scale, case.v_scale, token_index,
-                               token_count, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
+    run = lambda: emulate.xqa_forward(case.q[plan.xqa_rows], case.kv_cache, case.k_scale, case.v_scale,  # noqa: E731
+                                      token_index, token_count, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
+    units = memo.get("units")
+    if units is None:
+        return run()
+    read = torch.arange(token_index.shape[1], device=token_index.device) < token_count.long().unsqueeze(1)
+    return units(("remainder", key), token_index[read], run, (plan.xqa_rows, token_index, token_count))
 
 
 def _emulated_grouped(case: Case, routes, plan: GroupedPlan, fixed_plan, memo: dict, remainder: bool) -> dict:
@@ -311,7 +320,7 @@ def _grouped_pass(case: Case, routes, plan: GroupedPlan, plans, memo: dict, rema
         panels = [(p.microblocks, GROUPED[r][0]) for r, p in zip(routes, plans)]
         many = emulate.grouped_forward_many(case.q, case.kv_cache, case.k_scale, case.v_scale, plan.members,
                                             panels, plan.masks, plan.seq_len, kv_dtype=case.kv_dtype,
-                                            sm_scale=case.sm_scale)
+                                            sm_scale=case.sm_scale, units=memo.get("units"), unit_key=key)
         for r, (g, _) in zip(routes, many):
             scatter_groups(outs[r], plan, g)
     if remainder and plan.xqa_rows.numel():

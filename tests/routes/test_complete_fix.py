@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qsa_lab.analysis.cross_request import (CrossRequestReport, cross_request, judge, leak_records, nonfinite_rows,
-                                            pivot_frame, row_map)
+                                            pivot_frame, pivot_text, row_map)
 from qsa_lab.model.case import build_case
 from qsa_lab.model.geometry import MIXES, Geometry
 from qsa_lab.model.plan import EMPTY_ROW, REMAINDER_GROUP_MIN, form_groups, plan_groups
@@ -96,6 +96,10 @@ def test_tables_and_figure_data(upstream_nan_in_request_0):
     table = pivot_frame(records, 6)
     assert table.loc["grouped+kernel_fix", "nan in r0"] == "r1:46 r2:47"
     assert table.loc["grouped+finite_pv", "nan in r0"] == "-"
+    assert pivot_text(records, 6) == table.to_string()          # the command's table, without pandas
+    records[0]["as_reference"] = False                          # a '*' cell: wider than its column's others
+    assert pivot_text(records, 6) == pivot_frame(records, 6).to_string()
+    assert "*" in pivot_text(records, 6)
     data = row_map(records, UPSTREAM, "nan", 0)
     assert data["nonfinite"]["grouped+kernel_fix"] == list(range(48))            # 0-45 own, 46-47 the leak
     assert data["request_of_row"][44:] == [0, 0, 1, 2, 3] and data["grouped_rows"] == 48
