@@ -124,9 +124,9 @@ class Scribbler:
                 self._poisoned &= ~moved
         self._calls = []
         self._last_view = view
-        for name, rows in view.regions.items():
+        for name, size in view.region_sizes().items():
             if name in self.region_rows:
-                self.region_rows[name] += int(rows.numel())
+                self.region_rows[name] += size
         if self._copy is None:
             self._copy = words.clone()
         if self.payload is None:          # a guard alone fills nothing, so nothing is ever restored

@@ -65,6 +65,34 @@ class StepView:
     padded: bool = False
     request_rows: dict = field(default_factory=dict)
 
+    def region_sizes(self) -> dict:
+        """region name -> how many rows it holds (what a guard alone reads of the regions)."""
+        return {name: int(rows.numel()) for name, rows in self.regions.items()}
+
+
+class LazyStepView(StepView):
+    """A StepView whose row labels (regions, owned, request_rows, row_layer) are computed on first access,
+    by `labels()` -> that dict, once: a guard alone reads only `may_write` and `region_sizes()`, which are
+    given. What the labels are does not depend on when they are read (`labels` sees only the step's plan)."""
+
+    def __init__(self, step, pool, may_write, sizes: dict, labels, requests=(), query_rows=(), padded=False):
+        self.step, self.pool, self.may_write, self.padded = step, pool, may_write, padded
+        self.requests, self.query_rows = list(requests), list(query_rows)
+        self._sizes, self._labels, self._done = dict(sizes), labels, None
+
+    def _label(self, name):
+        if self._done is None:
+            self._done, self._labels = self._labels(), None
+        return self._done[name]
+
+    def region_sizes(self) -> dict:
+        return dict(self._sizes)
+
+    regions = property(lambda self: self._label("regions"))
+    owned = property(lambda self: self._label("owned"))
+    request_rows = property(lambda self: self._label("request_rows"))
+    row_layer = property(lambda self: self._label("row_layer"))
+
 
 @dataclass
 class Generation:
