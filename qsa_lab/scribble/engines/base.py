@@ -22,6 +22,8 @@ The regions are disjoint. A row belongs to `owned` (never poisoned) or to at mos
 `may_write` lists the rows the step is allowed to change (its own writes and the write trash).
 `request_rows` gives each live request (forked children under their parent's name) the owned rows
 that it alone may read: the other-requests check poisons them one request at a time.
+`region_sizes()` counts each region's rows: a guard alone reads only that and `may_write`, so an
+adapter whose sorting is costly hands a `LazyStepView` (vLLM), which sorts the rows on first read.
 
 How the built-in adapter reads the pool (`reads_pool`):
   "gather"        the engine gathers each request's rows by index before attention (transformers'

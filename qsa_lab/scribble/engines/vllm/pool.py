@@ -15,7 +15,9 @@ Per step the scheduler side of the connector sends a `StepMeta` (plain Python, p
 null block, the free blocks with and without a prefix-cache hash, the blocks a sliding window gave
 back, and every live request's block ids per KV-cache group with its tokens computed before the
 step and scheduled in it. `PoolMap.view(step, meta, family)` turns it into the contract's
-`StepView`, each request's own rows (other-requests) under its family's name (`Families`: a
+`StepView` (a `LazyStepView`: the step's writes and the region sizes at once, from the label table;
+every element sorted into its region only when a hook first reads the regions, which a guard alone
+never does), each request's own rows (other-requests) under its family's name (`Families`: a
 prefix-cache hit on a block another request wrote makes the two one family, as a fork makes a child
 its parent's).
 """
