@@ -115,7 +115,9 @@ def test_a_guard_alone_gets_the_step_writes_and_region_sizes_without_the_regions
     guard.before_step(view)
     flat[view.may_write] += 1                                       # the step's own writes
     guard.after_step(view)
-    assert not built and guard.strays == []                         # nothing sorted, nothing stray
+    one = {name: view.rows_in(name).tolist() for name in view.region_sizes()}   # what a scribble fills
+    assert not built and guard.strays == [] and view.rows_in("no-such-region") is None   # nothing sorted, nothing stray
+    assert one == {name: rows.tolist() for name, rows in view.regions.items()}
     slots = {(int(pm.block[r]), int(pm.token[r])) for r in view.may_write}
     assert slots == {(2, 1), (2, 2), (2, 3), (3, 0)}
     assert view.may_write.tolist() == view.regions["step-writes"].tolist() and built == [1]    # ascending

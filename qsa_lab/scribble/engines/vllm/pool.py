@@ -160,16 +160,19 @@ class PoolMap:
     def view(self, step, meta: StepMeta, family=None) -> StepView:
         """The StepView of a step; `family(request name) -> family name` keys each request's own rows
         (default: every request is its own family). The step's writes and the region sizes now (from the
-        label table, without touching every element); every region's rows only when first read
-        (`rows_of`)."""
+        label table, without touching every element); one region's rows when asked (`rows_in`), every
+        region's only when first read (`rows_of`)."""
         names = [family(r.name) if family else r.name for r in meta.requests]
         order = list(dict.fromkeys(names))
         codes, group, owner = self.labels(meta, [order.index(n) for n in names])
         counts = torch.zeros(len(ORDER), dtype=torch.int64).index_add_(0, codes.long(), self._cell_size)
-        writes = self.cell_rows(torch.nonzero(codes == ORDER.index("step-writes")).reshape(-1))
+
+        def one_region(name):
+            return self.cell_rows(torch.nonzero(codes == ORDER.index(name)).reshape(-1))
         sizes = {name: n for name, n in zip(ORDER, counts.tolist()) if name != OWNED}
-        return LazyStepView(step, self.pool, writes, sizes, lambda: self.rows_of(codes, group, owner, counts, order),
-                            [n for n, _ in meta.batch], [q for _, q in meta.batch])
+        return LazyStepView(step, self.pool, one_region("step-writes"), sizes,
+                            lambda: self.rows_of(codes, group, owner, counts, order),
+                            [n for n, _ in meta.batch], [q for _, q in meta.batch], one_region=one_region)
 
     def cell_rows(self, cells: torch.Tensor) -> torch.Tensor:
         """int64, ascending: the elements of those cells of the label table (cells of `labels`)."""
