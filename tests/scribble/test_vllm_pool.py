@@ -1,6 +1,7 @@
 """vLLM's pool sorted into the scribble's regions, without vLLM: a synthetic pool of 4 blocks of 4
 tokens, one layer, one head, K and V of a token side by side (4 elements a token), block 0 the null
 block. Each element's label is checked against what the regions mean."""
+import pytest
 import torch
 
 from qsa_lab.scribble.engines.vllm.pool import PoolMap, RequestMeta, StepMeta
@@ -101,7 +102,9 @@ def test_a_prefix_hit_on_a_block_another_request_wrote_joins_its_family_a_fresh_
     assert fam.mapping() == {"b": "a"}
 
 
-def test_a_guard_alone_gets_the_step_writes_and_region_sizes_without_the_regions_and_still_names_a_stray(monkeypatch):
+@pytest.mark.parametrize("few", [1, 10 ** 9])      # every region from its cells' runs | from one pass over the pool
+def test_a_guard_alone_gets_the_step_writes_and_region_sizes_without_the_regions_and_still_names_a_stray(monkeypatch, few):
+    monkeypatch.setattr(PoolMap, "FEW", few)
     from qsa_lab.scribble.guard import Scribbler
     flat = torch.zeros(BLOCKS * BS * PER_TOKEN)
     cache = flat.view(BLOCKS, 1, PER_TOKEN, BS).transpose(2, 3)     # column-major: a token's elements lie apart

@@ -78,6 +78,10 @@ class PoolMap:
               of each element of manager block 0, in `view[0:ratio]` order
     """
 
+    #: a region of fewer than 1/FEW of the elements is gathered from its cells' runs and sorted; a larger
+    #: one found by one pass over every element's label (sorting many rows costs more than that pass)
+    FEW = 8
+
     def __init__(self, flat: torch.Tensor, layers: list, block_size: int, num_blocks: int, groups: int):
         n = flat.numel()
         self.flat, self.block_size, self.num_blocks = flat, block_size, num_blocks
@@ -168,7 +172,10 @@ class PoolMap:
         counts = torch.zeros(len(ORDER), dtype=torch.int64).index_add_(0, codes.long(), self._cell_size)
 
         def one_region(name):
-            return self.cell_rows(torch.nonzero(codes == ORDER.index(name)).reshape(-1))
+            code = ORDER.index(name)
+            if counts[code] * self.FEW < self._cell.numel():     # few rows: the runs of their cells
+                return self.cell_rows(torch.nonzero(codes == code).reshape(-1))
+            return torch.nonzero(codes.index_select(0, self._cell) == code).reshape(-1)    # many: one pass
         sizes = {name: n for name, n in zip(ORDER, counts.tolist()) if name != OWNED}
         return LazyStepView(step, self.pool, one_region("step-writes"), sizes,
                             lambda: self.rows_of(codes, group, owner, counts, order),
