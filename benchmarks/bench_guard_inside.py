@@ -4,6 +4,7 @@ the plain and the guarded generation, interleaved (tiny Llama, chunked-prefill).
 
     python benchmarks/bench_guard_inside.py TREE ENGINE N      # TREE: the checkout whose qsa_lab is timed
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_guard_inside.py . vllm 15
+    python benchmarks/bench_guard_inside.py TREE ENGINE N REGION   # the guard and REGION filled with NaN
 
 On a loaded machine the time inside the guard is steadier than a wall-clock ratio of whole generations
 (evidence/bench_scribble_guard_paired_cpu.json).
@@ -20,6 +21,7 @@ import time
 
 def main() -> int:
     tree, engine_name, n = os.path.abspath(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    region = sys.argv[4] if len(sys.argv) > 4 else None
     sys.path.insert(0, tree)
     from qsa_lab.scribble.guard import Scribbler
     inside = [0.0]
@@ -61,7 +63,7 @@ def main() -> int:
         from qsa_lab.scribble.models import tiny_model, workload
         engine = TransformersEngine(tiny_model("llama-gqa", device="cpu"), workload("chunked-prefill"))
     engine.generate()
-    engine.generate(Timed())
+    engine.generate(Timed(region, region and "nan"))
     plain, guard, hooks = [], [], []
     for _ in range(n):
         start = time.perf_counter()
@@ -69,13 +71,13 @@ def main() -> int:
         plain.append(time.perf_counter() - start)
         inside[0] = 0.0
         start = time.perf_counter()
-        engine.generate(Timed())
+        engine.generate(Timed(region, region and "nan"))
         guard.append(time.perf_counter() - start)
         hooks.append(inside[0])
 
     def ms(v):
         return round(v * 1e3, 2)
-    print(json.dumps({"tree": os.path.basename(tree), "engine": engine_name, "n": n,
+    print(json.dumps({"tree": os.path.basename(tree), "engine": engine_name, "n": n, "region": region,
                       "plain_ms": ms(statistics.median(plain)), "guard_ms": ms(statistics.median(guard)),
                       "inside_guard_ms": ms(statistics.median(hooks)), "plain_min_ms": ms(min(plain)),
                       "inside_min_ms": ms(min(hooks)), "est_x_min": round(1 + min(hooks) / min(plain), 3),

@@ -124,14 +124,14 @@ class Scribbler:
                 self._poisoned &= ~moved
         self._calls = []
         self._last_view = view
-        for name, rows in view.regions.items():
+        for name, size in view.region_sizes().items():
             if name in self.region_rows:
-                self.region_rows[name] += int(rows.numel())
+                self.region_rows[name] += size
         if self._copy is None:
             self._copy = words.clone()
         if self.payload is None:          # a guard alone fills nothing, so nothing is ever restored
             return
-        rows = view.request_rows.get(self.victim) if self.region == OTHER else view.regions.get(self.region)
+        rows = view.request_rows.get(self.victim) if self.region == OTHER else view.rows_in(self.region)
         target = torch.zeros_like(self._poisoned)
         if rows is not None and self.payload is not None and view.step != "warmup":   # nothing reads at warm-up
             target[rows.to(pool.device)] = True

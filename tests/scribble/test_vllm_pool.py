@@ -1,6 +1,7 @@
 """vLLM's pool sorted into the scribble's regions, without vLLM: a synthetic pool of 4 blocks of 4
 tokens, one layer, one head, K and V of a token side by side (4 elements a token), block 0 the null
 block. Each element's label is checked against what the regions mean."""
+import pytest
 import torch
 
 from qsa_lab.scribble.engines.vllm.pool import PoolMap, RequestMeta, StepMeta
@@ -99,3 +100,35 @@ def test_a_prefix_hit_on_a_block_another_request_wrote_joins_its_family_a_fresh_
     assert fam.mapping() == {"b": "a"} and fam.of("b") == "a" and fam.of("c") == "c"
     fam.update(step([RequestMeta("b", ([1, 3],), computed=5, scheduled=1)]))    # held since: no new link
     assert fam.mapping() == {"b": "a"}
+
+
+@pytest.mark.parametrize("few", [1, 10 ** 9])      # every region from its cells' runs | from one pass over the pool
+def test_a_guard_alone_gets_the_step_writes_and_region_sizes_without_the_regions_and_still_names_a_stray(monkeypatch, few):
+    monkeypatch.setattr(PoolMap, "FEW", few)
+    from qsa_lab.scribble.guard import Scribbler
+    flat = torch.zeros(BLOCKS * BS * PER_TOKEN)
+    cache = flat.view(BLOCKS, 1, PER_TOKEN, BS).transpose(2, 3)     # column-major: a token's elements lie apart
+    pm = PoolMap(flat, [(0, 0, cache, torch.arange(BS).repeat_interleave(PER_TOKEN))], BS, BLOCKS, groups=1)
+    built, rows_of = [], PoolMap.rows_of
+    monkeypatch.setattr(PoolMap, "rows_of", lambda self, *args: built.append(1) or rows_of(self, *args))
+    a = RequestMeta("a", ([1, 2],), computed=5, scheduled=3)
+    b = RequestMeta("b", ([1, 2, 3],), computed=8, scheduled=1)
+    view = pm.view(0, step([a, b]))
+    guard = Scribbler()
+    guard.before_step(view)
+    flat[view.may_write] += 1                                       # the step's own writes
+    guard.after_step(view)
+    one = {name: view.rows_in(name).tolist() for name in view.region_sizes()}   # what a scribble fills
+    assert not built and guard.strays == [] and view.rows_in("no-such-region") is None   # nothing sorted, nothing stray
+    assert one == {name: rows.tolist() for name, rows in view.regions.items()}
+    slots = {(int(pm.block[r]), int(pm.token[r])) for r in view.may_write}
+    assert slots == {(2, 1), (2, 2), (2, 3), (3, 0)}
+    assert view.may_write.tolist() == view.regions["step-writes"].tolist() and built == [1]    # ascending
+    assert view.region_sizes() == {name: rows.numel() for name, rows in view.regions.items()}
+    assert guard.region_rows["unwritten-tail"] == 3 * PER_TOKEN
+    tail = int(view.regions["unwritten-tail"][0])
+    view2 = pm.view(1, step([a, b]))
+    guard.before_step(view2)
+    flat[tail] = 7.0                                                # a stray write into block 3's tail
+    guard.after_step(view2)
+    assert [(s["region"], s["rows"]) for s in guard.strays] == [("unwritten-tail", [tail])]

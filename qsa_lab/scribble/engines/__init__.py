@@ -14,7 +14,9 @@ How to add an engine (one new module or folder here, and a test; nothing else to
 2. Before each forward step hand `hooks.before_step` a StepView (the pool as rows, each row's
    region), after it `hooks.after_step` the same view; sort the rows with `regions.RowLabels` and
    `regions.precedence(reads_before_write)`: the regions and which wins a row two claim are defined
-   there once, the adapter only marks what its engine's bookkeeping says.
+   there once, the adapter only marks what its engine's bookkeeping says. Where sorting every row
+   costs more than the step, hand a `LazyStepView`: `may_write` and the region sizes now, the rows
+   of each region only when a hook first reads them (a guard alone never does).
 3. Wrap each of the engine's calls between steps that writes the pool in `hooks.engine_call(name,
    pool, moves)` (moves=True: the engine's own restore or copy into rows a request owns next), with
    `patching.patched()`: every attribute it replaces is given back after the generation.

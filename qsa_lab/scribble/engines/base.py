@@ -22,6 +22,9 @@ The regions are disjoint. A row belongs to `owned` (never poisoned) or to at mos
 `may_write` lists the rows the step is allowed to change (its own writes and the write trash).
 `request_rows` gives each live request (forked children under their parent's name) the owned rows
 that it alone may read: the other-requests check poisons them one request at a time.
+`region_sizes()` counts each region's rows and `rows_in(region)` gives one region's: a guard alone reads
+only the sizes and `may_write`, a scribble one region more, so an adapter whose sorting is costly hands a
+`LazyStepView` (vLLM), which sorts every row only when `regions` (or another label) is first read.
 
 How the built-in adapter reads the pool (`reads_pool`):
   "gather"        the engine gathers each request's rows by index before attention (transformers'
@@ -64,6 +67,45 @@ class StepView:
     query_rows: list = field(default_factory=list)
     padded: bool = False
     request_rows: dict = field(default_factory=dict)
+
+    def region_sizes(self) -> dict:
+        """region name -> how many rows it holds (what a guard alone reads of the regions)."""
+        return {name: int(rows.numel()) for name, rows in self.regions.items()}
+
+    def rows_in(self, region: str) -> torch.Tensor | None:
+        """int64 rows of one region (what a scribble fills), None where this engine has no such region."""
+        return self.regions.get(region)
+
+
+class LazyStepView(StepView):
+    """A StepView whose row labels (regions, owned, request_rows, row_layer) are computed on first access,
+    by `labels()` -> that dict, once: a guard alone reads only `may_write` and `region_sizes()`, which are
+    given. What the labels are does not depend on when they are read (`labels` sees only the step's plan)."""
+
+    def __init__(self, step, pool, may_write, sizes: dict, labels, requests=(), query_rows=(), padded=False,
+                 one_region=None):
+        self.step, self.pool, self.may_write, self.padded = step, pool, may_write, padded
+        self.requests, self.query_rows = list(requests), list(query_rows)
+        self._sizes, self._labels, self._done = dict(sizes), labels, None
+        self._one_region = one_region       # region -> its rows, ascending, without sorting the others
+
+    def _label(self, name):
+        if self._done is None:
+            self._done, self._labels = self._labels(), None
+        return self._done[name]
+
+    def region_sizes(self) -> dict:
+        return dict(self._sizes)
+
+    def rows_in(self, region: str) -> torch.Tensor | None:
+        if self._done is not None or self._one_region is None:
+            return self.regions.get(region)
+        return self._one_region(region) if region in self._sizes else None
+
+    regions = property(lambda self: self._label("regions"))
+    owned = property(lambda self: self._label("owned"))
+    request_rows = property(lambda self: self._label("request_rows"))
+    row_layer = property(lambda self: self._label("row_layer"))
 
 
 @dataclass

@@ -15,7 +15,9 @@ Per step the scheduler side of the connector sends a `StepMeta` (plain Python, p
 null block, the free blocks with and without a prefix-cache hash, the blocks a sliding window gave
 back, and every live request's block ids per KV-cache group with its tokens computed before the
 step and scheduled in it. `PoolMap.view(step, meta, family)` turns it into the contract's
-`StepView`, each request's own rows (other-requests) under its family's name (`Families`: a
+`StepView` (a `LazyStepView`: the step's writes and the region sizes at once, from the label table;
+every element sorted into its region only when a hook first reads the regions, which a guard alone
+never does), each request's own rows (other-requests) under its family's name (`Families`: a
 prefix-cache hit on a block another request wrote makes the two one family, as a fork makes a child
 its parent's).
 """
@@ -28,7 +30,7 @@ import numpy
 import torch
 
 from ...regions import OWNED, RowLabels, precedence
-from ..base import StepView
+from ..base import LazyStepView, StepView
 
 #: each layer writes the step's KV before its attention reads it: a slot both written and read in one step
 #: (a prefix-cache hit on a block another request is still filling) is a step write, filled in vain
@@ -76,6 +78,10 @@ class PoolMap:
               of each element of manager block 0, in `view[0:ratio]` order
     """
 
+    #: a region of fewer than 1/FEW of the elements is gathered from its cells' runs and sorted; a larger
+    #: one found by one pass over every element's label (sorting many rows costs more than that pass)
+    FEW = 8
+
     def __init__(self, flat: torch.Tensor, layers: list, block_size: int, num_blocks: int, groups: int):
         n = flat.numel()
         self.flat, self.block_size, self.num_blocks = flat, block_size, num_blocks
@@ -102,6 +108,7 @@ class PoolMap:
         self._block_of = self.block.clamp(min=0).long()
         self._cell_size = torch.bincount(self._cell, minlength=num_blocks * (block_size + 1) + 1)
         self._warmup = None
+        self._by_cell = self._cell_start = None     # cell_rows
 
     def labels(self, meta: StepMeta, family: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's labels per cell of the [blocks, block_size + 1] table (column block_size: elements of no
@@ -156,14 +163,44 @@ class PoolMap:
 
     def view(self, step, meta: StepMeta, family=None) -> StepView:
         """The StepView of a step; `family(request name) -> family name` keys each request's own rows
-        (default: every request is its own family). Every region in one pass: the elements sorted by
-        label (a stable sort keeps each region's rows ascending)."""
+        (default: every request is its own family). The step's writes and the region sizes now (from the
+        label table, without touching every element); one region's rows when asked (`rows_in`), every
+        region's only when first read (`rows_of`)."""
         names = [family(r.name) if family else r.name for r in meta.requests]
         order = list(dict.fromkeys(names))
         codes, group, owner = self.labels(meta, [order.index(n) for n in names])
+        counts = torch.zeros(len(ORDER), dtype=torch.int64).index_add_(0, codes.long(), self._cell_size)
+
+        def one_region(name):
+            code = ORDER.index(name)
+            if counts[code] * self.FEW < self._cell.numel():     # few rows: the runs of their cells
+                return self.cell_rows(torch.nonzero(codes == code).reshape(-1))
+            return torch.nonzero(codes.index_select(0, self._cell) == code).reshape(-1)    # many: one pass
+        sizes = {name: n for name, n in zip(ORDER, counts.tolist()) if name != OWNED}
+        return LazyStepView(step, self.pool, one_region("step-writes"), sizes,
+                            lambda: self.rows_of(codes, group, owner, counts, order),
+                            [n for n, _ in meta.batch], [q for _, q in meta.batch], one_region=one_region)
+
+    def cell_rows(self, cells: torch.Tensor) -> torch.Tensor:
+        """int64, ascending: the elements of those cells of the label table (cells of `labels`)."""
+        if self._by_cell is None:        # elements grouped by cell, ascending within each: once per pool
+            self._by_cell = torch.from_numpy(numpy.argsort(self._cell.numpy(), kind="stable"))
+            self._cell_start = torch.cumsum(self._cell_size, 0) - self._cell_size
+        size = self._cell_size.index_select(0, cells)
+        total = int(size.sum())
+        if not total:
+            return torch.zeros(0, dtype=torch.int64)
+        # position k of cell c's run: its start plus k
+        first = torch.cumsum(size, 0) - size
+        at = torch.arange(total) + (self._cell_start.index_select(0, cells) - first).repeat_interleave(size)
+        return self._by_cell.index_select(0, at).sort().values
+
+    def rows_of(self, codes, group, owner, counts, order) -> dict:
+        """Every region's rows, owned rows, each family's own rows and each row's layer (LazyStepView's
+        labels). Every region in one pass: the elements sorted by label (a stable sort keeps each region's
+        rows ascending)."""
         # numpy's stable sort of 8-bit keys is a radix sort: faster than torch's here
         rows = torch.from_numpy(numpy.argsort(codes.index_select(0, self._cell).numpy(), kind="stable"))
-        counts = torch.zeros(len(ORDER), dtype=torch.int64).index_add_(0, codes.long(), self._cell_size)
         label = dict(zip(ORDER, rows.split(counts.tolist())))
         regions = {name: rows for name, rows in label.items() if name != OWNED}
         row_layer = self.layer[0] if self.layer.shape[0] == 1 else \
@@ -175,9 +212,7 @@ class PoolMap:
         mine = owned[torch.from_numpy(numpy.argsort(key.numpy(), kind="stable"))]
         per_family = torch.bincount(owned_by, minlength=len(order) + 2).tolist()
         request_rows = dict(zip(order, mine.split(per_family)[2:]))
-        return StepView(step, self.pool, regions, owned,
-                        regions["step-writes"], row_layer, [n for n, _ in meta.batch], [q for _, q in meta.batch],
-                        request_rows=request_rows)
+        return {"regions": regions, "owned": owned, "request_rows": request_rows, "row_layer": row_layer}
 
     def warmup_view(self, pool: torch.Tensor) -> StepView:
         """Warm-up (and graph capture): no request owns anything and no row may change; the null
