@@ -7,6 +7,7 @@ what the run adds up to are qsa_lab.canary.results (judge, LeakResult, CanaryRep
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from pathlib import Path
 
@@ -293,7 +294,10 @@ def _run_matrix(runners, case, parts, regions, planes, payloads, dims, device, s
     from tqdm.auto import tqdm
 
     cells = [(r, pl) for r in regions for pl in planes]
-    remote = overlap.submit(run_overlap, case, parts, regions, planes, payloads, dims) if overlap else []
+    # the second process gets its own copies: the executor pickles in a thread of its own, and torch's pickling
+    # moves a CPU tensor's bytes into shared memory in place, under this thread's reads of the same tensors
+    remote = overlap.submit(run_overlap, *copy.deepcopy((case, parts)), regions, planes, payloads,
+                            copy.deepcopy(dims)) if overlap else []
     inputs, meta = _Pools(case, parts, dims), call_meta(case)
     done = {}
     bar = tqdm(total=len(runners) * len(cells), desc="canary", disable=not progress)
