@@ -26,6 +26,7 @@ resolve_kernel looks the parsed name up.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Callable
@@ -122,10 +123,30 @@ def _flex_fn(device_type: str):
         return torch.compile(flex_attention, dynamic=False)
 
     def eager(*args, **kwargs):
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), flex_untraced():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return flex_attention(*args, **kwargs)
     return eager
+
+
+@contextlib.contextmanager
+def flex_untraced():
+    """Eager FlexAttention without dynamo's trace of it: torch's own debugging switch calls the
+    same eager operator directly instead of tracing a graph of it first (with the "eager" backend,
+    so the same operators either way) on every call. On the CPU the trace costs more than the
+    attention itself; the output is the same bits (tests/canary/test_canary_overlap.py). Restored
+    on exit; where torch has no such switch, nothing changes."""
+    import torch.nn.attention.flex_attention as fa
+
+    before = getattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+    if before is None:
+        yield
+        return
+    fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        yield
+    finally:
+        fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
 
 
 def flex(call: PagedCall) -> torch.Tensor:

@@ -128,3 +128,23 @@ def _undated(text: str) -> dict:
 
 def test_others_running_reads_this_machine():
     assert procs.others_running() >= 0
+
+
+def test_flex_untraced_gives_every_default_cell_the_same_bits_without_tracing(monkeypatch):
+    """FlexAttention on the CPU skips dynamo's per-call trace (kernels.flex_untraced): every cell of
+    the default matrix is the same report, bit for bit, as the traced call gives, and no trace runs."""
+    from contextlib import nullcontext
+
+    from qsa_lab.canary import kernels
+
+    names = ["torch:flex", "torch:flex-paged"]
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "flex_untraced", nullcontext)          # torch's own path: traced every call
+        traced = run_canary(names, backend="emulate")
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compiled.append(a) or (_ for _ in ()).throw(
+        AssertionError("traced")))
+    untraced = run_canary(names, backend="emulate")
+    assert compiled == []
+    assert {r.verdict for r in untraced.results} >= {"nan-leak", "clean"}
+    _same_report(untraced, traced)
