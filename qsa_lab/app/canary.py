@@ -209,7 +209,7 @@ def run(args) -> int:
     outs = _outputs(args, {"--json": None if args.json == "-" else args.json}, _inputs(args))
     kernels = (args.kernels or []) + (args.kernel or [])
     second = None
-    if args.backend != "cuda" and _overlaps(kernels):
+    if _overlaps(kernels):
         from qsa_lab.canary.overlap import start
 
         second = start()   # FlexAttention's slow start runs in a second process while this one imports torch
@@ -217,7 +217,7 @@ def run(args) -> int:
         code = _run(args, outs, kernels, geometry, second)
     finally:
         if second is not None:
-            second.close()   # not taken (bad input found later, a GPU run): ended with the command
+            second.close()   # not taken (bad input found later, a GPU the kernels cannot use): ended with the command
     if args.fail_on_leak:   # after the run: bad input stays one line on stderr
         print(FAIL_ON_LEAK_GONE, file=sys.stderr)
     return code

@@ -1,9 +1,10 @@
-"""The canary's slow built-in kernels beside the others: FlexAttention's first call on the CPU
-imports torch._dynamo and traces its operator (~3 s of a default run), so `qsa-lab canary` runs
-those kernels (OVERLAP) in a second process (support.executor.SecondProcess) when a core is idle.
-The command starts it before it imports torch (start), so both imports run at once on two cores,
-and hands it to run_canary(second=...), which uses it for a CPU run of OVERLAP kernels beside
-others (take) and otherwise ends it.
+"""The canary's slow built-in kernels beside the others: FlexAttention's first call imports
+torch._dynamo (on the CPU, where it runs eagerly) or torch._dynamo and inductor and compiles its
+kernels (on a GPU), seconds either way, so `qsa-lab canary` runs those kernels (OVERLAP) in a second
+process (support.executor.SecondProcess) when a core is idle. The command starts it before it
+imports torch (start), so both imports run at once on two cores, and hands it to
+run_canary(second=...), which uses it for a run of OVERLAP kernels beside others, on the CPU or a
+GPU (take), and otherwise ends it.
 """
 from __future__ import annotations
 
@@ -38,15 +39,16 @@ class Overlap:
     copies, one torch thread), one call per kernel; if any fails, the run calls them all here,
     as it does without it."""
 
-    def __init__(self, second: SecondProcess, names: list):
-        self.second, self.names, self.answered = second, list(names), False
+    def __init__(self, second: SecondProcess, names: list, device: str = "cpu"):
+        self.second, self.names, self.device, self.answered = second, list(names), device, False
         self.futures, self.cells = [], 0
 
     def submit(self, run, case, slots, regions, planes, payloads, dims) -> list:
         """Send each kernel's matrix to run there (run: runner.run_overlap) -> the names it runs."""
         self.cells = len(regions) * len(planes)
         try:
-            self.futures = [self.second.submit(run, [n], case, slots, regions, planes, payloads, dims)
+            self.futures = [self.second.submit(run, [n], case, slots, regions, planes, payloads, dims,
+                                               self.device)
                             for n in self.names]
         except Exception:  # noqa: BLE001 - gone, or the case does not pickle: collect() answers None
             self.futures = []
@@ -74,12 +76,14 @@ class Overlap:
 
 
 def take(second: SecondProcess | None, named: list, device) -> Overlap | None:
-    """An Overlap on `second` for a CPU run of named OVERLAP kernels beside others; else None,
-    and `second` is ended (one run takes it or none)."""
+    """An Overlap on `second` for a run of named OVERLAP kernels beside others on `device` (the
+    CPU or a CUDA GPU, which the second process then uses as well); else None, and `second` is
+    ended (one run takes it or none)."""
     if second is None:
         return None
     names = [n for n, k in named if isinstance(k, KernelName) and k.text == n and n in OVERLAP]
-    if getattr(device, "type", str(device)) != "cpu" or not names or len(names) == len(named):
+    kind = getattr(device, "type", str(device))
+    if kind not in ("cpu", "cuda") or not names or len(names) == len(named):
         second.close()
         return None
-    return Overlap(second, names)
+    return Overlap(second, names, str(device))

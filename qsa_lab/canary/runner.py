@@ -156,8 +156,8 @@ def run_canary(kernels=None, regions=None, payloads=None, planes=("k", "v"), bac
     dims: head dims to poison (default every dim; one dim shows a kernel's leak pattern: a V
         leak stays on that dim, a K leak spreads over the row). timeout: seconds per call.
     second: a support.executor.SecondProcess started by the caller (`qsa-lab canary`, before it
-        imports torch: overlap.start); a CPU run of FlexAttention's kernels beside others runs
-        them there (overlap.take); a run that takes it ends it (close() again is harmless).
+        imports torch: overlap.start); a run of FlexAttention's kernels beside others, on the CPU
+        or a CUDA GPU, runs them there (overlap.take); a run that takes it ends it (close() again is harmless).
     max_memory: the memory budget (bytes or text such as '8G'; default half the memory available
         now): a built case above it is refused (canary_case), and a built-in kernel whose working
         set would take the run above it is skipped, saying so (qsa_lab.canary.kernels.working_set).
@@ -352,18 +352,21 @@ def _run_kernel(name, runner, case, inputs, meta, device, cells, payloads, bar) 
     return results, skipped
 
 
-def run_overlap(names, case, parts, regions, planes, payloads, dims, progress=None) -> dict:
-    """In the second process (overlap.Overlap): built-in kernels `names` on the CPU, as run_canary
-    runs them -> {name: (results, skipped entries)}; progress(n) after each cell."""
+def run_overlap(names, case, parts, regions, planes, payloads, dims, device="cpu", progress=None) -> dict:
+    """In the second process (overlap.Overlap): built-in kernels `names` on `device` (the CPU or
+    the same CUDA GPU), as run_canary runs them -> {name: (results, skipped entries)}; progress(n)
+    after each cell."""
     from qsa_lab.canary.kernels import TORCH_KERNELS
 
     class Bar:
         update = staticmethod(progress or (lambda n: None))
 
+    device = torch.device(device)
     inputs, meta, cells = _Pools(case, parts, dims), call_meta(case), [(r, pl) for r in regions for pl in planes]
-    torch.set_num_threads(1)
+    if device.type == "cpu":
+        torch.set_num_threads(1)     # as run_canary does on the CPU
     return {n: _run_kernel(n, InProcess(TORCH_KERNELS[n], DEFAULT_TIMEOUT, thread=False), case, inputs, meta,
-                           torch.device("cpu"), cells, payloads, Bar) for n in names}
+                           device, cells, payloads, Bar) for n in names}
 
 
 def _cell(runner, inputs, meta, device, region, part, plane, payloads) -> dict:

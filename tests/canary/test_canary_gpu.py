@@ -50,3 +50,25 @@ def test_grouped_leaks_and_the_kernel_fix_is_clean(report):
     _ran(report, "qsa:grouped")
     assert report.find("qsa:grouped", "null-block", "v", "nan").verdict == "nan-leak"
     assert {r.verdict for r in report.results if r.kernel == "qsa:grouped+kernel_fix"} == {"clean"}
+
+
+def test_flex_in_the_second_process_gives_the_same_report_on_the_gpu(monkeypatch):
+    """`qsa-lab canary` on a GPU runs FlexAttention's compiled kernels in a second process (overlap)
+    beside the others: the report is the one this process gives alone, bit for bit."""
+    from qsa_lab.canary import overlap, run_canary
+    from qsa_lab.canary.execution import same_bits
+
+    kernels = ["qsa:grouped", "torch:flex", "torch:sdpa-math", "torch:flex-paged"]
+    matrix = dict(regions=["null-block", "free-pages", "stale-tail"], backend="cuda")
+    alone = run_canary(kernels, **matrix)
+    taken, take = [], overlap.take
+    monkeypatch.setattr("qsa_lab.canary.runner.take_overlap", lambda *a: taken.append(take(*a)) or taken[-1])
+    beside = run_canary(kernels, **matrix, second=overlap.start())
+    assert taken[0].answered and taken[0].names == ["torch:flex", "torch:flex-paged"]
+    assert [r.to_dict() for r in beside.results] == [r.to_dict() for r in alone.results]
+    assert beside.skipped == alone.skipped
+    for x, y in zip(beside.results, alone.results):
+        assert (x.output is None) == (y.output is None)
+        if x.output is not None:
+            assert same_bits(x.output, y.output), f"{x.kernel} {x.region}/{x.plane}/{x.payload}"
+    assert {r.verdict for r in beside.results if r.kernel == "torch:flex"} >= {"nan-leak", "clean"}

@@ -80,7 +80,7 @@ def _named(*items):
 
 
 @pytest.mark.parametrize("named,device", [
-    (_named(("torch:flex", "torch:flex"), ("qsa:xqa", "qsa:xqa")), "cuda"),          # a GPU run: compiled flex here
+    (_named(("torch:flex", "torch:flex"), ("qsa:xqa", "qsa:xqa")), "mps"),           # a device it does not use
     (_named(("torch:flex", "torch:flex"), ("torch:flex-paged", "torch:flex-paged")), "cpu"),  # nothing beside them
     (_named(("torch:flex", lambda call: call.q), ("qsa:xqa", "qsa:xqa")), "cpu"),    # a callable of that name
     (_named(("qsa:xqa", "qsa:xqa")), "cpu"),
@@ -96,6 +96,10 @@ def test_a_run_takes_it_for_its_flex_kernels():
     got = overlap.take(second, _named(("qsa:xqa", "qsa:xqa"), ("torch:flex-paged", "torch:flex-paged")),
                        torch.device("cpu"))
     assert got.second is second and got.names == ["torch:flex-paged"] and not second.closed
+    assert got.device == "cpu"
+    on_gpu = overlap.take(_Second(), _named(("torch:flex", "torch:flex"), ("qsa:xqa", "qsa:xqa")),
+                          torch.device("cuda"))                          # compiled flex there, on the same GPU
+    assert on_gpu.names == ["torch:flex"] and on_gpu.device == "cuda"
     assert overlap.take(None, _named(("qsa:xqa", "qsa:xqa"), ("torch:flex", "torch:flex")), "cpu") is None
 
 
