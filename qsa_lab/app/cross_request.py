@@ -10,6 +10,7 @@ failure (one line).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -105,39 +106,104 @@ def check_args(args) -> dict:
             "json": outs.get("--json")}
 
 
-def _steps(settings):
-    """The progress of the poisoned runs on stderr: every geometry's requests x payloads with a code in
-    its cache's dtype (cross_request runs and tells one per such pair)."""
+def _runs(settings, g) -> int:
+    """Geometry g's poisoned runs: its requests x payloads with a code in its cache's dtype."""
     from qsa_lab.model.poison import PAYLOAD_BITS
+
+    requests = g.requests if settings["requests"] is None else len(settings["requests"])
+    return requests * sum((g.kv_dtype, p) in PAYLOAD_BITS for p in settings["payloads"])
+
+
+def _steps(settings, here):
+    """The progress of the poisoned runs made here (geometries `here`) on stderr (cross_request runs
+    and tells one per run)."""
     from qsa_lab.support.progress import Steps
 
-    total = 0
-    for g in settings["geometries"]:
-        requests = g.requests if settings["requests"] is None else len(settings["requests"])
-        total += requests * sum((g.kv_dtype, p) in PAYLOAD_BITS for p in settings["payloads"])
+    total = sum(_runs(settings, g) for g in settings["geometries"])
     print(f"# cross-request: {total} poisoned runs ({len(settings['geometries'])} query-head counts x requests x "
           "payloads), every route each", file=sys.stderr)
-    return Steps(total)
+    return Steps(sum(_runs(settings, g) for g in here))
+
+
+def _one(cross_request, g, given, steps) -> list:
+    """cross_request on geometry g here, its bad input named by option."""
+    with blame({"dims": "--dims", "requests": "--requests", "routes": "--routes", "payloads": "--payloads"},
+               "--q-heads"):
+        return cross_request(g, *given, progress=steps and steps.step)
 
 
 def run(args) -> int:
     s = check_args(args)
+    second = _second(s["geometries"])    # before torch: its import runs beside this one's
+    try:
+        return _run(args, s, second)
+    finally:
+        if second is not None:
+            second.close()
+
+
+def _second(geometries):
+    """A second process for one geometry's runs when there are two or more and a core is idle
+    (support.executor); None otherwise."""
+    from qsa_lab.support.processes import idle_core
+
+    if len(geometries) < 2 or not idle_core():
+        return None
+    from qsa_lab.support.executor import SecondProcess
+
+    try:
+        return SecondProcess("qsa_lab.app.cross_request", "qsa_lab.analysis.cross_request")
+    except OSError:
+        return None
+
+
+def one_thread(fn, *args):
+    """fn(*args) with torch on one thread (in the second process: each process keeps to its core)."""
+    from qsa_lab.support.processes import torch_threads
+
+    with torch_threads(1):
+        return fn(*args)
+
+
+def _run(args, s, second) -> int:
     from qsa_lab.analysis.cross_request import (MUST_BE_CLEAN, CrossRequestReport, cross_request, groups_of,
                                                 pivot_text)
     from qsa_lab.routes.run import resolve_backend
     from qsa_lab.support.outputs import write_text
+    from qsa_lab.support.processes import torch_threads
 
     with blame({}, "--backend"):
         backend = resolve_backend(args.backend, s["geometries"][0])
     quiet = args.json == "-"
-    steps = None if quiet else _steps(s)
+    geometries = s["geometries"]
+    given = (s["payloads"], s["requests"], s["routes"], backend, args.dims)
+    # the emulation's tensors are small: one torch thread each (more only contend), and the geometry
+    # with the most query heads in the second process, beside the others here
+    apart, remote = None, None
+    if second is not None and backend == "emulate":
+        apart = max(range(len(geometries)), key=lambda i: geometries[i].q_heads)
+        try:
+            remote = second.submit(one_thread, cross_request, geometries[apart], *given)
+        except Exception:  # noqa: BLE001 - gone: every geometry runs here
+            apart = None
+    steps = None if quiet else _steps(s, [g for i, g in enumerate(geometries) if i != apart])
+    if apart is not None and steps:
+        print(f"# q_heads {geometries[apart].q_heads}: in a second process, beside these", file=sys.stderr)
+    got = {}
+    with torch_threads(1) if backend == "emulate" else contextlib.nullcontext():
+        for i, g in enumerate(geometries):
+            if i != apart:
+                got[i] = _one(cross_request, g, given, steps)
+        if apart is not None:
+            try:
+                got[apart] = remote.result()
+            except Exception:  # noqa: BLE001 - it failed (bad input included): run here, which says why
+                if steps:
+                    steps.add(_runs(s, geometries[apart]))
+                got[apart] = _one(cross_request, geometries[apart], given, steps)
     records, runs = [], []
-    for g in s["geometries"]:
-        with blame({"dims": "--dims", "requests": "--requests", "routes": "--routes", "payloads": "--payloads"},
-                   "--q-heads"):
-            got = cross_request(g, s["payloads"], s["requests"], s["routes"], backend, args.dims,
-                                progress=steps and steps.step)
-        records += got
+    for i, g in enumerate(geometries):
+        records += got[i]
         runs.append({"geometry": {**g.to_dict(), "request_rows": list(g.request_rows)}, "groups": groups_of(g)})
     report = CrossRequestReport(backend, args.mix, runs, records)
     bad = report.leaks(MUST_BE_CLEAN)

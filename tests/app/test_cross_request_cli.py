@@ -39,9 +39,17 @@ def test_cross_request_json(capsys, tmp_path):
 
 
 
-def test_cross_request_progress_counts_runs_on_stderr(capsys):
+def _cores(monkeypatch, idle: bool):
+    """Whether a core is free for cross-request's second process."""
+    from qsa_lab.support import processes
+
+    monkeypatch.setattr(processes, "idle_core", lambda: idle)
+
+
+def test_cross_request_progress_counts_runs_on_stderr(capsys, monkeypatch):
     """One line a poisoned run on stderr, counted of the total (q-heads x requests x payloads with a code:
     e4m3 has no inf); none under --json -."""
+    _cores(monkeypatch, False)
     assert main(["cross-request", "--q-heads", "2,6", "--requests", "0,2", "--payloads", "nan,inf", *SMALL]) == 0
     out, err = capsys.readouterr()
     lines = [x for x in err.splitlines() if x.startswith("# [")]
@@ -50,6 +58,41 @@ def test_cross_request_progress_counts_runs_on_stderr(capsys):
     assert lines[0] == "# [1/4] q_heads 2, nan in request 0" and lines[-1].startswith("# [4/4] q_heads 6, nan in request 2 (about ")
     assert main(["cross-request", "--q-heads", "6", "--requests", "1", "--payloads", "nan", "--json", "-", *SMALL]) == 0
     assert capsys.readouterr().err == ""
+
+def _undated(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k != "date"}
+
+
+@pytest.mark.parametrize("fate", ["runs", "dies"])
+def test_a_second_process_takes_one_query_head_count_and_the_report_is_the_same(capsys, monkeypatch, fate):
+    """With a core to spare the geometry with the most query heads runs in a second process (and if that
+    process dies, here): the report is the one a single process gives, record for record."""
+    import os
+    import signal
+
+    from qsa_lab.app import cross_request as app
+    from qsa_lab.support.executor import SecondProcess
+
+    argv = ["cross-request", "--q-heads", "6,2", "--requests", "0,1", "--payloads", "nan,max", *SMALL]
+    _cores(monkeypatch, False)
+    assert main([*argv, "--json", "-"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    _cores(monkeypatch, True)
+    started, start, submit = [], app._second, SecondProcess.submit
+    monkeypatch.setattr(app, "_second", lambda g: started.append(start(g)) or started[-1])
+    if fate == "dies":
+        monkeypatch.setattr(SecondProcess, "submit", lambda self, *a: os.kill(self.pid, signal.SIGKILL) or submit(self, *a))
+    assert main([*argv, "--json", "-"]) == 0
+    beside = json.loads(capsys.readouterr().out)
+    assert len(started) == 1 and isinstance(started[0], SecondProcess) and started[0]._pool is None   # ended
+    assert _undated(beside) == _undated(alone)
+    assert {r["q_heads"] for r in alone["records"]} == {2, 6} and alone["counts"]["leaking"] > 0
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "# q_heads 6: in a second process, beside these" in err
+    assert "# [4/4] q_heads 2, max in request 1" in err
+    assert ("# [8/8] q_heads 6, max in request 1" in err) == (fate == "dies")     # run here after all
+
 
 def test_cross_request_leak_in_a_route_that_must_stay_clean_exits_1(capsys, monkeypatch):
     """Exit 1 comes from the routes that must stay clean only: here xqa is made to read as leaking."""
