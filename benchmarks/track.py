@@ -5,6 +5,7 @@ Rows (`--rows`, default all but `canary_search`):
   own_kernel     the own-kernel command of docs/canary.md (Llama-8B geometry)   floor: import torch
   cross_request  qsa-lab cross-request (defaults)                        floor: import torch
   canary_search  qsa-lab canary --search on paged_decode_fixed, --budget 5        floor: import torch
+  canary_gpu     qsa-lab canary --backend cuda (needs a CUDA GPU; also cells per second)   floor: import torch
   scribble_transformers, scribble_vllm   a generation with the scribble's write guard, floor: the same
                  generation without it (benchmarks/bench_scribble.py's own measurement, one process a
                  repetition, its plain and guard generations pooled; vLLM in its environment, --vllm-python)
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -53,12 +55,14 @@ ROWS = {
                       "--budget 5", ["-m", "qsa_lab", "canary", "--search", "--kernel",
                                      "examples/mykernels.py:paged_decode_fixed", "--attend", "dense", "--budget", "5"],
                       TORCH, {0}),
+    "canary_gpu": ("qsa-lab canary --backend cuda (default matrix, compiled kernels)",
+                   ["-m", "qsa_lab", "canary", "--backend", "cuda"], TORCH, {1}),
     "scribble_transformers": ("a generation with the write guard, beside the same without it (transformers, "
                               "benchmarks/bench_scribble.py)", "scribble:transformers", None, {0}),
     "scribble_vllm": ("a generation with the write guard, beside the same without it (vLLM CPU, "
                       "benchmarks/bench_scribble.py)", "scribble:vllm", None, {0}),
 }
-DEFAULT_ROWS = [r for r in ROWS if r != "canary_search"]
+DEFAULT_ROWS = [r for r in ROWS if r not in ("canary_search", "canary_gpu")]
 
 
 def git(*args, cwd=REPO) -> str:
@@ -140,6 +144,7 @@ def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str |
     else:
         sides = {"floor": (floor, trees["current"]), **{s: (how, t) for s, t in trees.items()}}
         times, codes = {s: [] for s in sides}, {s: set() for s in sides if s != "floor"}
+        cells = {}          # a canary's cell count, from its last line "# ... (N cells)"
         order = list(sides)
         for i in range(reps):
             for side in order[i % len(order):] + order[:i % len(order)]:      # rotate who goes first
@@ -152,6 +157,8 @@ def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str |
                 times[side].append(wall)
                 if side != "floor":
                     codes[side].add(code)
+                    if found := re.search(r"\((\d+) cells\)", tail):
+                        cells[side] = int(found.group(1))
         if len({frozenset(c) for c in codes.values()}) > 1:
             raise RuntimeError(f"{name}: the exit codes differ between the checkouts: {codes}")
         row["command"] = "python " + " ".join(how)
@@ -160,6 +167,8 @@ def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str |
         for side, t in times.items():
             row[side] = {**stats(t), "exit": sorted(codes[side]),
                          "x_floor": statistics.median(t) / row["floor"]["median_s"]}
+            if side in cells:
+                row[side].update(cells=cells[side], cells_per_s=cells[side] / statistics.median(t))
     if "base" in trees:
         key = "guard" if isinstance(how, str) else None
         cur, base = (row["current"][key], row["base"][key]) if key else (row["current"], row["base"])
@@ -227,6 +236,8 @@ def main(argv=None) -> int:
                 cur = row["current"]["guard"] if "guard" in row["current"] else row["current"]
                 print(f"{name:22s} {cur['median_s']:8.3f} s  x{row['current']['x_floor']:.2f} its floor"
                       + (f"  x{row['x_base']:.2f} the base" if "x_base" in row else "")
+                      + (f"  {cur['cells_per_s']:.1f} cells/s" if "cells_per_s" in cur else "")
+                      + (f" (base {row['base']['cells_per_s']:.1f})" if "cells_per_s" in row.get("base", {}) else "")
                       + f"  (load {row['load_before'][0]:.1f} -> {row['load_after'][0]:.1f})", flush=True)
             doc["load_after"] = list(os.getloadavg())
             args.json.parent.mkdir(parents=True, exist_ok=True)
