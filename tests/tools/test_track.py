@@ -50,3 +50,16 @@ def test_an_unexpected_exit_code_stops_the_row_naming_it(track):
 def test_bad_arguments_are_one_line_naming_the_argument(track, tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
         track.main([*argv, "--json", str(tmp_path / "t.json")])
+
+
+def test_a_canary_rows_cells_give_cells_per_second(track):
+    """A command whose last line counts its cells ('# ... (N cells)', as the canary's does) gets N and
+    N / its median; one that prints none gets neither."""
+    says = "print('# 3 leaking of 8 checks (12 cells)'); raise SystemExit(1)"
+    rows = {"cells": ("prints a cell count", ["-c", says], ["-c", "pass"], {1}),
+            "none": ("prints nothing", ["-c", "pass"], ["-c", "pass"], {0})}
+    row = track.track_row("cells", 2, {"current": REPO}, track.sys.executable, None, 1, rows=rows)
+    assert row["current"]["cells"] == 12
+    assert row["current"]["cells_per_s"] == pytest.approx(12 / row["current"]["median_s"])
+    quiet = track.track_row("none", 1, {"current": REPO}, track.sys.executable, None, 1, rows=rows)
+    assert "cells" not in quiet["current"] and "cells_per_s" not in quiet["current"]
