@@ -177,8 +177,8 @@ def _run(args, s, second) -> int:
     quiet = args.json == "-"
     geometries = s["geometries"]
     given = (s["payloads"], s["requests"], s["routes"], backend, args.dims)
-    # the emulation's tensors are small: one torch thread each (more only contend), and the geometry
-    # with the most query heads in the second process, beside the others here
+    # with a core to spare, the geometry with the most query heads runs in the second process beside
+    # the others here, one torch thread each (the cores are taken); alone, torch keeps the program's threads
     apart, remote = None, None
     if second is not None and backend == "emulate":
         apart = max(range(len(geometries)), key=lambda i: geometries[i].q_heads)
@@ -190,7 +190,7 @@ def _run(args, s, second) -> int:
     if apart is not None and steps:
         print(f"# q_heads {geometries[apart].q_heads}: in a second process, beside these", file=sys.stderr)
     got = {}
-    with torch_threads(1) if backend == "emulate" else contextlib.nullcontext():
+    with torch_threads(1) if apart is not None else contextlib.nullcontext():
         for i, g in enumerate(geometries):
             if i != apart:
                 got[i] = _one(cross_request, g, given, steps)
