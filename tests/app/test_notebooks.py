@@ -139,6 +139,14 @@ def test_numbered_notebooks_present():
     assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
+def test_the_notebooks_the_site_shows_from_the_tests_run_read_no_small_switch():
+    """The site renders the tests' run of these (tests/notebook_runs.py), which sets QSA_LAB_SMALL:
+    a notebook that read it would show the small geometry there."""
+    for name in notebook_runs.SHARED_WITH_SITE:
+        assert "QSA_LAB_SMALL" not in (NB_DIR / name).read_text(), \
+            f"{name} reads QSA_LAB_SMALL: drop it from SHARED_WITH_SITE"
+
+
 HOW_TO_STRIP = ("strip it with `make strip` (python scripts/strip_outputs.py notebooks/NN_*.ipynb); "
                 "open the notebooks with `make lab`, which saves them without outputs")
 
