@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import notebook_runs
 from qsa_lab.support import package_data
 
 nbformat = pytest.importorskip("nbformat")
@@ -16,29 +17,18 @@ nbclient = pytest.importorskip("nbclient")
 
 NB_DIR = package_data.folder("notebooks")   # the checkout's, or an installed copy's
 NOTEBOOKS = package_data.notebooks()
-MARK = "QSA_LAB_KEY_RESULTS="
-CONCLUSION = "QSA_LAB_CONCLUSION="
+MARK, CONCLUSION = notebook_runs.MARK, notebook_runs.CONCLUSION
 
 
-def run_notebook(path: Path, tmp_path: Path) -> dict:
-    """Execute `path` with one extra cell that prints the notebook's key_results as JSON."""
-    nb = nbformat.read(path, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(f"import json; print({MARK!r} + json.dumps(key_results, default=str)); "
-                                              f"print({CONCLUSION!r} + json.dumps(conclusion))"))
-    env = {"QSA_LAB_BACKEND": "emulate", "QSA_LAB_SMALL": "1", "QSA_LAB_FIGURES": str(tmp_path / "figures"),
-           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                         resources={"metadata": {"path": str(tmp_path)}})
-        client.execute()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def run_notebook(path: Path, tmp_path: Path, tmp_path_factory=None) -> dict:
+    """Execute `path` with one extra cell that prints the notebook's key_results as JSON (in
+    tmp_path; a notebook the site shows too runs once per test run, tests/notebook_runs.py, when
+    tmp_path_factory is given) and check what every notebook must show. -> {"results", "nb",
+    "conclusion", "folder": where it ran (its figures in folder/figures)}."""
+    if tmp_path_factory is not None and path.name in notebook_runs.SHARED_WITH_SITE:
+        nb, folder = notebook_runs.shared(path, tmp_path_factory)
+    else:
+        nb, folder = notebook_runs.execute(path, tmp_path), tmp_path
     found = {}
     for out in nb.cells[-1].outputs:
         for line in out.get("text", "").splitlines():
@@ -50,7 +40,7 @@ def run_notebook(path: Path, tmp_path: Path) -> dict:
     check_figures_shown(path, nb)
     check_no_warnings(path, nb)
     check_verdict_order(path, nb)
-    return {"results": found[MARK], "nb": nb, "conclusion": found[CONCLUSION]}
+    return {"results": found[MARK], "nb": nb, "conclusion": found[CONCLUSION], "folder": folder}
 
 
 #: a code cell that draws a figure (a plotting or canary-figure call, or a written PNG shown)
@@ -147,6 +137,14 @@ def _text(nb) -> str:
 
 def test_numbered_notebooks_present():
     assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
+
+
+def test_the_notebooks_the_site_shows_from_the_tests_run_read_no_small_switch():
+    """The site renders the tests' run of these (tests/notebook_runs.py), which sets QSA_LAB_SMALL:
+    a notebook that read it would show the small geometry there."""
+    for name in notebook_runs.SHARED_WITH_SITE:
+        assert "QSA_LAB_SMALL" not in (NB_DIR / name).read_text(), \
+            f"{name} reads QSA_LAB_SMALL: drop it from SHARED_WITH_SITE"
 
 
 HOW_TO_STRIP = ("strip it with `make strip` (python scripts/strip_outputs.py notebooks/NN_*.ipynb); "
@@ -256,8 +254,8 @@ def test_04_fixes_clean_and_stale_tail_finding(tmp_path):
     assert not {"xqa", "grouped+request_groups", "grouped+finite_pv"} & set(r["cross_request_leaking_routes"])
 
 
-def test_05_reads_committed_timings(tmp_path):
-    run = run_notebook(NB_DIR / "05_fix_overhead.ipynb", tmp_path)
+def test_05_reads_committed_timings(tmp_path, tmp_path_factory):
+    run = run_notebook(NB_DIR / "05_fix_overhead.ipynb", tmp_path, tmp_path_factory)
     r = run["results"]
     assert r["live"] is False and "backend:" in _text(run["nb"])
     from qsa_lab.analysis.figure_data import BENCH_JSON, load_bench
@@ -398,14 +396,14 @@ def test_make_lab_saves_project_notebooks_without_outputs(tmp_path):
     assert "Overriding existing pre_save_hook" not in log.read_text()
 
 
-def test_07_scribble_finds_the_read_trash_dependency(tmp_path):
+def test_07_scribble_finds_the_read_trash_dependency(tmp_path, tmp_path_factory):
     """transformers' continuous batching on the CPU: clean unpadded, the read trash leaks padded."""
     pytest.importorskip("transformers")
     from qsa_lab.scribble.versions import refusal
 
     if refusal() is not None:
         pytest.fail(refusal())   # the scribble extra pins the version the notebook was written for
-    run = run_notebook(NB_DIR / "07_scribble_an_engine.ipynb", tmp_path)
+    run = run_notebook(NB_DIR / "07_scribble_an_engine.ipynb", tmp_path, tmp_path_factory)
     r, nb = run["results"], run["nb"]
     assert r["checked"] > 0 and r["clean_unpadded"] == r["checked"] and r["strays_unpadded"] == 0
     assert r["other_requests_unpadded"] == ["nan-leak"]          # paged|eager's packed mask: 0 * NaN

@@ -115,9 +115,10 @@ def shows(printed: str, shown: list[str]) -> str | None:
     return None
 
 
-#: commands that read only the checkout and write nothing (several pages show them): each runs once per test
-#: run, in a fresh folder of its own, and every page that shows it reads that run (tests/run_once.py)
-PURE = re.compile(r"^qsa-lab (canary|diff|doctor)(\s+(--?[\w-]+|[\w:,.+-]+|examples/[\w./:-]+))*$")
+#: commands that read only the checkout and write nothing (several pages show them: the vLLM scribble, install.md
+#: and scribble.md): each runs once per test run, in a fresh folder of its own, and every page that shows it reads
+#: that run (tests/run_once.py)
+PURE = re.compile(r"^qsa-lab (canary|diff|doctor|scribble)(\s+(--?[\w-]+|[\w:,.+-]+|examples/[\w./:-]+))*$")
 WRITES = re.compile(r"--(json|report|save|out|figures|case)\b")
 
 
