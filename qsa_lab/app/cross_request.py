@@ -149,12 +149,9 @@ def _second(geometries):
 
     if len(geometries) < 2 or not idle_core():
         return None
-    from qsa_lab.support.executor import SecondProcess
+    from qsa_lab.support.executor import start_second
 
-    try:
-        return SecondProcess("qsa_lab.app.cross_request", "qsa_lab.analysis.cross_request")
-    except OSError:
-        return None
+    return start_second("qsa_lab.app.cross_request", "qsa_lab.analysis.cross_request")
 
 
 def one_thread(fn, *args):

@@ -12,7 +12,7 @@ from concurrent.futures import as_completed
 
 from qsa_lab.canary.names import KernelName
 from qsa_lab.support import processes as procs
-from qsa_lab.support.executor import SecondProcess
+from qsa_lab.support.executor import SecondProcess, start_second
 
 #: built-in kernels whose first call on the CPU is slow
 OVERLAP = ("torch:flex", "torch:flex-paged")
@@ -27,10 +27,7 @@ def idle_core() -> bool:
 
 def start() -> SecondProcess | None:
     """The second process, started now (a plain-Python caller, before torch is imported)."""
-    try:
-        return SecondProcess(*WARM)
-    except OSError:
-        return None
+    return start_second(*WARM)
 
 
 class Overlap:

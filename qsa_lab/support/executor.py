@@ -1,7 +1,8 @@
 """The one way qsa_lab starts a second process: a spawn executor of one worker (the standard
 library's ProcessPoolExecutor), for work that runs beside the caller's (`qsa-lab repro`'s figures
-and repeats, the canary's slow built-in kernels). Plain Python, no torch: a command starts it
-before it imports torch, so both imports run at once on two cores.
+and repeats, the canary's slow built-in kernels, cross-request's largest query-head count). Plain
+Python, no torch: a command starts it before it imports torch, so both imports run at once on two
+cores.
 
     second = SecondProcess("qsa_lab.report.figures")   # started now, importing that module
     relay = Relay(second)
@@ -120,6 +121,15 @@ class SecondProcess:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def start_second(*warm: str) -> SecondProcess | None:
+    """A SecondProcess importing `warm`, started now; None where the system cannot start one (the
+    caller then runs everything itself)."""
+    try:
+        return SecondProcess(*warm)
+    except OSError:
+        return None
 
 
 class Relay:
