@@ -106,30 +106,64 @@ def check_args(args) -> dict:
             "json": outs.get("--json")}
 
 
-def _runs(settings, g) -> int:
-    """Geometry g's poisoned runs: its requests x payloads with a code in its cache's dtype."""
+def _checked(settings, g) -> list:
+    """Geometry g's payloads with a code in its cache's dtype (a poisoned run each per request)."""
     from qsa_lab.model.poison import PAYLOAD_BITS
 
+    return [p for p in settings["payloads"] if (g.kv_dtype, p) in PAYLOAD_BITS]
+
+
+def _runs(settings, g, payloads=None) -> int:
+    """Geometry g's poisoned runs (of `payloads`, default all): its requests x payloads with a code
+    in its cache's dtype."""
     requests = g.requests if settings["requests"] is None else len(settings["requests"])
-    return requests * sum((g.kv_dtype, p) in PAYLOAD_BITS for p in settings["payloads"])
+    checked = _checked(settings, g)
+    return requests * len([p for p in (settings["payloads"] if payloads is None else payloads) if p in checked])
+
+
+def _jobs(settings, apart):
+    """-> (jobs here, jobs in the second process), each a list of (geometry index, payloads), in the
+    order their records go. Without a second process (apart None) every geometry runs here. With
+    one it takes geometry `apart`; where this process would still have more runs than it, the
+    last checked payloads of the geometry here with the fewest query heads go there too, when the
+    two ends come closer (each part of a geometry computes its clean units again: about two runs)."""
+    geometries, payloads = settings["geometries"], tuple(settings["payloads"])
+    here = [(i, payloads) for i in range(len(geometries)) if i != apart]
+    if apart is None:
+        return here, []
+    there = [(apart, payloads)]
+    mine, theirs = (sum(_runs(settings, geometries[i]) for i, _ in jobs) for jobs in (here, there))
+    if not here:
+        return here, there
+    k = min(range(len(here)), key=lambda j: geometries[here[j][0]].q_heads)
+    i = here[k][0]
+    checked = _checked(settings, geometries[i])
+    if len(checked) < 2:
+        return here, there
+    cut = payloads.index(checked[len(checked) - len(checked) // 2])   # the last half of its checked payloads
+    moved = _runs(settings, geometries[i], payloads[cut:])
+    if max(mine - moved, theirs + moved + 2) < mine:
+        here[k] = (i, payloads[:cut])
+        there.append((i, payloads[cut:]))
+    return here, there
 
 
 def _steps(settings, here):
-    """The progress of the poisoned runs made here (geometries `here`) on stderr (cross_request runs
+    """The progress of the poisoned runs made here (jobs `here`, _jobs) on stderr (cross_request runs
     and tells one per run)."""
     from qsa_lab.support.progress import Steps
 
     total = sum(_runs(settings, g) for g in settings["geometries"])
     print(f"# cross-request: {total} poisoned runs ({len(settings['geometries'])} query-head counts x requests x "
           "payloads), every route each", file=sys.stderr)
-    return Steps(sum(_runs(settings, g) for g in here))
+    return Steps(sum(_runs(settings, settings["geometries"][i], payloads) for i, payloads in here))
 
 
-def _one(cross_request, g, given, steps) -> list:
-    """cross_request on geometry g here, its bad input named by option."""
+def _one(cross_request, g, payloads, given, steps) -> list:
+    """cross_request on geometry g's `payloads` here, its bad input named by option."""
     with blame({"dims": "--dims", "requests": "--requests", "routes": "--routes", "payloads": "--payloads"},
                "--q-heads"):
-        return cross_request(g, *given, progress=steps and steps.step)
+        return cross_request(g, payloads, *given, progress=steps and steps.step)
 
 
 def run(args) -> int:
@@ -173,35 +207,38 @@ def _run(args, s, second) -> int:
         backend = resolve_backend(args.backend, s["geometries"][0])
     quiet = args.json == "-"
     geometries = s["geometries"]
-    given = (s["payloads"], s["requests"], s["routes"], backend, args.dims)
-    # with a core to spare, the geometry with the most query heads runs in the second process beside
-    # the others here, one torch thread each (the cores are taken); alone, torch keeps the program's threads
-    apart, remote = None, None
+    given = (s["requests"], s["routes"], backend, args.dims)
+    # with a core to spare, the geometry with the most query heads (and, where that evens the two out,
+    # part of the one with the fewest) runs in the second process beside the others here, one torch
+    # thread each (the cores are taken); alone, torch keeps the program's threads
+    apart = None
     if second is not None and backend == "emulate":
         apart = max(range(len(geometries)), key=lambda i: geometries[i].q_heads)
-        try:
-            remote = second.submit(one_thread, cross_request, geometries[apart], *given)
-        except Exception:  # noqa: BLE001 - gone: every geometry runs here
-            apart = None
-    steps = None if quiet else _steps(s, [g for i, g in enumerate(geometries) if i != apart])
-    if apart is not None and steps:
-        print(f"# q_heads {geometries[apart].q_heads}: in a second process, beside these", file=sys.stderr)
+    here, there = _jobs(s, apart)
+    try:
+        remote = [second.submit(one_thread, cross_request, geometries[i], p, *given) for i, p in there]
+    except Exception:  # noqa: BLE001 - gone: every geometry runs here
+        here, there, remote = _jobs(s, None)[0], [], []
+    steps = None if quiet else _steps(s, here)
+    if there and steps:
+        told = [f"q_heads {geometries[i].q_heads}" + ("" if p == tuple(s["payloads"]) else f" ({','.join(p)})")
+                for i, p in there]
+        print(f"# {' and '.join(told)}: in a second process, beside these", file=sys.stderr)
     got = {}
-    with torch_threads(1) if apart is not None else contextlib.nullcontext():
-        for i, g in enumerate(geometries):
-            if i != apart:
-                got[i] = _one(cross_request, g, given, steps)
-        if apart is not None:
+    with torch_threads(1) if there else contextlib.nullcontext():
+        for i, p in here:
+            got[i, p] = _one(cross_request, geometries[i], p, given, steps)
+        for (i, p), future in zip(there, remote):
             try:
-                got[apart] = remote.result()
+                got[i, p] = future.result()
             except Exception:  # noqa: BLE001 - it failed (bad input included): run here, which says why
                 if steps:
-                    steps.add(_runs(s, geometries[apart]))
-                got[apart] = _one(cross_request, geometries[apart], given, steps)
-    records, runs = [], []
-    for i, g in enumerate(geometries):
-        records += got[i]
-        runs.append({"geometry": {**g.to_dict(), "request_rows": list(g.request_rows)}, "groups": groups_of(g)})
+                    steps.add(_runs(s, geometries[i], p))
+                got[i, p] = _one(cross_request, geometries[i], p, given, steps)
+    order = tuple(s["payloads"])     # a geometry's parts hold its payloads in order: prefix, then the rest
+    records = [r for key in sorted(got, key=lambda k: (k[0], order.index(k[1][0]))) for r in got[key]]
+    runs = [{"geometry": {**g.to_dict(), "request_rows": list(g.request_rows)}, "groups": groups_of(g)}
+            for g in geometries]
     report = CrossRequestReport(backend, args.mix, runs, records)
     bad = report.leaks(MUST_BE_CLEAN)
     text = dump(report.to_json())

@@ -64,16 +64,24 @@ def _undated(doc: dict) -> dict:
 
 
 @pytest.mark.parametrize("fate", ["runs", "dies"])
-def test_a_second_process_takes_one_query_head_count_and_the_report_is_the_same(capsys, monkeypatch, fate):
-    """With a core to spare the geometry with the most query heads runs in a second process (and if that
-    process dies, here): the report is the one a single process gives, record for record."""
+@pytest.mark.parametrize("heads, requests, told, last_here, last_there", [
+    ("6,2", "0,1", "# q_heads 6: in a second process", "# [4/4] q_heads 2, max in request 1",
+     "# [8/8] q_heads 6, max in request 1"),
+    # three counts: q_heads 6 there, and the max runs of q_heads 2 (the fewest heads) too, which evens the ends out
+    ("6,2,4", "0,1,2", "# q_heads 6 and q_heads 2 (max): in a second process", "# [9/9] q_heads 4, max in request 2",
+     "# [18/18] q_heads 2, max in request 2")])
+def test_a_second_process_takes_part_of_the_runs_and_the_report_is_the_same(capsys, monkeypatch, fate, heads,
+                                                                            requests, told, last_here, last_there):
+    """With a core to spare the geometry with the most query heads (and, with three, part of the one with
+    the fewest) runs in a second process (and if that process dies, here): the report is the one a single
+    process gives, record for record."""
     import os
     import signal
 
     from qsa_lab.app import cross_request as app
     from qsa_lab.support.executor import SecondProcess
 
-    argv = ["cross-request", "--q-heads", "6,2", "--requests", "0,1", "--payloads", "nan,max", *SMALL]
+    argv = ["cross-request", "--q-heads", heads, "--requests", requests, "--payloads", "nan,max", *SMALL]
     _cores(monkeypatch, False)
     assert main([*argv, "--json", "-"]) == 0
     alone = json.loads(capsys.readouterr().out)
@@ -86,12 +94,37 @@ def test_a_second_process_takes_one_query_head_count_and_the_report_is_the_same(
     beside = json.loads(capsys.readouterr().out)
     assert len(started) == 1 and isinstance(started[0], SecondProcess) and started[0]._pool is None   # ended
     assert _undated(beside) == _undated(alone)
-    assert {r["q_heads"] for r in alone["records"]} == {2, 6} and alone["counts"]["leaking"] > 0
+    assert {r["q_heads"] for r in alone["records"]} == set(map(int, heads.split(","))) and alone["counts"]["leaking"] > 0
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "# q_heads 6: in a second process, beside these" in err
-    assert "# [4/4] q_heads 2, max in request 1" in err
-    assert ("# [8/8] q_heads 6, max in request 1" in err) == (fate == "dies")     # run here after all
+    assert f"{told}, beside these" in err
+    assert last_here in err
+    assert (last_there in err) == (fate == "dies")     # run here after all
+
+
+def test_the_second_process_takes_part_of_a_geometry_only_where_the_ends_come_closer():
+    """_jobs: the geometry with the most heads goes there; of three equal geometries, the second half of the
+    checked payloads of the one with the fewest heads goes too (records in order: its first part here);
+    with two geometries, or one checked payload, nothing more moves."""
+    from types import SimpleNamespace
+
+    from qsa_lab.app import cross_request as app
+
+    def jobs(heads, payloads, apart, requests=None):
+        args = SimpleNamespace(mix="upstream-mix", q_heads=heads, kv_dtype="e4m3", payloads=payloads,
+                               requests=requests, routes=None, dims=None, context=None, head_dim=None, topk=None,
+                               seed=None, json=None, force=False)
+        return app._jobs(app.check_args(args), apart)
+
+    assert jobs([2, 6, 8], "nan,inf,max", 2) == ([(0, ("nan", "inf")), (1, ("nan", "inf", "max"))],
+                                                 [(2, ("nan", "inf", "max")), (0, ("max",))])
+    assert jobs([8, 6, 2], "nan,zero,max", 0) == ([(1, ("nan", "zero", "max")), (2, ("nan", "zero"))],
+                                                  [(0, ("nan", "zero", "max")), (2, ("max",))])
+    assert jobs([2, 6, 8], "nan,inf,max", None) == ([(i, ("nan", "inf", "max")) for i in range(3)], [])
+    assert jobs([2, 6], "nan,max", 1) == ([(0, ("nan", "max"))], [(1, ("nan", "max"))])
+    assert jobs([2, 6, 8], "nan,inf", 2) == ([(0, ("nan", "inf")), (1, ("nan", "inf"))], [(2, ("nan", "inf"))])
+    # one request a geometry: moving one run costs about two here and there, so nothing moves
+    assert jobs([2, 6, 8], "nan,max", 2, [0]) == ([(0, ("nan", "max")), (1, ("nan", "max"))], [(2, ("nan", "max"))])
 
 
 def test_cross_request_leak_in_a_route_that_must_stay_clean_exits_1(capsys, monkeypatch):
