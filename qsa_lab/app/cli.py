@@ -174,15 +174,14 @@ def cmd_repro(args) -> int:
     if not args.no_figures:
         with blame({}, "--figures"):
             check_folder(args.figures, "--figures")
-    from qsa_lab.support.executor import SecondProcess
+    from qsa_lab.support.executor import start_second
     from qsa_lab.support.processes import idle_core
 
     second = None
     if not args.no_figures and args.backend != "cuda" and idle_core():
         # figures 01, 03, 05 are rendered in a second process while this one runs the cases; started
         # now, before torch is imported here, so that both processes' imports run at once
-        with contextlib.suppress(OSError):
-            second = SecondProcess("qsa_lab.report.figures")
+        second = start_second("qsa_lab.report.figures")
     try:
         return _repro(args, out, files, second)
     finally:

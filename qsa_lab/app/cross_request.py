@@ -132,9 +132,9 @@ def _jobs(settings, apart):
     if apart is None:
         return here, []
     there = [(apart, payloads)]
-    mine, theirs = (sum(_runs(settings, geometries[i]) for i, _ in jobs) for jobs in (here, there))
     if not here:
         return here, there
+    mine, theirs = sum(_runs(settings, geometries[i]) for i, _ in here), _runs(settings, geometries[apart])
     k = min(range(len(here)), key=lambda j: geometries[here[j][0]].q_heads)
     i = here[k][0]
     checked = _checked(settings, geometries[i])

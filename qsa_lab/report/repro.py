@@ -134,7 +134,7 @@ def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: 
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from qsa_lab.support.executor import Relay, SecondProcess
+    from qsa_lab.support.executor import Relay, start_second
 
     cases = REPRO_CASES if cases is None else list(cases)
     report = report_rows()
@@ -150,12 +150,11 @@ def run_repro(backend: str = "auto", cases=None, progress: bool = True, repeat: 
     second = relay = None
     try:
         with procs.torch_threads(mine) if mine else contextlib.nullcontext():
-            if parallel and repeat:
-                with contextlib.suppress(OSError):   # no second process: the repeats run here
-                    second = SecondProcess(__name__)
-                    relay = Relay(second, answered=lambda key: bar.update(1))
-                    for i in reversed(range(len(cases))):
-                        relay.add(i, repeat_outputs, cases[i], backend, geometry_overrides, theirs)
+            second = start_second(__name__) if parallel and repeat else None
+            if second is not None:       # else no second process: the repeats run here
+                relay = Relay(second, answered=lambda key: bar.update(1))
+                for i in reversed(range(len(cases))):
+                    relay.add(i, repeat_outputs, cases[i], backend, geometry_overrides, theirs)
             for rc in cases:
                 results.append(run_case(rc, backend, geometry_overrides, builds))
                 bar.update(1)
