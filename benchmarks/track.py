@@ -1,7 +1,9 @@
 """Every slow command of issue 47 against its floor, so the next change that slows one is seen.
 
 Rows (`--rows`, default all but `canary_search`):
-  canary         qsa-lab canary (the CPU emulation)                      floor: python -c "import torch"
+  canary         qsa-lab canary (the CPU emulation)                      floor: python -c "import torch";
+                 also its FlexAttention floor: what its second process must do, alone in one process
+                 (import torch and torch._dynamo, then the 140 FlexAttention calls: runner.run_overlap)
   own_kernel     the own-kernel command of docs/canary.md (Llama-8B geometry)   floor: import torch
   cross_request  qsa-lab cross-request (defaults)                        floor: import torch
   canary_search  qsa-lab canary --search on paged_decode_fixed, --budget 5        floor: import torch
@@ -11,7 +13,9 @@ Rows (`--rows`, default all but `canary_search`):
                  repetition, its plain and guard generations pooled; vLLM in its environment, --vllm-python)
 Method: each repetition runs every side once as a fresh process, interleaved and in an order that rotates
 from one repetition to the next: the floor, the command on this checkout and, with --base, the same
-command on a base checkout (its PYTHONPATH); wall clock by perf_counter around the process. Per side
+command on a base checkout (its PYTHONPATH); wall clock by perf_counter around the process. A floor ends
+with os._exit, as the commands do (qsa_lab.app.cli._leave): the interpreter's teardown (0.3 s after
+import torch, 0.7 s with torch._dynamo) is no work a command must do. Per side
 median, min and max; x_floor = median / the floor's median; x_base = median / the base's median. A
 command's exit code must be the one it is expected to give (the verdicts: canary and own kernel leak,
 exit 1) and the same on both sides. The JSON (schema qsa_lab.track/1) records the machine
@@ -41,13 +45,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = "qsa_lab.track/1"
-TORCH = ["-c", "import torch"]
+TORCH = ["-c", "import os, torch; os._exit(0)"]
+#: the canary's FlexAttention floor: its second process's imports and calls (canary/overlap.py), alone
+FLEX = ["-c", "import os, torch, torch._dynamo\n"
+        "from qsa_lab.canary.case import canary_case\n"
+        "from qsa_lab.canary.runner import DEFAULT_PAYLOADS, run_overlap\n"
+        "from qsa_lab.model.regions import region_parts, regions_of\n"
+        "case = canary_case('fp16', attend='sparse')\n"
+        "parts = {r: region_parts(case, r) for r in regions_of(case.spec)}\n"
+        "regions = [r for r, ps in parts.items() if any(s.any() for s, _ in ps)]\n"
+        "got = run_overlap(['torch:flex', 'torch:flex-paged'], case, parts, regions, ['k', 'v'], list(DEFAULT_PAYLOADS),"
+        " None)\n"
+        "print(sum(len(v[0]) for v in got.values()), 'verdicts,', len(regions), 'regions', flush=True)\n"
+        "os._exit(0)"]
 OWN_KERNEL = ["canary", "--kernel", "examples/mykernels.py:paged_decode", "--attend", "dense", "--q-heads", "32",
               "--kv-heads", "8", "--head-dim", "128", "--page-size", "16", "--context", "1000", "--requests", "4"]
-#: name -> (what it is, argv after python, the floor's argv, expected exit codes); "scribble:ENGINE" rows
-#: run bench_scribble.py instead
+#: name -> (what it is, argv after python, the floor's argv, expected exit codes[, (what a second floor is,
+#: its argv)]); "scribble:ENGINE" rows run bench_scribble.py instead
 ROWS = {
-    "canary": ("qsa-lab canary (default, CPU emulation)", ["-m", "qsa_lab", "canary"], TORCH, {1}),
+    "canary": ("qsa-lab canary (default, CPU emulation)", ["-m", "qsa_lab", "canary"], TORCH, {1},
+               ("its FlexAttention kernels alone: import torch and torch._dynamo, then the calls its second "
+                "process makes (runner.run_overlap)", FLEX)),
     "own_kernel": ("qsa-lab " + " ".join(OWN_KERNEL) + " (docs/canary.md)", ["-m", "qsa_lab", *OWN_KERNEL],
                    TORCH, {1}),
     "cross_request": ("qsa-lab cross-request (defaults)", ["-m", "qsa_lab", "cross-request"], TORCH, {0, 1}),
@@ -121,7 +139,8 @@ def scribble_once(python: str, engine: str, tree: Path, generations: int) -> dic
 def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str | None, generations: int,
               rows: dict | None = None) -> dict:
     """One row: `reps` interleaved repetitions of the floor and each tree's command."""
-    what, how, floor, exits = (rows or ROWS)[name]
+    what, how, floor, exits, *second = (rows or ROWS)[name]
+    second = second[0] if second else None
     load_before = os.getloadavg()
     row = {"what": what, "reps": reps, "load_before": list(load_before)}
     if isinstance(how, str):                                           # scribble:ENGINE
@@ -142,8 +161,10 @@ def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str |
         row["command"] = f"{py} benchmarks/bench_scribble.py --engine {engine} --device cpu --repeats {generations}"
         row["floor"] = "the same generation without the guard (bench_scribble's plain mode, same process)"
     else:
-        sides = {"floor": (floor, trees["current"]), **{s: (how, t) for s, t in trees.items()}}
-        times, codes = {s: [] for s in sides}, {s: set() for s in sides if s != "floor"}
+        sides = {"floor": (floor, trees["current"]), **({"floor_kernels": (second[1], trees["current"])} if second
+                                                         else {}), **{s: (how, t) for s, t in trees.items()}}
+        floors = [s for s in sides if s.startswith("floor")]
+        times, codes = {s: [] for s in sides}, {s: set() for s in sides if s not in floors}
         cells = {}          # a canary's cell count, from its last line "# ... (N cells)"
         order = list(sides)
         for i in range(reps):
@@ -151,11 +172,11 @@ def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str |
                 print(f"# {name} [{i + 1}/{reps}] {side}", file=sys.stderr, flush=True)
                 argv, tree = sides[side]
                 wall, code, tail = run_process(python, argv, tree)
-                if side == "floor" and code != 0 or side != "floor" and code not in exits:
+                if side in floors and code != 0 or side not in floors and code not in exits:
                     raise RuntimeError(f"{name} ({side}, {tree}): exit {code}, expected "
-                                       f"{0 if side == 'floor' else sorted(exits)}: {tail}")
+                                       f"{0 if side in floors else sorted(exits)}: {tail}")
                 times[side].append(wall)
-                if side != "floor":
+                if side not in floors:
                     codes[side].add(code)
                     if found := re.search(r"\((\d+) cells\)", tail):
                         cells[side] = int(found.group(1))
@@ -164,9 +185,14 @@ def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str |
         row["command"] = "python " + " ".join(how)
         row["floor_command"] = "python " + " ".join(floor)
         row["floor"] = stats(times.pop("floor"))
+        if second:
+            row["floor_kernels"] = {"what": second[0], "command": "python " + " ".join(second[1]),
+                                    **stats(times.pop("floor_kernels"))}
         for side, t in times.items():
             row[side] = {**stats(t), "exit": sorted(codes[side]),
                          "x_floor": statistics.median(t) / row["floor"]["median_s"]}
+            if second:
+                row[side]["x_floor_kernels"] = statistics.median(t) / row["floor_kernels"]["median_s"]
             if side in cells:
                 row[side].update(cells=cells[side], cells_per_s=cells[side] / statistics.median(t))
     if "base" in trees:
@@ -235,6 +261,8 @@ def main(argv=None) -> int:
             else:
                 cur = row["current"]["guard"] if "guard" in row["current"] else row["current"]
                 print(f"{name:22s} {cur['median_s']:8.3f} s  x{row['current']['x_floor']:.2f} its floor"
+                      + (f" (x{row['current']['x_floor_kernels']:.2f} its kernels' floor)"
+                         if "x_floor_kernels" in row["current"] else "")
                       + (f"  x{row['x_base']:.2f} the base" if "x_base" in row else "")
                       + (f"  {cur['cells_per_s']:.1f} cells/s" if "cells_per_s" in cur else "")
                       + (f" (base {row['base']['cells_per_s']:.1f})" if "cells_per_s" in row.get("base", {}) else "")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,32 @@ def test_a_canary_rows_cells_give_cells_per_second(track):
     assert row["current"]["cells_per_s"] == pytest.approx(12 / row["current"]["median_s"])
     quiet = track.track_row("none", 1, {"current": REPO}, track.sys.executable, None, 1, rows=rows)
     assert "cells" not in quiet["current"] and "cells_per_s" not in quiet["current"]
+
+
+def test_a_second_floor_is_timed_beside_the_first(track):
+    """A row with a second floor (the canary's: its FlexAttention kernels alone) gets that floor's
+    runs and the command's ratio to it; a second floor that fails stops the row, naming it."""
+    rows = {"two": ("two floors", ["-c", "raise SystemExit(1)"], ["-c", "pass"], {1},
+                    ("the second floor", ["-c", "import time; time.sleep(0.2)"])),
+            "broken": ("a failing second floor", ["-c", "pass"], ["-c", "pass"], {0},
+                       ("fails", ["-c", "raise SystemExit(3)"]))}
+    row = track.track_row("two", 2, {"current": REPO}, track.sys.executable, None, 1, rows=rows)
+    assert row["floor_kernels"]["what"] == "the second floor" and len(row["floor_kernels"]["runs"]) == 2
+    assert row["floor_kernels"]["min_s"] >= 0.2
+    assert row["current"]["x_floor_kernels"] == pytest.approx(row["current"]["median_s"]
+                                                               / row["floor_kernels"]["median_s"])
+    with pytest.raises(RuntimeError, match=r"broken \(floor_kernels.*exit 3, expected 0"):
+        track.track_row("broken", 1, {"current": REPO}, track.sys.executable, None, 1, rows=rows)
+
+
+def test_the_canary_flexattention_floor_runs():
+    """The canary row's second floor is a program that runs on this checkout (exit 0), not a string
+    that rots: it imports what the canary's second process imports and makes its calls."""
+    spec = importlib.util.spec_from_file_location("track", REPO / "benchmarks" / "track.py")
+    track = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(track)
+    out = subprocess.run([track.sys.executable, *track.ROWS["canary"][4][1]], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    verdicts, _, regions, _ = out.stdout.split()     # "N verdicts, R regions": 2 kernels x R x 2 planes x 3 payloads
+    assert int(regions) >= 4 and int(verdicts) == 2 * int(regions) * 2 * 3, out.stdout
