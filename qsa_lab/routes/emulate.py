@@ -268,12 +268,18 @@ def gather_tokens(kv_cache, token_index, token_count, kv_dtype, width: int | Non
     """Decoded K and V [n, T, D] float32 of each row's real tokens; unused slots are 0 and
     never read from the cache (a real XQA never touches them). width: T rounded up to XQA's
     partition (more unused slots at the end), so that one gather serves XQA and the reference."""
+    index, valid = token_slots(token_index, token_count, width)
+    K, V = (slot_values(kv_cache, index, valid, plane, kv_dtype) for plane in (0, 1))
+    return K, V, valid
+
+
+def token_slots(token_index, token_count, width: int | None = None):
+    """-> (index, valid) [n, width]: each row's token list padded to `width` slots (default its
+    own), and which slots hold a real token (the first token_count of the row)."""
     n, T = token_index.shape
     width = T if width is None else width
     valid = torch.arange(width, device=token_index.device) < token_count.long().unsqueeze(1)
-    index = token_index if width == T else torch.nn.functional.pad(token_index, (0, width - T))
-    K, V = (slot_values(kv_cache, index, valid, plane, kv_dtype) for plane in (0, 1))
-    return K, V, valid
+    return (token_index if width == T else torch.nn.functional.pad(token_index, (0, width - T))), valid
 
 
 def xqa_width(tokens: int, kv_dtype: str) -> int:
@@ -298,13 +304,25 @@ def xqa_from_tokens(q_rows, K, V, valid, k_scale, v_scale, *, kv_dtype, sm_scale
     n, hq, D = q_rows.shape
     if n == 0:
         return q_rows.new_zeros((0, hq, D))
-    part, part_dtype = XQA_PARTITION[kv_dtype]
-    T = K.shape[1]
-    n_part = -(-T // part)
-    pad = n_part * part - T
-    if pad:  # slots past the last token: zero and not valid (gather_tokens(width=...) gives them already)
-        K, V = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (K, V))
-        valid = torch.nn.functional.pad(valid, (0, pad))
+    return xqa_values(xqa_weights(q_rows, K, valid, k_scale, kv_dtype=kv_dtype, sm_scale=sm_scale), V, v_scale,
+                      kv_dtype=kv_dtype)
+
+
+def _partitions(x: torch.Tensor, part: int) -> torch.Tensor:
+    """x [n, T, ...] with zero slots appended up to whole partitions (gather_tokens(width=...) gives
+    them already): slots past the last token, zero and not valid."""
+    pad = -x.shape[1] % part
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+
+
+def xqa_weights(q_rows, K, valid, k_scale, *, kv_dtype, sm_scale) -> tuple:
+    """XQA's K side, which V does not change: per partition the scores' max m_p (NaN ignored), the
+    exps p and their sum l_p, and each partition's weight in the reduce, exp(m_p - M) * l_p (0 for
+    a partition without tokens) -> (p [n, hq, P, part], l_p, used [n, 1, P], w [n, hq, P])."""
+    n, hq, _ = q_rows.shape
+    part = XQA_PARTITION[kv_dtype][0]
+    K, valid = _partitions(K, part), _partitions(valid, part)
+    n_part = K.shape[1] // part
     s = torch.einsum("nhd,ntd->nht", q_rows.float(), K) * torch.tensor(sm_scale * k_scale, dtype=torch.float32)
     s = s.view(n, hq, n_part, part)
     vp = valid.view(n, 1, n_part, part)
@@ -312,10 +330,18 @@ def xqa_from_tokens(q_rows, K, V, valid, k_scale, v_scale, *, kv_dtype, sm_scale
     used = vp.any(dim=-1)                                                           # [n, 1, P]
     p = torch.where(vp, torch.exp(s - torch.where(used, m_p, 0.0).unsqueeze(-1)), 0.0)
     l_p = p.sum(dim=-1)
-    O_p = torch.einsum("nhpt,nptd->nhpd", p, V.view(n, n_part, part, D))
-    partial = (O_p * (torch.tensor(v_scale, dtype=torch.float32) / l_p).unsqueeze(-1)).to(part_dtype).float()
     # reduce: partitions without tokens weigh 0 (and are never read)
     m = fmax_reduce(torch.where(used, m_p, -torch.inf), -1).unsqueeze(-1)          # [n, hq, 1]
-    w = torch.where(used, torch.exp(m_p - m) * l_p, 0.0)
-    O = (w.unsqueeze(-1) * torch.where(used.unsqueeze(-1), partial, 0.0)).sum(dim=2)
+    return p, l_p, used, torch.where(used, torch.exp(m_p - m) * l_p, 0.0)
+
+
+def xqa_values(weights: tuple, V, v_scale, *, kv_dtype) -> torch.Tensor:
+    """XQA's V side from xqa_weights: each partition's normalised partial O_p * v_scale / l_p in
+    the partial dtype, then the weighted reduce -> [n, hq, D] fp16."""
+    p, l_p, used, w = weights
+    n, _, n_part, part = p.shape
+    V = _partitions(V, part)
+    O_p = torch.einsum("nhpt,nptd->nhpd", p, V.view(n, n_part, part, V.shape[-1]))
+    partial = (O_p * (torch.tensor(v_scale, dtype=torch.float32) / l_p).unsqueeze(-1)).to(XQA_PARTITION[kv_dtype][1])
+    O = (w.unsqueeze(-1) * torch.where(used.unsqueeze(-1), partial.float(), 0.0)).sum(dim=2)
     return (O / w.sum(dim=-1, keepdim=True)).to(torch.float16)

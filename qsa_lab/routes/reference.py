@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
-from qsa_lab.model.case import Case
+from qsa_lab.model.case import Case, slot_values
 from qsa_lab.model.plan import xqa_tokens
 from qsa_lab.support.processes import torch_threads
-from qsa_lab.routes.emulate import gather_tokens, xqa_from_tokens
+from qsa_lab.routes.emulate import token_slots, xqa_values, xqa_weights
 
 
 def reference_forward(case: Case) -> torch.Tensor:
@@ -40,31 +41,41 @@ def every_row(case: Case, index, count, width: int, *, reference: bool = True, x
     count: plan.xqa_tokens), gathered once for both over `width` slots (XQA's partition padding
     included; the reference reads the first index.shape[1]): the whole batch at once, or one
     row at a time on one torch thread where by_rows says so (the same bits either way:
-    tests/routes/test_reference_batching.py). units: a routes.reuse.CleanUnits bound to this case:
-    a batch (a row, or all of them) that reads none of the tokens where the cache differs from
-    its base's is taken from it."""
+    tests/routes/test_reference_batching.py). Each batch computes its K side (the softmax
+    weights) and then its V side. units: a routes.reuse.CleanUnits bound to this case: a batch (a
+    row, or all of them) that reads none of the tokens where the cache differs from its base's is
+    taken from it, and so is its K side where only V differs there (cross-request's runs poison V)."""
     T, rows = index.shape[1], case.q.shape[0]
     one_by_one = by_rows(case.q.device, rows * width * case.q.shape[-1])
     q64 = case.q.double() if reference else None
     ref = torch.empty_like(q64) if reference else None
     out = torch.empty_like(case.q) if xqa else None
+    values = functools.partial(slot_values, case.kv_cache, kv_dtype=case.kv_dtype)
 
-    def batch(part):
-        K, V, valid = gather_tokens(case.kv_cache, index[part], count[part], case.kv_dtype, width=width)
-        r = reference_rows(case, q64[part], K, V, valid, T) if reference else None
-        x = xqa_from_tokens(case.q[part], K, V, valid, case.k_scale, case.v_scale, kv_dtype=case.kv_dtype,
-                            sm_scale=case.sm_scale) if xqa else None
-        return r, x
+    def weights(part, slots, valid):
+        K = values(slots, valid, 0)
+        return (reference_weights(case, q64[part], K, valid, T) if reference else None,
+                xqa_weights(case.q[part], K, valid, case.k_scale, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
+                if xqa else None)
 
-    slots = torch.arange(T, device=index.device)
+    def batch(part, tokens=None):
+        slots, valid = token_slots(index[part], count[part], width)
+        key = ("rows", part.start, part.stop, width, reference, xqa)
+        w = weights(part, slots, valid) if units is None else units(
+            (*key, "K"), tokens, lambda: weights(part, slots, valid), (index[part], count[part]), planes=(0,))
+        V = values(slots, valid, 1)
+        return (reference_values(case, w[0], V, T) if reference else None,
+                xqa_values(w[1], V, case.v_scale, kv_dtype=case.kv_dtype) if xqa else None)
+
+    in_list = torch.arange(T, device=index.device)
     with torch_threads(1) if one_by_one else contextlib.nullcontext():
         for part in [slice(n, n + 1) for n in range(rows)] if one_by_one else [slice(None)]:
             if units is None:
                 r, x = batch(part)
             else:
-                tokens = index[part][slots < count[part].long().unsqueeze(1)]   # the slots it reads
+                tokens = index[part][in_list < count[part].long().unsqueeze(1)]   # the slots it reads
                 r, x = units(("rows", part.start, part.stop, width, reference, xqa), tokens,
-                             lambda part=part: batch(part), (index[part], count[part]))
+                             lambda part=part, tokens=tokens: batch(part, tokens), (index[part], count[part]))
             if reference:
                 ref[part] = r
             if xqa:
@@ -72,9 +83,13 @@ def every_row(case: Case, index, count, width: int, *, reference: bool = True, x
     return ref, out
 
 
-def reference_rows(case: Case, q, K, V, valid, T: int) -> torch.Tensor:
-    """The reference of the rows of q [n, Hq, D] float64 from their first T token slots."""
-    K, V = K.double().mul_(case.k_scale)[:, :T], V.double().mul_(case.v_scale)[:, :T]  # in place: no second copy
+def reference_weights(case: Case, q, K, valid, T: int) -> torch.Tensor:
+    """The reference's K side: the softmax over the rows' first T token slots -> [n, Hq, T] float64."""
+    K = K.double().mul_(case.k_scale)[:, :T]  # in place: no second copy
     s = torch.einsum("nhd,ntd->nht", q, K).mul_(case.sm_scale)
-    s = torch.where(valid[:, :T].unsqueeze(1), s, -torch.inf)
-    return torch.einsum("nht,ntd->nhd", torch.softmax(s, dim=-1), V)
+    return torch.softmax(torch.where(valid[:, :T].unsqueeze(1), s, -torch.inf), dim=-1)
+
+
+def reference_values(case: Case, P, V, T: int) -> torch.Tensor:
+    """The reference's V side: P [n, Hq, T] (reference_weights) times the scaled V -> [n, Hq, D] float64."""
+    return torch.einsum("nht,ntd->nhd", P, V.double().mul_(case.v_scale)[:, :T])

@@ -32,16 +32,32 @@ def test_runs_with_clean_units_give_each_runs_own_bits(kv_dtype, plane, batch_by
     plan = plan_groups(base)
     memo = {"units": CleanUnits(base)}
     payloads = ("nan", "inf", "max") if kv_dtype == "fp16" else ("nan", "max")
+    k_sides = []     # calls of the reference's and XQA's K side (softmax weights) in each shared run
+
+    def counted(real):
+        def k_side(*args, **kwargs):
+            k_sides[-1] += 1
+            return real(*args, **kwargs)
+        return k_side
+
+    for name in ("reference_weights", "xqa_weights"):
+        monkeypatch.setattr(reference, name, counted(getattr(reference, name)))
     for payload in payloads:
         for r in range(base.geometry.requests):
             case = poison_request(base, r, payload, plane=plane)
+            k_sides.append(0)
             shared = run_routes_planned(case, ROUTES, "emulate", plan, memo=memo)
+            k_sides.append(0)   # the run alone below counts here, and is dropped
             alone = run_routes(case, ROUTES, "emulate")
+            k_sides.pop()
             got, want = _bits(shared), _bits(alone)
             for k in want:
                 assert (got[k] == want[k]).all(), (payload, r, k)
     units = memo["units"]
     assert units.reused > 0 and units.computed > 0   # both ways were taken
+    # V poisoned: every K side is computed in the first run and taken from the units after it;
+    # K poisoned: the poisoned request's rows compute theirs again in each run
+    assert k_sides[0] > 0 and (not any(k_sides[1:]) if plane == "v" else all(k_sides[1:])), k_sides
 
 
 def test_a_case_that_differs_in_q_is_refused():

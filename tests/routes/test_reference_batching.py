@@ -10,7 +10,7 @@ from qsa_lab.routes import emulate, reference
 from qsa_lab.routes.run import run_routes
 
 ROUTES = ("reference", "xqa")
-REFERENCE_ROWS = reference.reference_rows   # the real one, before any test wraps it
+REFERENCE_WEIGHTS = reference.reference_weights   # the real one, before any test wraps it
 
 
 def _gathered(case) -> int:
@@ -20,10 +20,11 @@ def _gathered(case) -> int:
 
 
 def _run(case, monkeypatch, batch_bytes):
-    """-> (route output bits, reference64 bits, rows per reference_rows call) with BATCH_BYTES set."""
+    """-> (route output bits, reference64 bits, rows per reference_weights call) with BATCH_BYTES set."""
     monkeypatch.setattr(reference, "BATCH_BYTES", batch_bytes)
-    seen, real = [], REFERENCE_ROWS
-    monkeypatch.setattr(reference, "reference_rows", lambda case, q, *a: seen.append(q.shape[0]) or real(case, q, *a))
+    seen, real = [], REFERENCE_WEIGHTS
+    monkeypatch.setattr(reference, "reference_weights",
+                        lambda case, q, *a: seen.append(q.shape[0]) or real(case, q, *a))
     res = run_routes(case, ROUTES, backend="emulate")
     return {r: bits(res.outputs[r]) for r in ROUTES}, bits(res.reference64), seen
 
