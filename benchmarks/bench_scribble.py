@@ -3,7 +3,10 @@
 Method: the tiny model and workload of `qsa-lab scribble` (default llama-gqa, chunked-prefill); one untimed
 warm-up generation per mode, then `--repeats` rounds of one generation per mode in turn, wall clock
 (time.perf_counter, the device synchronised by transformers' synchronous batching before a generation
-returns); medians.
+returns) and this process's CPU time (time.process_time, every thread); medians. On the CPU read the CPU
+time for transformers: once idle, its generation loop waits in steps of 0.1 s, and generate_batch's stop
+waits for the step under way, so a 0.04 s generation takes 0.04 or 0.14 s of wall clock, by chance, in
+either mode.
 Modes: `plain` (no hooks), `guard` (write guard only: every pool row compared around every step),
 `scribble` (guard + one region filled before every step: read-trash, nan). A full matrix costs
 about (2 + regions x payloads + requests x payloads for other-requests) x the scribble time, plus two
@@ -32,19 +35,22 @@ def time_modes(engine, repeats: int) -> dict:
     modes = {"plain": lambda: None, "guard": lambda: Scribbler(), "scribble": lambda: Scribbler("read-trash", "nan")}
     for hooks in modes.values():
         engine.generate(hooks())                      # warm-up: allocator, graphs, first-call costs
-    times, steps = {name: [] for name in modes}, {}
+    times, cpu, steps = {name: [] for name in modes}, {name: [] for name in modes}, {}
     for _ in range(repeats):                          # the modes in turn: a change of load hits all of them
         for name, hooks in modes.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             gen = engine.generate(hooks())
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
             if gen.error:
                 raise RuntimeError(f"{name}: {gen.error}")
             steps[name] = len(gen.steps)
-    out = {name: {"median_s": statistics.median(t), "min_s": min(t), "runs": t, "steps": steps[name]}
+    out = {name: {"median_s": statistics.median(t), "min_s": min(t), "runs": t, "steps": steps[name],
+                  "cpu_median_s": statistics.median(cpu[name]), "cpu_runs": cpu[name]}
            for name, t in times.items()}
     for name in ("guard", "scribble"):
         out[name]["x_plain"] = out[name]["median_s"] / out["plain"]["median_s"]
+        out[name]["x_plain_cpu"] = out[name]["cpu_median_s"] / out["plain"]["cpu_median_s"]
     return out
 
 
@@ -97,8 +103,9 @@ def main(argv=None) -> int:
             report = scribble(engine)
             r["matrix"] = {"seconds": time.perf_counter() - start, "cells": len(report.cells)}
         print(f"{label:10} plain {r['plain']['median_s'] * 1e3:8.1f} ms   guard {r['guard']['median_s'] * 1e3:8.1f} ms "
-              f"(x{r['guard']['x_plain']:.2f})   scribble {r['scribble']['median_s'] * 1e3:8.1f} ms "
-              f"(x{r['scribble']['x_plain']:.2f})   {r['plain']['steps']} steps")
+              f"(x{r['guard']['x_plain']:.2f}; CPU x{r['guard']['x_plain_cpu']:.2f})   scribble "
+              f"{r['scribble']['median_s'] * 1e3:8.1f} ms (x{r['scribble']['x_plain']:.2f}; CPU "
+              f"x{r['scribble']['x_plain_cpu']:.2f})   {r['plain']['steps']} steps")
     doc = {"schema": "qsa_lab.bench_scribble/1", "method": __doc__.split("\n\n")[1].replace("\n", " "),
            "load_avg_1min": {"start": LOAD_START, "end": os.getloadavg()[0]},
            "model": args.model, "workload": wl.to_dict(), "engine": args.engine,

@@ -10,7 +10,10 @@ Rows (`--rows`, default all but `canary_search`):
   canary_gpu     qsa-lab canary --backend cuda (needs a CUDA GPU; also cells per second)   floor: import torch
   scribble_transformers, scribble_vllm   a generation with the scribble's write guard, floor: the same
                  generation without it (benchmarks/bench_scribble.py's own measurement, one process a
-                 repetition, its plain and guard generations pooled; vLLM in its environment, --vllm-python)
+                 repetition, its plain and guard generations pooled; vLLM in its environment, --vllm-python);
+                 by wall clock and by CPU time (x_floor_cpu: at its end a transformers generation may wait
+                 up to 0.1 s for its idle loop to stop, in either mode, which a 0.04 s generation's wall
+                 clock shows)
 Method: each repetition runs every side once as a fresh process, interleaved and in an order that rotates
 from one repetition to the next: the floor, the command on this checkout and, with --base, the same
 command on a base checkout (its PYTHONPATH); wall clock by perf_counter around the process. A floor ends
@@ -133,6 +136,7 @@ def scribble_once(python: str, engine: str, tree: Path, generations: int) -> dic
         doc = json.loads(out.read_text())
     result = next(iter(doc["results"].values()))
     return {"process_s": wall, "plain": result["plain"]["runs"], "guard": result["guard"]["runs"],
+            "plain_cpu": result["plain"].get("cpu_runs", []), "guard_cpu": result["guard"].get("cpu_runs", []),
             "threads": doc.get("threads")}
 
 
@@ -158,6 +162,11 @@ def track_row(name: str, reps: int, trees: dict, python: str, vllm_python: str |
             guard = [t for r in got for t in r["guard"]]
             row[side] = {"guard": stats(guard), "plain": stats(plain), "process": stats([r["process_s"] for r in got]),
                          "threads": got[0]["threads"], "x_floor": statistics.median(guard) / statistics.median(plain)}
+            plain_cpu = [t for r in got for t in r["plain_cpu"]]
+            guard_cpu = [t for r in got for t in r["guard_cpu"]]
+            if plain_cpu and guard_cpu:     # CPU time: no engine's idle waits (bench_scribble's method)
+                row[side].update(guard_cpu=stats(guard_cpu), plain_cpu=stats(plain_cpu),
+                                 x_floor_cpu=statistics.median(guard_cpu) / statistics.median(plain_cpu))
         row["command"] = f"{py} benchmarks/bench_scribble.py --engine {engine} --device cpu --repeats {generations}"
         row["floor"] = "the same generation without the guard (bench_scribble's plain mode, same process)"
     else:
@@ -263,6 +272,7 @@ def main(argv=None) -> int:
                 print(f"{name:22s} {cur['median_s']:8.3f} s  x{row['current']['x_floor']:.2f} its floor"
                       + (f" (x{row['current']['x_floor_kernels']:.2f} its kernels' floor)"
                          if "x_floor_kernels" in row["current"] else "")
+                      + (f" (CPU time x{row['current']['x_floor_cpu']:.2f})" if "x_floor_cpu" in row["current"] else "")
                       + (f"  x{row['x_base']:.2f} the base" if "x_base" in row else "")
                       + (f"  {cur['cells_per_s']:.1f} cells/s" if "cells_per_s" in cur else "")
                       + (f" (base {row['base']['cells_per_s']:.1f})" if "cells_per_s" in row.get("base", {}) else "")

@@ -94,3 +94,21 @@ def test_the_canary_flexattention_floor_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     verdicts, _, regions, _ = out.stdout.split()     # "N verdicts, R regions": 2 kernels x R x 2 planes x 3 payloads
     assert int(regions) >= 4 and int(verdicts) == 2 * int(regions) * 2 * 3, out.stdout
+
+
+def test_a_scribble_row_pools_wall_and_cpu_times_and_their_ratios(track, tmp_path):
+    """The scribble rows read bench_scribble.py's JSON: plain and guard generations pooled over the
+    processes, the guard's ratio to plain by wall clock and by CPU time (bench_scribble's cpu_runs)."""
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "bench_scribble.py").write_text(
+        "import json, sys\n"
+        "out = sys.argv[sys.argv.index('--json') + 1]\n"
+        "r = {'plain': {'runs': [0.04, 0.14, 0.14], 'cpu_runs': [0.04, 0.04, 0.05]},\n"
+        "     'guard': {'runs': [0.05, 0.05, 0.05], 'cpu_runs': [0.05, 0.05, 0.06]}}\n"
+        "json.dump({'threads': 1, 'results': {'eager-loop': r}}, open(out, 'w'))\n")
+    rows = {"s": ("a scribble row", "scribble:transformers", None, {0})}
+    row = track.track_row("s", 2, {"current": tree}, track.sys.executable, None, 3, rows=rows)
+    cur = row["current"]
+    assert len(cur["plain"]["runs"]) == len(cur["plain_cpu"]["runs"]) == 6
+    assert cur["x_floor"] == pytest.approx(0.05 / 0.14) and cur["x_floor_cpu"] == pytest.approx(0.05 / 0.04)
