@@ -58,11 +58,11 @@ def every_row(case: Case, index, count, width: int, *, reference: bool = True, x
                 xqa_weights(case.q[part], K, valid, case.k_scale, kv_dtype=case.kv_dtype, sm_scale=case.sm_scale)
                 if xqa else None)
 
-    def batch(part, tokens=None):
+    def batch(part, unit=None):
+        """unit: (key, tokens, signature) of the batch's unit, whose K side is a unit of its own"""
         slots, valid = token_slots(index[part], count[part], width)
-        key = ("rows", part.start, part.stop, width, reference, xqa)
-        w = weights(part, slots, valid) if units is None else units(
-            (*key, "K"), tokens, lambda: weights(part, slots, valid), (index[part], count[part]), planes=(0,))
+        w = weights(part, slots, valid) if unit is None else units(
+            (*unit[0], "K"), unit[1], lambda: weights(part, slots, valid), unit[2], planes=(0,))
         V = values(slots, valid, 1)
         return (reference_values(case, w[0], V, T) if reference else None,
                 xqa_values(w[1], V, case.v_scale, kv_dtype=case.kv_dtype) if xqa else None)
@@ -73,9 +73,10 @@ def every_row(case: Case, index, count, width: int, *, reference: bool = True, x
             if units is None:
                 r, x = batch(part)
             else:
+                key, signature = ("rows", part.start, part.stop, width, reference, xqa), (index[part], count[part])
                 tokens = index[part][in_list < count[part].long().unsqueeze(1)]   # the slots it reads
-                r, x = units(("rows", part.start, part.stop, width, reference, xqa), tokens,
-                             lambda part=part, tokens=tokens: batch(part, tokens), (index[part], count[part]))
+                unit = (key, tokens, signature)
+                r, x = units(key, tokens, lambda part=part, unit=unit: batch(part, unit), signature)
             if reference:
                 ref[part] = r
             if xqa:
